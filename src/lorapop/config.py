@@ -1,0 +1,181 @@
+"""One typed config for every knob of a run, loaded from YAML and overridable by `key.path=value`.
+
+Every section forbids unknown keys so that a typo fails loudly with the key's dotted path
+instead of silently training with a default.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Section):
+    name_or_path: str = "tiny-random"
+    """A hub id, a local directory, or `tiny-random` (a random-weight Qwen2 built from a config)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    gradient_checkpointing: bool = False
+    trust_remote_code: bool = False
+
+
+class LoraConfig(Section):
+    rank: int = Field(8, ge=1)
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] = [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+    ]
+
+
+class LeagueConfig(Section):
+    mode: Literal["population", "single"] = "population"
+    """`population` is PopuLoRA; `single` is the Absolute Zero Reasoner baseline (one adapter)."""
+    teachers: int = Field(2, ge=1)
+    students: int = Field(2, ge=1)
+    students_per_teacher: int = Field(1, ge=1)
+    pfsp: Literal["even", "hard", "uniform"] = "even"
+    """PFSP weighting f(p): even = p(1-p), hard = (1-p)^k (AlphaStar), uniform = ablation."""
+    hard_exponent: float = Field(2.0, gt=0)
+    teacher_win_below: float = Field(0.25, ge=0, le=1)
+    """Student solve rate below which the teacher wins the match."""
+    student_win_above: float = Field(0.75, ge=0, le=1)
+    """Student solve rate above which the student wins; in between is a draw."""
+
+    @model_validator(mode="after")
+    def _thresholds_ordered(self) -> LeagueConfig:
+        if self.teacher_win_below > self.student_win_above:
+            raise ValueError("teacher_win_below must not exceed student_win_above")
+        return self
+
+
+class EvolveConfig(Section):
+    every: int = Field(10, ge=0)
+    """Replacement period in steps; 0 turns evolution off."""
+    fraction: float = Field(0.25, ge=0, le=0.5)
+    """Share of each sub-population replaced (at least one member when > 0)."""
+    operators: dict[str, float] = {"spectral": 1.0, "dare": 1.0, "subspace": 1.0}
+    """Operator name -> sampling weight (names from `lorapop.lora.evolve.OPERATORS`)."""
+    child_rating: Literal["reset", "inherit"] = "inherit"
+    sigma_widen: float = Field(1.5, ge=1.0)
+
+
+class TasksConfig(Section):
+    types: list[Literal["code_o", "code_i", "code_f"]] = ["code_o", "code_i", "code_f"]
+    template: Literal["azr", "compact"] = "compact"
+    proposals_per_type: int = Field(1, ge=1)
+    """Tasks each teacher proposes per task type and step."""
+    references: int = Field(6, ge=0)
+    answers_per_task: int = Field(2, ge=1)
+    """Answers each matched student samples for each valid task (n)."""
+    code_f_inputs: int = Field(10, ge=2)
+    buffer_size: int = Field(1024, ge=1)
+    seed_tasks: str | None = None
+    """Optional JSONL of tasks that warm-start the buffers."""
+
+
+class VerifyConfig(Section):
+    workers: int = Field(2, ge=1)
+    timeout_s: float = Field(2.0, gt=0)
+    memory_mb: int = Field(1024, ge=64)
+    isolate: bool = True
+
+
+class SamplingConfig(Section):
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    teacher_max_new_tokens: int = Field(256, ge=1)
+    student_max_new_tokens: int = Field(128, ge=1)
+    batch_size: int = Field(64, ge=1)
+
+
+class TrainConfig(Section):
+    steps: int = Field(200, ge=0)
+    lr: float = Field(1e-5, gt=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float = Field(1.0, gt=0)
+    clip_eps: float = Field(0.2, gt=0)
+    micro_batch_size: int = Field(16, ge=1)
+    teacher_reward: Literal["populora", "azr"] = "populora"
+    """populora: solve rate 0/1 -> 0, else 1 - rate; azr: same with -0.5 for invalid-format variant."""
+
+
+class RunConfig(Section):
+    save_every: int = Field(10, ge=1)
+    tensorboard: bool = False
+    progress: bool = True
+
+
+class Config(Section):
+    seed: int = 0
+    model: ModelConfig = ModelConfig()
+    lora: LoraConfig = LoraConfig()
+    league: LeagueConfig = LeagueConfig()
+    evolve: EvolveConfig = EvolveConfig()
+    tasks: TasksConfig = TasksConfig()
+    verify: VerifyConfig = VerifyConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    train: TrainConfig = TrainConfig()
+    run: RunConfig = RunConfig()
+
+
+class ConfigError(ValueError):
+    """A bad config file, key or value; the message is one line fit for the terminal."""
+
+
+def _describe(error: ValidationError) -> str:
+    first = error.errors()[0]
+    key = ".".join(str(p) for p in first["loc"]) or "<root>"
+    if first["type"] == "extra_forbidden":
+        return f"unknown key '{key}'"
+    return f"bad value for '{key}': {first['msg']}"
+
+
+def apply_override(data: dict[str, Any], override: str) -> None:
+    """Set `a.b.c=value` in a nested dict; the value is parsed as YAML (numbers, lists, bools)."""
+    path, sep, raw = override.partition("=")
+    if not sep or not path:
+        raise ConfigError(f"override '{override}' is not of the form key.path=value")
+    keys = path.strip().split(".")
+    node = data
+    for k in keys[:-1]:
+        node = node.setdefault(k, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override '{override}': '{k}' is not a section")
+    try:
+        node[keys[-1]] = yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override '{override}': value is not valid YAML ({e.problem})") from e
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read a YAML config (or the defaults), apply overrides, validate; raise ConfigError."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p}: not valid YAML ({e})") from e
+        if not isinstance(data, dict):
+            raise ConfigError(f"{p}: top level must be a mapping of sections")
+    for o in overrides:
+        apply_override(data, o)
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_describe(e)) from None
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

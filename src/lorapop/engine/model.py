@@ -1,0 +1,107 @@
+"""Load the frozen base model and its tokenizer from a hub id or a local path.
+
+`tiny-random` builds a small Qwen2 with random weights from a config: enough to exercise every
+code path on a laptop without downloading anything.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+TINY_RANDOM = "tiny-random"
+
+
+class ModelLoadError(RuntimeError):
+    """The model named in the config cannot be loaded; the message is one line."""
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("model.device is 'cuda' but no CUDA device is visible")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, dtype)
+
+
+def tiny_random_model(tokenizer: PreTrainedTokenizerBase, seed: int = 0) -> torch.nn.Module:
+    """A ~1M-parameter Qwen2 with random weights sized to the tokenizer."""
+    config = AutoConfig.for_model(
+        "qwen2",
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(config)
+
+
+def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
+    if name_or_path == TINY_RANDOM:
+        from lorapop.engine.tiny_tokenizer import byte_tokenizer
+
+        return byte_tokenizer()
+    _check_exists(name_or_path)
+    try:
+        tok = AutoTokenizer.from_pretrained(name_or_path)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot load tokenizer '{name_or_path}': {_first_line(e)}") from None
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    return tok
+
+
+def load_base_model(
+    name_or_path: str,
+    tokenizer: PreTrainedTokenizerBase,
+    device: str = "auto",
+    dtype: str = "auto",
+    seed: int = 0,
+    trust_remote_code: bool = False,
+) -> torch.nn.Module:
+    """The frozen base: every parameter has requires_grad False; adapters are added later."""
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    if name_or_path == TINY_RANDOM:
+        model = tiny_random_model(tokenizer, seed)
+    else:
+        _check_exists(name_or_path)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                name_or_path, dtype=dt, trust_remote_code=trust_remote_code
+            )
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"cannot load model '{name_or_path}': {_first_line(e)}") from None
+    model.to(device=dev, dtype=dt)
+    model.requires_grad_(False)
+    model.eval()
+    return model
+
+
+def _check_exists(name_or_path: str) -> None:
+    """A path-like name that does not exist gets a clear error instead of a hub lookup."""
+    looks_local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
+    if looks_local and not Path(name_or_path).expanduser().is_dir():
+        raise ModelLoadError(f"model path not found: {name_or_path}")
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]

@@ -1,0 +1,156 @@
+"""`lorapop report RUN_DIR`: one self-contained HTML page of plots from a run's metrics.jsonl.
+
+Plots are PNGs embedded as base64 so the page can be mailed or attached to a paper draft.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+PROGRAM_METRICS = ("ast_depth", "cyclomatic", "loc", "variables")
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"no metrics.jsonl in {run_dir}")
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line cut by a kill mid-write; resume rewrites the file
+    return rows
+
+
+def _png(fig: plt.Figure) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
+    plt.close(fig)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def plot_ratings(rows: list[dict]) -> str:
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    series: dict[str, list[tuple[int, float, float]]] = defaultdict(list)
+    for r in rows:
+        for name, m in r.get("members", {}).items():
+            if m.get("mu") is not None:
+                series[name].append((r["step"], m["mu"], m["sigma"]))
+    for name, pts in sorted(series.items()):
+        steps, mu, sigma = zip(*pts, strict=True)
+        line = ax.plot(steps, mu, label=name, ls="-" if name.startswith("T") else "--")[0]
+        lo = [m - s for m, s in zip(mu, sigma, strict=True)]
+        hi = [m + s for m, s in zip(mu, sigma, strict=True)]
+        ax.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.1)
+    ax.set(xlabel="step", ylabel="TrueSkill μ (band ±σ)", title="Ratings per member")
+    if series:
+        ax.legend(fontsize=7, ncol=2)
+    return _png(fig)
+
+
+def plot_matchups(rows: list[dict]) -> str:
+    solved: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for r in rows:
+        for m in r.get("matchups", []):
+            if m.get("solve_rate") is not None:
+                solved[(m["teacher"], m["student"])].append(m["solve_rate"])
+    teachers = sorted({t for t, _ in solved})
+    students = sorted({s for _, s in solved})
+    fig, ax = plt.subplots(figsize=(1.2 + 0.8 * max(1, len(students)), 1 + 0.6 * max(1, len(teachers))))
+    grid = [[float("nan")] * len(students) for _ in teachers]
+    for (t, s), v in solved.items():
+        grid[teachers.index(t)][students.index(s)] = sum(v) / len(v)
+    if teachers and students:
+        im = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis")
+        fig.colorbar(im, ax=ax, label="mean solve rate")
+        for i, row in enumerate(grid):
+            for j, v in enumerate(row):
+                if v == v:
+                    ax.text(j, i, f"{v:.2f}", ha="center", va="center", color="w", fontsize=8)
+    ax.set_xticks(range(len(students)), students)
+    ax.set_yticks(range(len(teachers)), teachers)
+    ax.set(xlabel="student", ylabel="teacher", title="Solve rate per matchup")
+    return _png(fig)
+
+
+def plot_programs(rows: list[dict]) -> str:
+    keys = (*PROGRAM_METRICS, "coverage")
+    fig, axes = plt.subplots(1, len(keys), figsize=(3 * len(keys), 2.8))
+    for ax, key in zip(axes, keys, strict=True):
+        by_type: dict[str, list[tuple[int, float]]] = defaultdict(list)
+        for r in rows:
+            for ttype, m in r.get("programs", {}).items():
+                if m.get(key) is not None:
+                    by_type[ttype].append((r["step"], m[key]))
+        for ttype, pts in sorted(by_type.items()):
+            ax.plot(*zip(*pts, strict=True), label=ttype)
+        ax.set(title=key, xlabel="step")
+    axes[0].legend(fontsize=7)
+    fig.suptitle("Teacher programs (valid proposals)")
+    return _png(fig)
+
+
+def plot_phases(rows: list[dict]) -> str:
+    phases = sorted({p for r in rows for p in r.get("phase_s", {})})
+    fig, ax = plt.subplots(figsize=(7, 3))
+    steps = [r["step"] for r in rows]
+    bottom = [0.0] * len(rows)
+    for p in phases:
+        vals = [r.get("phase_s", {}).get(p, 0.0) for r in rows]
+        ax.bar(steps, vals, bottom=bottom, label=p)
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    ax.set(xlabel="step", ylabel="seconds", title="Wall time per phase")
+    if phases:
+        ax.legend(fontsize=7)
+    return _png(fig)
+
+
+def _replacement_table(rows: list[dict]) -> str:
+    items = [(r["step"], x) for r in rows for x in r.get("replacements", [])]
+    if not items:
+        return "<p>No replacements yet.</p>"
+    body = "".join(
+        f"<tr><td>{s}</td><td>{html.escape(x['target'])}</td>"
+        f"<td>{html.escape(', '.join(x['parents']))}</td><td>{html.escape(x['operator'])}</td></tr>"
+        for s, x in items
+    )
+    return f"<table><tr><th>step</th><th>replaced</th><th>parents</th><th>operator</th></tr>{body}</table>"
+
+
+def write_report(run_dir: str | Path, extra_html: str = "") -> Path:
+    """Write RUN_DIR/report.html and return its path."""
+    run_dir = Path(run_dir)
+    rows = read_metrics(run_dir)
+    if not rows:
+        raise ValueError(f"{run_dir}/metrics.jsonl has no complete step yet")
+    figures = [
+        ("Ratings", plot_ratings(rows)),
+        ("Matchups", plot_matchups(rows)),
+        ("Program complexity and coverage", plot_programs(rows)),
+        ("Phase timings", plot_phases(rows)),
+    ]
+    last = rows[-1]
+    imgs = "".join(
+        f"<h2>{t}</h2><img src='data:image/png;base64,{b}'/>" for t, b in figures
+    )
+    page = f"""<!doctype html><html><head><meta charset="utf-8"><title>lorapop report</title>
+<style>body{{font-family:sans-serif;max-width:1100px;margin:auto}}
+table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:2px 6px}}</style></head>
+<body><h1>lorapop run: {html.escape(str(run_dir))}</h1>
+<p>{len(rows)} steps logged; last step {last['step']}.</p>{imgs}
+<h2>Replacement history</h2>{_replacement_table(rows)}{extra_html}</body></html>"""
+    out = run_dir / "report.html"
+    out.write_text(page)
+    return out

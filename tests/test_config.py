@@ -1,0 +1,43 @@
+import pytest
+
+from lorapop.config import Config, ConfigError, dump_config, load_config
+
+
+def test_defaults_validate():
+    cfg = load_config()
+    assert isinstance(cfg, Config)
+    assert cfg.league.mode == "population"
+
+
+def test_yaml_and_overrides(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("seed: 3\nlora:\n  rank: 4\n")
+    cfg = load_config(p, ["lora.rank=16", "tasks.types=[code_o]", "league.pfsp=hard"])
+    assert (cfg.seed, cfg.lora.rank, cfg.tasks.types, cfg.league.pfsp) == (3, 16, ["code_o"], "hard")
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("lora.rnak=4", "unknown key 'lora.rnak'"),
+        ("lora.rank=0", "bad value for 'lora.rank'"),
+        ("league.pfsp=fancy", "bad value for 'league.pfsp'"),
+        ("tasks.types=[code_x]", "bad value for 'tasks.types.0'"),
+        ("norank", "not of the form key.path=value"),
+    ],
+)
+def test_bad_keys_and_values_name_the_key(override, message):
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("[", r"\[")):
+        load_config(None, [override])
+
+
+def test_missing_file_is_one_line():
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config("/nonexistent.yaml")
+
+
+def test_dump_round_trips(tmp_path):
+    cfg = load_config(None, ["seed=7", "evolve.every=3"])
+    p = tmp_path / "c.yaml"
+    p.write_text(dump_config(cfg))
+    assert load_config(p) == cfg
