@@ -44,9 +44,9 @@ class LeagueConfig(Section):
     pfsp: Literal["even", "hard", "uniform"] = "even"
     """PFSP weighting f(p): even = p(1-p), hard = (1-p)^k (AlphaStar), uniform = ablation."""
     hard_exponent: float = Field(2.0, gt=0)
-    teacher_win_below: float = Field(0.25, ge=0, le=1)
+    teacher_win_below: float = Field(0.4, ge=0, le=1)
     """Student solve rate below which the teacher wins the match."""
-    student_win_above: float = Field(0.75, ge=0, le=1)
+    student_win_above: float = Field(0.6, ge=0, le=1)
     """Student solve rate above which the student wins; in between is a draw."""
 
     @model_validator(mode="after")
@@ -63,8 +63,11 @@ class EvolveConfig(Section):
     """Share of each sub-population replaced (at least one member when > 0)."""
     operators: dict[str, float] = {"spectral": 1.0, "dare": 1.0, "subspace": 1.0}
     """Operator name -> sampling weight (names from `lorapop.lora.evolve.OPERATORS`)."""
+    parent_fraction: float = Field(0.5, gt=0, le=1)
+    """Parents are drawn from this top share of the sub-population."""
     child_rating: Literal["reset", "inherit"] = "inherit"
-    sigma_widen: float = Field(1.5, ge=1.0)
+    sigma_scale: float = Field(2.0, ge=1.0)
+    """With `inherit`, a child's sigma is its parents' largest sigma times this (capped at the prior)."""
 
 
 class TasksConfig(Section):
@@ -104,8 +107,9 @@ class TrainConfig(Section):
     max_grad_norm: float = Field(1.0, gt=0)
     clip_eps: float = Field(0.2, gt=0)
     micro_batch_size: int = Field(16, ge=1)
-    teacher_reward: Literal["populora", "azr"] = "populora"
-    """populora: solve rate 0/1 -> 0, else 1 - rate; azr: same with -0.5 for invalid-format variant."""
+    teacher_reward: Literal["zero", "azr", "inverse"] = "zero"
+    """Valid task with solve rate s: zero = 0 if s in {0,1} else 1-s (PopuLoRA); azr = -0.5 if
+    s in {0,1} else 1-s; inverse = 1-s, with -0.5 at s=1."""
 
 
 class RunConfig(Section):

@@ -1,0 +1,127 @@
+import json
+from statistics import NormalDist
+
+import pytest
+import trueskill
+
+from lorapop.league.ratings import Outcome, Ratings, TrueSkillParams, match_outcome
+
+
+def league() -> Ratings:
+    return Ratings(["t0", "t1"], ["s0", "s1"])
+
+
+@pytest.mark.parametrize(
+    ("rate", "expected"),
+    [
+        (0.0, Outcome.TEACHER),
+        (0.3999, Outcome.TEACHER),
+        (0.4, Outcome.DRAW),
+        (0.5, Outcome.DRAW),
+        (0.6, Outcome.DRAW),
+        (0.6001, Outcome.STUDENT),
+        (1.0, Outcome.STUDENT),
+        (None, Outcome.STUDENT),  # no valid task: the student wins
+    ],
+)
+def test_outcome_rule_at_thresholds(rate, expected):
+    assert match_outcome(rate) is expected
+
+
+def test_outcome_thresholds_are_configurable_and_checked():
+    assert match_outcome(0.25, low=0.2, high=0.3) is Outcome.DRAW
+    assert match_outcome(0.35, low=0.2, high=0.3) is Outcome.STUDENT
+    with pytest.raises(ValueError, match="low <= high"):
+        match_outcome(0.5, low=0.7, high=0.3)
+    with pytest.raises(ValueError, match="solve rate"):
+        match_outcome(1.5)
+    with pytest.raises(ValueError, match="solve rate"):
+        match_outcome(float("nan"))
+
+
+def test_teacher_win_moves_teacher_up_and_student_down():
+    r = league()
+    r.record("t0", "s0", Outcome.TEACHER)
+    prior = r.params
+    assert r.get("t0").mu > prior.mu > r.get("s0").mu
+    assert r.get("t0").sigma < prior.sigma and r.get("s0").sigma < prior.sigma
+    assert r.get("t1").mu == prior.mu and r.get("s1").mu == prior.mu  # bystanders untouched
+
+
+def test_student_win_moves_student_up_and_teacher_down():
+    r = league()
+    r.record("t0", "s0", Outcome.STUDENT)
+    assert r.get("s0").mu > r.params.mu > r.get("t0").mu
+    # the update is the library's, with the student as the winner
+    env = TrueSkillParams().env()
+    s, t = trueskill.rate_1vs1(env.create_rating(), env.create_rating(), env=env)
+    assert r.get("s0").mu == pytest.approx(s.mu) and r.get("t0").mu == pytest.approx(t.mu)
+
+
+def test_draw_moves_ratings_toward_each_other():
+    r = league()
+    r.set("t0", 30.0, 4.0)
+    r.set("s0", 20.0, 4.0)
+    r.record("t0", "s0", Outcome.DRAW)
+    assert 20.0 < r.get("s0").mu < r.get("t0").mu < 30.0
+    # an even draw leaves the means but shrinks the uncertainty
+    r.record("t1", "s1", Outcome.DRAW)
+    assert r.get("t1").mu == pytest.approx(r.params.mu)
+    assert r.get("t1").sigma < r.params.sigma
+
+
+def test_win_probability_matches_the_formula():
+    r = league()
+    assert r.win_probability("t0", "s0") == pytest.approx(0.5)
+    r.set("t0", 30.0, 5.0)
+    r.set("s0", 25.0, 3.0)
+    beta = 25.0 / 6.0
+    expected = NormalDist().cdf(5.0 / (2 * beta**2 + 25.0 + 9.0) ** 0.5)
+    assert r.win_probability("t0", "s0") == pytest.approx(expected, abs=1e-6)
+    assert r.win_probability("s0", "t0") == pytest.approx(1 - expected, abs=1e-6)
+
+
+def test_conservative_rating_and_ranking_per_pool():
+    r = Ratings(["t0"], ["a", "b", "c"])
+    r.set("a", 30.0, 5.0)  # 15
+    r.set("b", 25.0, 2.0)  # 19
+    r.set("c", 40.0, 10.0)  # 10
+    assert r.conservative("a") == pytest.approx(15.0)
+    assert r.ranked("student") == ["b", "a", "c"]
+    assert r.ranked("teacher") == ["t0"]
+    assert r.role("a") == "student" and r.teachers == ["t0"]
+
+
+def test_round_trip_through_json_keeps_ratings_and_params():
+    r = Ratings(["t0"], ["s0", "s1"], TrueSkillParams(mu=10.0, sigma=3.0, beta=1.5))
+    r.record("t0", "s0", Outcome.TEACHER)
+    r.record("t0", "s1", Outcome.DRAW)
+    back = Ratings.from_dict(json.loads(json.dumps(r.to_dict())))
+    assert back.params == r.params
+    for name in ("t0", "s0", "s1"):
+        assert back.get(name).mu == r.get(name).mu
+        assert back.get(name).sigma == r.get(name).sigma
+        assert back.role(name) == r.role(name)
+    # the restored league keeps evolving exactly like the original
+    r.record("t0", "s1", Outcome.STUDENT)
+    back.record("t0", "s1", Outcome.STUDENT)
+    assert back.get("s1").mu == r.get("s1").mu
+
+
+def test_bad_input_gets_clear_errors():
+    with pytest.raises(ValueError, match="unique"):
+        Ratings(["x"], ["x"])
+    with pytest.raises(ValueError, match="at least one"):
+        Ratings([], ["s"])
+    r = league()
+    with pytest.raises(KeyError, match="unknown league member"):
+        r.get("nobody")
+    with pytest.raises(ValueError, match="teacher vs student"):
+        r.record("s0", "t0", Outcome.DRAW)
+    with pytest.raises(ValueError, match="sigma > 0"):
+        r.set("s0", 25.0, 0.0)
+
+
+def test_library_default_params():
+    p = TrueSkillParams()
+    assert (p.mu, p.sigma, p.beta) == (trueskill.MU, trueskill.SIGMA, trueskill.BETA)
