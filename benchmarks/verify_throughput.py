@@ -1,0 +1,133 @@
+"""Verifier throughput: programs/s on 1,000 small valid programs.
+
+Compares, in one run and with the same concurrency (`--workers`):
+  sandbox           lorapop.verify.Sandbox (fork server, full isolation), determinism off
+  sandbox_det       the same with deterministic=True (every program runs twice, two hash seeds)
+  fresh_process     (a) a new `python` process per program
+  pool_exec         (b) long-lived ProcessPoolExecutor workers that exec each program, no
+                    isolation (AZR's way: one submitted future per program)
+All four must produce the same outputs. Writes benchmarks/results/verify_throughput.json.
+
+    .venv/bin/python benchmarks/verify_throughput.py [--n 1000] [--workers 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from pathlib import Path
+
+from lorapop.verify import Job, Sandbox
+
+TEMPLATES = [
+    ("def f(xs):\n    return sorted(x * {k} % 17 for x in xs)", "f(list(range({k} % 20 + 5)))"),
+    ("def f(s):\n    return s[::-1].upper() + str(len(s) * {k})", "f('program{k}')"),
+    ("def f(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a", "f({k} % 60)"),
+    ("from collections import Counter\ndef f(s):\n    return Counter(s).most_common(2)", "f('abracadabra' * ({k} % 3 + 1))"),
+    ("def g(x):\n    return x * x\ndef f(d):\n    return {{k: g(v) for k, v in d.items()}}", "f({{'a': {k}, 'b': 2}})"),
+]  # fmt: skip
+
+
+def programs(n: int) -> list[tuple[str, str]]:
+    out = []
+    for i in range(n):
+        p, e = TEMPLATES[i % len(TEMPLATES)]
+        out.append((p.replace("{k}", str(i)).replace("{{", "{").replace("}}", "}"),
+                    e.replace("{k}", str(i)).replace("{{", "{").replace("}}", "}")))  # fmt: skip
+    return out
+
+
+def _exec(program: str, expr: str) -> str:
+    ns: dict = {"__name__": "__main__"}
+    exec(program, ns)
+    return repr(eval(expr, ns))
+
+
+def fresh_process(progs: list[tuple[str, str]], workers: int) -> list[str]:
+    code = "import sys\nns = {}\nexec(sys.argv[1], ns)\nprint(repr(eval(sys.argv[2], ns)))"
+
+    def one(pe: tuple[str, str]) -> str:
+        r = subprocess.run([sys.executable, "-c", code, *pe], capture_output=True, text=True)
+        return r.stdout.strip()
+
+    with ThreadPoolExecutor(workers) as ex:
+        return list(ex.map(one, progs))
+
+
+def pool_exec(progs: list[tuple[str, str]], workers: int) -> tuple[list[str], float]:
+    with ProcessPoolExecutor(workers) as ex:
+        list(ex.map(_exec, *zip(*progs[:workers], strict=True)))  # start the workers
+        t0 = time.perf_counter()
+        futures = [ex.submit(_exec, p, e) for p, e in progs]
+        out = [f.result(timeout=10) for f in futures]
+        return out, time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=1000)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results/verify_throughput.json"))
+    args = ap.parse_args()
+    progs = programs(args.n)
+    expected = [_exec(p, e) for p, e in progs]
+    rows: dict[str, dict] = {}
+
+    def record(name: str, seconds: float, outputs: list[str | None]) -> None:
+        assert outputs == expected, f"{name}: outputs differ from plain execution"
+        rows[name] = {"seconds": round(seconds, 3), "programs_per_s": round(args.n / seconds, 1)}
+        print(f"{name:>14}: {args.n / seconds:8.1f} programs/s ({seconds:.2f} s)", flush=True)
+
+    t0 = time.perf_counter()
+    with Sandbox(workers=args.workers) as sb:
+        startup = time.perf_counter() - t0
+        isolation = sb.isolation
+        for name, det in (("sandbox", False), ("sandbox_det", True)):
+            sb.run([Job(p, e, deterministic=det) for p, e in progs[:20]])  # warm both servers
+            t0 = time.perf_counter()
+            verdicts = sb.run([Job(p, e, deterministic=det) for p, e in progs])
+            record(name, time.perf_counter() - t0, [v.output for v in verdicts])
+    out, seconds = pool_exec(progs, args.workers)
+    record("pool_exec", seconds, out)
+    t0 = time.perf_counter()
+    out = fresh_process(progs, args.workers)
+    record("fresh_process", time.perf_counter() - t0, out)
+
+    speed = {k: v["programs_per_s"] for k, v in rows.items()}
+    result = {
+        "benchmark": "verify_throughput",
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {
+            "cpu_count": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
+        },
+        "n_programs": args.n,
+        "workers": args.workers,
+        "sandbox_startup_s": round(startup, 3),
+        "sandbox_isolation": isolation,
+        "results": rows,
+        "ratios": {
+            "sandbox_vs_fresh_process": round(speed["sandbox"] / speed["fresh_process"], 2),
+            "sandbox_det_vs_fresh_process": round(speed["sandbox_det"] / speed["fresh_process"], 2),
+            "pool_exec_vs_sandbox": round(speed["pool_exec"] / speed["sandbox"], 2),
+            "pool_exec_vs_sandbox_det": round(speed["pool_exec"] / speed["sandbox_det"], 2),
+        },
+        "targets": {"sandbox_vs_fresh_process": ">= 10", "pool_exec_vs_sandbox": "<= 3"},
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result["ratios"]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,3 @@
+from lorapop.cli import app
+
+app()

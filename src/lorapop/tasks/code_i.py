@@ -1,0 +1,48 @@
+"""code_i (AZR's abduction): the student sees a program and an output and writes an input.
+
+Any input counts when `f(input)` equals the gold output; that runs in the sandbox, with
+`compare.EQ_HELPER` guarding against objects with a hostile `__eq__`. The arguments must state
+values, as code_o answers must (no lambdas, no calls of `f` or helpers, no user-made types).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from lorapop.tasks import prompts
+from lorapop.tasks.code import ProgramInputFamily
+from lorapop.tasks.code_o import NOT_A_VALUE
+from lorapop.tasks.compare import EQ_HELPER, eq_expr
+from lorapop.tasks.family import Runner
+from lorapop.tasks.parsing import call_args, is_value_args, value_names
+from lorapop.tasks.task import FormatError, Grade, Outcome, Task
+from lorapop.verify import Job
+
+
+class CodeI(ProgramInputFamily):
+    name = "code_i"
+
+    def student_prompt(self, task: Task) -> str:
+        return prompts.student_i(task, self.template)
+
+    def parse_answer(self, text: str) -> str | FormatError:
+        body = self._answer(text, "i")
+        if isinstance(body, FormatError):
+            return body
+        args = call_args(body)
+        return args if args is not None else FormatError("answer is not an argument list")
+
+    def check(self, tasks: Sequence[Task], texts: Sequence[str], runner: Runner) -> list[Grade]:
+        if len(tasks) != len(texts):
+            raise ValueError("check: tasks and texts differ in length")
+        answers = [self.parse_answer(t) for t in texts]
+        decided: dict[int, Grade] = {}
+        jobs: dict[int, Job] = {}
+        for i, (task, a) in enumerate(zip(tasks, answers, strict=True)):
+            if isinstance(a, FormatError):
+                continue
+            if not is_value_args(a, value_names(task.program)):
+                decided[i] = Grade(Outcome.FORMAT_ERROR, a, f"format: {NOT_A_VALUE}")
+                continue
+            jobs[i] = Job(task.program + EQ_HELPER, eq_expr(f"f({a})", task.output), entry="f")
+        return self._run_checks(answers, jobs, runner, decided)

@@ -1,0 +1,198 @@
+"""What a forked job process does: confine itself, run the program, report one JSON line.
+
+Runs inside the fork server, after `fork()`. Confinement happens before any untrusted code and
+a failure to confine reports `crashed` without running it. The result is JSON text (never a
+pickle) written to fd 3; the server trusts only its shape, and reads at most a capped amount.
+"""
+
+from __future__ import annotations
+
+import builtins
+import io
+import json
+import os
+import pickle
+import resource
+import sys
+import time
+import types
+from dataclasses import dataclass
+from typing import NoReturn
+
+RESULT_FD = 3
+# Bound at import, so a program that rebinds builtins.repr or pickle.dumps cannot fake a result.
+_repr, _dumps, _str, _type, _len = repr, pickle.dumps, str, type, len
+
+#: Pre-imported by the fork server; a job can import these and nothing else (the import
+#: system is switched off in the child, which also makes behaviour independent of which stdlib
+#: files the unprivileged user could read).
+ALLOWED_MODULES: tuple[str, ...] = (
+    "abc", "array", "base64", "binascii", "bisect", "cmath", "collections", "collections.abc",
+    "contextlib", "copy", "dataclasses", "decimal", "difflib", "enum", "fractions", "functools",
+    "graphlib", "heapq", "itertools", "json", "keyword", "math", "numbers", "operator", "pprint",
+    "re", "reprlib", "statistics", "string", "struct", "textwrap", "types", "typing",
+    "unicodedata", "zlib", "encodings.ascii", "encodings.latin_1", "encodings.utf_16",
+    "encodings.utf_32", "encodings.cp1252", "encodings.idna", "encodings.unicode_escape",
+    "encodings.raw_unicode_escape", "encodings.punycode", "encodings.hex_codec",
+    "encodings.base64_codec", "encodings.rot_13",
+)  # fmt: skip
+
+#: Loaded in the server for its own work but hidden from jobs (they are banned or pointless).
+_HIDDEN_PREFIXES = (
+    "lorapop", "subprocess", "_posixsubprocess", "selectors", "threading", "multiprocessing",
+    "logging", "ctypes", "_ctypes", "socket", "_socket", "random", "time", "datetime",
+    "hashlib", "hmac", "calendar", "resource", "shutil",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-job limits applied with setrlimit (and a uid when isolating as root)."""
+
+    timeout_s: float
+    memory_mb: int
+    max_output_chars: int
+    max_stdout_chars: int = 65_536
+    nofile: int = 16
+    isolate: bool = True
+
+
+class _CappedText(io.TextIOBase):
+    """A stdout/stderr that keeps the first `cap` characters and drops the rest."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap, self.parts, self.size = cap, [], 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, s: str) -> int:
+        if not isinstance(s, str):
+            raise TypeError(f"write() argument must be str, not {type(s).__name__}")
+        if self.size < self.cap:
+            self.parts.append(s[: self.cap - self.size])
+            self.size += len(self.parts[-1])
+        return len(s)
+
+
+def _confine(limits: Limits, workdir: str, uid: int | None, gid: int | None) -> None:
+    os.setpgid(0, 0)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    os.closerange(RESULT_FD + 1, 1 << 16)
+    os.chdir(workdir)
+    cpu = int(limits.timeout_s) + 1
+    rlimits = [
+        (resource.RLIMIT_CPU, (cpu, cpu + 1)),
+        (resource.RLIMIT_FSIZE, (0, 0)),
+        (resource.RLIMIT_CORE, (0, 0)),
+        (resource.RLIMIT_NOFILE, (limits.nofile, limits.nofile)),
+    ]
+    if limits.memory_mb > 0:
+        cap = limits.memory_mb << 20
+        rlimits.append((resource.RLIMIT_AS, (cap, cap)))
+    if limits.isolate:
+        # NPROC counts the processes of the (per-slot) uid; 0 means no fork/clone at all.
+        rlimits.append((resource.RLIMIT_NPROC, (0, 0)))
+    for which, value in rlimits:
+        resource.setrlimit(which, value)
+    if uid is not None and gid is not None:
+        os.setgroups([])
+        os.setgid(gid)
+        os.setuid(uid)
+        if os.getuid() != uid or os.geteuid() != uid:
+            raise RuntimeError("setuid did not take effect")
+    sys.stdin = io.StringIO("")
+    sys.stdout = _CappedText(limits.max_stdout_chars)
+    sys.stderr = _CappedText(limits.max_stdout_chars)
+    for name in list(sys.modules):
+        if name.split(".")[0] in _HIDDEN_PREFIXES:
+            del sys.modules[name]
+    sys.meta_path.clear()
+    sys.path_hooks.clear()
+    sys.path_importer_cache.clear()
+    sys.path.clear()
+
+
+def _describe(e: BaseException) -> str:
+    try:
+        name = _str(_type(e).__name__)
+        text = _str(e)
+        return f"{name}: {text}"[:2000] if text else str(name)
+    except BaseException:  # a hostile __str__
+        return "unprintable exception"
+
+
+def execute(
+    program: str, expr: str, max_output_chars: int, register_main: bool = False
+) -> dict[str, object]:
+    """Run `program` then `expr` in a fresh namespace; return the verdict fields (no duration)."""
+    # A real module as __main__ (as `python prog.py` has), so dataclasses, pickle and
+    # `if __name__ == "__main__"` behave as in plain execution. In a child it replaces the
+    # server's __main__; in-process callers keep theirs.
+    main = types.ModuleType("__main__")
+    ns = main.__dict__
+    ns["__builtins__"] = builtins
+    if register_main:
+        sys.modules["__main__"] = main
+    try:
+        code = compile(program, "<program>", "exec")
+        expr_code = compile(expr, "<expr>", "eval")
+    except SyntaxError as e:
+        return {"status": "syntax_error", "output": None, "error": _describe(e)}
+    except MemoryError:
+        return {"status": "memory", "output": None, "error": "MemoryError while compiling"}
+    except BaseException as e:
+        return {"status": "syntax_error", "output": None, "error": _describe(e)}
+    try:
+        exec(code, ns)
+        value = eval(expr_code, ns)
+    except MemoryError:
+        return {"status": "memory", "output": None, "error": "MemoryError"}
+    except BaseException as e:
+        return {"status": "runtime_error", "output": None, "error": _describe(e)}
+    try:
+        _dumps(value)
+    except MemoryError:
+        return {"status": "memory", "output": None, "error": "MemoryError while pickling"}
+    except BaseException as e:
+        return {"status": "unpicklable", "output": None, "error": _describe(e)}
+    try:
+        text = _repr(value)
+    except MemoryError:
+        return {"status": "memory", "output": None, "error": "MemoryError in repr"}
+    except BaseException as e:
+        return {"status": "runtime_error", "output": None, "error": "repr: " + _describe(e)}
+    if _type(text) is not _str:
+        return {"status": "runtime_error", "output": None, "error": "repr: not a str"}
+    if _len(text) > max_output_chars:
+        return {
+            "status": "output_too_large",
+            "output": None,
+            "error": f"repr has {len(text)} characters (cap {max_output_chars})",
+        }
+    return {"status": "ok", "output": text, "error": None}
+
+
+def run_child(
+    job: dict[str, object], limits: Limits, workdir: str, uid: int | None, gid: int | None
+) -> NoReturn:
+    """Entry point right after fork(); never returns."""
+    try:
+        try:
+            _confine(limits, workdir, uid, gid)
+        except BaseException as e:
+            res: dict[str, object] = {
+                "status": "crashed", "output": None, "error": "confinement: " + _describe(e)
+            }  # fmt: skip
+        else:
+            t0 = time.perf_counter()
+            res = execute(str(job["program"]), str(job["expr"]), limits.max_output_chars, True)
+            res["duration"] = time.perf_counter() - t0
+        data = json.dumps(res).encode()
+        view = memoryview(data)
+        while view:
+            view = view[os.write(RESULT_FD, view) :]
+    finally:
+        os._exit(0)

@@ -1,0 +1,65 @@
+"""Batch verification of teacher proposals from JSON lines (the `lorapop verify` command).
+
+Each line is `{"program": str, "input": str}`; the job is `f(<input>)`, checked as a teacher
+proposal: static checks, then a run under two hash seeds. The input must be an argument list
+of one call of `f` ("1), (2" would smuggle in a second expression), checked on the AST.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+from collections.abc import Iterable, Iterator
+
+from lorapop.verify.sandbox import Sandbox
+from lorapop.verify.verdict import Job, Status, Verdict
+
+BAD_REQUEST = "bad_request"
+
+
+def _reply(status: str, error: str | None) -> dict[str, object]:
+    return {"status": status, "output": None, "error": error, "duration": 0.0}
+
+
+def parse_task(line: bytes | str) -> Job | dict[str, object]:
+    """A line -> the Job to run, or the reply for a line that cannot be one."""
+    try:
+        task = json.loads(line)
+    except (ValueError, RecursionError) as e:
+        return _reply(BAD_REQUEST, f"not JSON: {str(e)[:200]}")
+    if not isinstance(task, dict):
+        return _reply(BAD_REQUEST, "a task must be a JSON object")
+    program, arg = task.get("program"), task.get("input")
+    if not isinstance(program, str) or not isinstance(arg, str):
+        return _reply(BAD_REQUEST, 'a task needs string fields "program" and "input"')
+    expr = f"f({arg})"
+    try:
+        tree = ast.parse(expr, mode="eval")
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
+        return _reply(Status.SYNTAX_ERROR.value, f"input: {type(e).__name__}: {e}"[:300])
+    call = tree.body
+    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "f"):
+        return _reply(Status.SYNTAX_ERROR.value, "input is not an argument list of f(...)")
+    return Job(program, expr, entry="f", deterministic=True)
+
+
+def verify_lines(
+    lines: Iterable[bytes | str], sandbox: Sandbox, chunk: int = 256
+) -> Iterator[dict[str, object]]:
+    """One reply per non-blank line, in order; runs `chunk` tasks per sandbox call."""
+    batch: list[Job | dict[str, object]] = []
+
+    def flush() -> Iterator[dict[str, object]]:
+        jobs = [t for t in batch if isinstance(t, Job)]
+        verdicts: Iterator[Verdict] = iter(sandbox.run(jobs))
+        for t in batch:
+            yield next(verdicts).to_json() if isinstance(t, Job) else t
+        batch.clear()
+
+    for line in lines:
+        if not line.strip():
+            continue
+        batch.append(parse_task(line))
+        if len(batch) >= chunk:
+            yield from flush()
+    yield from flush()

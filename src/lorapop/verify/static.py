@@ -1,0 +1,156 @@
+"""Static checks run in the caller before any process is started.
+
+They only parse and walk the AST (never compile or run), so they are safe on hostile text.
+Banned names are matched as dotted paths resolved through import aliases: `import os as o;
+o.environ` is `os.environ` (banned), while `import randomize` or `numpy.random` are not `random`
+(AZR matches substrings and gets both wrong). Dynamic tricks (`__import__(name_var)`) cannot be
+seen statically; the sandbox's process isolation is the real defence, these checks only keep
+AZR's validity rules.
+"""
+
+from __future__ import annotations
+
+import ast
+
+from lorapop.verify.verdict import Status
+
+#: AZR's banned list (modules and attributes), matched on whole dotted components.
+BANNED: tuple[str, ...] = (
+    "logging", "random", "multiprocessing", "pebble", "subprocess", "threading", "datetime",
+    "time", "hashlib", "hmac", "bcrypt", "os.sys", "os.path", "sys.exit", "os.environ",
+    "calendar",
+)  # fmt: skip
+
+#: Longer sources are refused before parsing (the parser's cost grows with size).
+MAX_SOURCE_CHARS = 100_000
+
+_IMPORTERS = {"__import__", "importlib.import_module", "import_module"}
+
+
+def _banned(dotted: str, banned: tuple[str, ...]) -> str | None:
+    for b in banned:
+        if dotted == b or dotted.startswith(b + "."):
+            return b
+    return None
+
+
+def _dotted(node: ast.expr, aliases: dict[str, str]) -> str | None:
+    """`a.b.c` -> the dotted path it names when `a` is bound by an import, else None."""
+    parts: list[str] = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name) or node.id not in aliases:
+        return None
+    return ".".join([aliases[node.id], *reversed(parts)])
+
+
+def _callee(func: ast.expr, aliases: dict[str, str]) -> str | None:
+    if isinstance(func, ast.Name) and func.id not in aliases:
+        return func.id  # a builtin such as __import__ or getattr
+    return _dotted(func, aliases)
+
+
+def _aliases(tree: ast.AST) -> dict[str, str]:
+    """Names bound by imports anywhere in the program -> the dotted path they stand for."""
+    out: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.asname:
+                    out[a.asname] = a.name
+                else:
+                    top = a.name.split(".")[0]
+                    out[top] = top
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for a in node.names:
+                if a.name != "*":
+                    out[a.asname or a.name] = f"{node.module}.{a.name}"
+    return out
+
+
+def _uses(tree: ast.AST, aliases: dict[str, str]) -> list[str]:
+    """Every dotted name the tree imports or references (including `__import__("x")`)."""
+    used: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            used += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for a in node.names:
+                used.append(node.module + ".*" if a.name == "*" else f"{node.module}.{a.name}")
+        elif isinstance(node, ast.Attribute | ast.Name) and isinstance(node.ctx, ast.Load):
+            d = _dotted(node, aliases)
+            if d:
+                used.append(d)
+        elif isinstance(node, ast.Call) and node.args:
+            fn = _callee(node.func, aliases)
+            first = node.args[0]
+            if fn in _IMPORTERS and isinstance(first, ast.Constant):
+                used.append(str(first.value))
+            elif fn == "getattr" and len(node.args) >= 2:
+                base, name = _dotted(first, aliases), node.args[1]
+                if base and isinstance(name, ast.Constant) and isinstance(name.value, str):
+                    used.append(f"{base}.{name.value}")
+    return used
+
+
+def _star_banned(dotted: str, banned: tuple[str, ...]) -> str | None:
+    """`from os import *` exposes `os.path`, so a star import of a banned parent is banned."""
+    module = dotted[: -len(".*")]
+    for b in banned:
+        if b == module or b.startswith(module + ".") or module.startswith(b + "."):
+            return b
+    return None
+
+
+def _defines(tree: ast.Module, name: str) -> bool:
+    """True when a top-level `def`, `class` or assignment binds `name`."""
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            bound = [node.name]
+        elif isinstance(node, ast.Assign):
+            bound = [t.id for t in node.targets if isinstance(t, ast.Name)]
+        else:
+            continue
+        if name in bound:
+            return True
+    return False
+
+
+def _calls_input(tree: ast.AST) -> bool:
+    return any(
+        isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "input"
+        for n in ast.walk(tree)
+    )
+
+
+def check(
+    program: str, expr: str, entry: str | None = "f", banned: tuple[str, ...] = BANNED
+) -> tuple[Status, str] | None:
+    """Return `(status, reason)` when the job is statically invalid, else None."""
+    if not isinstance(program, str) or not isinstance(expr, str):
+        return Status.SYNTAX_ERROR, "program and expr must be strings"
+    if len(program) + len(expr) > MAX_SOURCE_CHARS:
+        return Status.SYNTAX_ERROR, f"source longer than {MAX_SOURCE_CHARS} characters"
+    trees: list[ast.AST] = []
+    for src, mode in ((program, "exec"), (expr, "eval")):
+        try:
+            trees.append(ast.parse(src, mode=mode))
+        except SyntaxError as e:
+            where = "program" if mode == "exec" else "expr"
+            return Status.SYNTAX_ERROR, f"{where}: {type(e).__name__}: {e.msg} (line {e.lineno})"
+        except (ValueError, RecursionError, MemoryError) as e:  # null bytes, absurd nesting
+            return Status.SYNTAX_ERROR, f"{type(e).__name__}: {e}"
+    prog_tree = trees[0]
+    assert isinstance(prog_tree, ast.Module)
+    if entry is not None and not _defines(prog_tree, entry):
+        return Status.NO_ENTRY, f"program does not define {entry!r}"
+    aliases = _aliases(prog_tree)
+    for tree in trees:
+        for dotted in _uses(tree, aliases):
+            hit = _star_banned(dotted, banned) if dotted.endswith(".*") else _banned(dotted, banned)
+            if hit:
+                return Status.BANNED, f"banned: {hit}"
+        if _calls_input(tree):
+            return Status.BANNED, "banned: input()"
+    return None

@@ -1,0 +1,54 @@
+"""The verdict vocabulary shared by the sandbox, the task families and the CLI."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class Status(str, Enum):
+    """Why a program was accepted or rejected. A `str` enum so it serialises as its value."""
+
+    OK = "ok"
+    SYNTAX_ERROR = "syntax_error"
+    NO_ENTRY = "no_entry"
+    BANNED = "banned"
+    RUNTIME_ERROR = "runtime_error"
+    TIMEOUT = "timeout"
+    MEMORY = "memory"
+    NONDETERMINISTIC = "nondeterministic"
+    OUTPUT_TOO_LARGE = "output_too_large"
+    UNPICKLABLE = "unpicklable"
+    CRASHED = "crashed"
+
+
+@dataclass(frozen=True)
+class Job:
+    """One evaluation: exec `program` in a fresh namespace, then evaluate `expr` there."""
+
+    program: str
+    expr: str
+    entry: str | None = "f"
+    deterministic: bool = False
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The outcome of a job; `output` is the full repr of the value of `expr` when ok."""
+
+    status: Status
+    output: str | None
+    error: str | None
+    duration: float
+
+    @property
+    def ok(self) -> bool:
+        return self.status is Status.OK
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "status": self.status.value,
+            "output": self.output,
+            "error": self.error,
+            "duration": round(self.duration, 6),
+        }

@@ -1,0 +1,64 @@
+import pytest
+
+from lorapop.verify import Job, Status
+from lorapop.verify.static import check
+
+OK = "def f(x):\n    return x\n"
+
+
+@pytest.mark.parametrize(
+    "program, expr, reason",
+    [
+        ("import os.path\n" + OK, "f(1)", "os.path"),
+        ("from os import path\n" + OK, "f(1)", "os.path"),
+        ("from os import *\n" + OK, "f(1)", "os."),
+        ("import os as o\ndef f():\n    return o.environ['X']", "f()", "os.environ"),
+        ("import os\ndef f():\n    return getattr(os, 'environ')", "f()", "os.environ"),
+        ("from sys import exit as quit_\n" + OK, "f(1)", "sys.exit"),
+        ("import time as t\n" + OK, "f(1)", "time"),
+        ("import random\n" + OK, "f(1)", "random"),
+        ("def f():\n    import datetime\n    return 1", "f()", "datetime"),
+        ("def f():\n    return __import__('hashlib')", "f()", "hashlib"),
+        (
+            "import importlib\ndef f():\n    return importlib.import_module('logging.handlers')",
+            "f()",
+            "logging",
+        ),
+        (OK, "__import__('subprocess')", "subprocess"),
+        ("import os\n" + OK, "f(os.environ)", "os.environ"),
+        ("def f():\n    return input()", "f()", "input()"),
+    ],
+)
+def test_banned(program, expr, reason):
+    status, error = check(program, expr)
+    assert status is Status.BANNED and reason in error
+
+
+@pytest.mark.parametrize(
+    "program",
+    [
+        "import randomize\n" + OK,  # not `random`: whole dotted components only
+        "import os\ndef f(x):\n    return os.getcwd()",  # os itself is allowed (AZR)
+        "def f(x):\n    time = 3\n    return time + x",  # a variable named like a module
+        "import numpy.random\n" + OK,
+        "def helper(y):\n    return y\nclass K:\n    pass\n" + OK,  # helpers are allowed
+        "f = lambda x: x",
+    ],
+)
+def test_allowed(program):
+    assert check(program, "f(1)") is None
+
+
+def test_syntax_no_entry_and_sizes():
+    assert check("def f(:", "f()")[0] is Status.SYNTAX_ERROR
+    assert check(OK, "f(1")[0] is Status.SYNTAX_ERROR
+    assert check(OK, "f(1)\x00")[0] is Status.SYNTAX_ERROR
+    assert check("x" * 200_000, "1", entry=None)[0] is Status.SYNTAX_ERROR
+    assert check("def g(x):\n    return x", "g(1)")[0] is Status.NO_ENTRY
+    assert check("def g():\n    def f():\n        pass", "g()")[0] is Status.NO_ENTRY
+    assert check("", "1 + 1", entry=None) is None
+
+
+def test_static_verdicts_do_not_reach_the_servers(sandbox):
+    (v,) = sandbox.run([Job("import subprocess\n" + OK, "f(1)")])
+    assert v.status is Status.BANNED and v.duration == 0.0 and v.output is None
