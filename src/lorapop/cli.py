@@ -64,3 +64,107 @@ def demo() -> None:
         color = "green" if v.ok else "red"
         table.add_row(name, f"[{color}]{v.status.value}[/]", text, f"{v.duration * 1e3:.1f}")
     Console().print(table)
+
+
+def _fail(message: str) -> typer.Exit:
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(2)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def train(
+    ctx: typer.Context,
+    config: str = typer.Argument(
+        None, help="YAML config (e.g. configs/tiny.yaml); omit with --resume."
+    ),
+    steps: int = typer.Option(None, "--steps", help="Train until this many steps are done."),
+    out: str = typer.Option(None, "--out", help="Run directory (default runs/<config name>)."),
+    resume: str = typer.Option(
+        None, "--resume", help="Continue the run in this directory from its last checkpoint."
+    ),
+    report: bool = typer.Option(True, help="Write report.html when training ends."),
+) -> None:
+    """Run population self-play (or the single-agent baseline) and checkpoint as it goes.
+
+    Extra arguments `key.path=value` override the config, e.g. `lora.rank=16 league.pfsp=hard`.
+    """
+    from pathlib import Path
+
+    from lorapop.config import ConfigError, load_config
+    from lorapop.engine.model import ModelLoadError
+    from lorapop.loop import SelfPlay
+    from lorapop.progress import RunDisplay, TensorBoardLog
+    from lorapop.report import write_report
+
+    overrides = list(ctx.args)
+    if config is not None and "=" in config and not Path(config).is_file():
+        overrides.insert(0, config)  # `--resume DIR key=value`: no CONFIG was given
+        config = None
+    if resume:
+        run_dir = Path(resume)
+        config = config or str(run_dir / "config.yaml")
+    elif config is None:
+        raise _fail("give a CONFIG file, or --resume RUN_DIR")
+    try:
+        cfg = load_config(config, overrides)
+    except ConfigError as e:
+        raise _fail(str(e)) from None
+    if steps is not None:
+        cfg.train.steps = steps
+    if not resume:
+        run_dir = Path(out) if out else Path("runs") / Path(config).stem
+    try:
+        sp = SelfPlay(cfg, run_dir, resume=bool(resume))
+    except (ModelLoadError, FileNotFoundError, ValueError) as e:
+        raise _fail(str(e)) from None
+    hooks = []
+    tb = TensorBoardLog(str(run_dir / "tensorboard")) if cfg.run.tensorboard else None
+    if tb:
+        hooks.append(tb)
+    try:
+        with RunDisplay(cfg.train.steps, sp.step_done, enabled=cfg.run.progress) as display:
+            hooks.append(display.update)
+            sp.run(on_step=lambda row: [h(row) for h in hooks])
+    finally:
+        sp.close()
+        if tb:
+            tb.close()
+    typer.echo(f"run: {run_dir} ({sp.step_done} steps)")
+    if report and sp.step_done:
+        typer.echo(f"report: {write_report(run_dir)}")
+
+
+@app.command()
+def report(run_dir: str = typer.Argument(..., help="A run directory written by `lorapop train`.")) -> None:
+    """Write RUN_DIR/report.html: ratings, matchups, program complexity, timings, replacements."""
+    from lorapop.report import write_report
+
+    try:
+        typer.echo(str(write_report(run_dir)))
+    except (FileNotFoundError, ValueError) as e:
+        raise _fail(str(e)) from None
+
+
+@app.command()
+def export(
+    run_dir: str = typer.Argument(..., help="A run directory written by `lorapop train`."),
+    member: str = typer.Argument(..., help="Member name, e.g. T0, S1 or A0 (the baseline)."),
+    out_dir: str = typer.Argument(..., help="Where to write the PEFT adapter directory."),
+) -> None:
+    """Copy one member of the last checkpoint out as a standard PEFT LoRA adapter directory."""
+    import shutil
+    from pathlib import Path
+
+    from lorapop.checkpoint import latest_checkpoint
+
+    ckpt = latest_checkpoint(Path(run_dir))
+    if ckpt is None:
+        raise _fail(f"no checkpoint in {run_dir}")
+    src = ckpt / "adapters" / member
+    if not src.is_dir():
+        known = sorted(p.name for p in (ckpt / "adapters").iterdir())
+        raise _fail(f"no member {member!r} in {ckpt}; members: {', '.join(known)}")
+    if Path(out_dir).exists() and any(Path(out_dir).iterdir()):
+        raise _fail(f"{out_dir} exists and is not empty")
+    shutil.copytree(src, out_dir, dirs_exist_ok=True)
+    typer.echo(f"{member} -> {out_dir} (load with peft.PeftModel.from_pretrained)")

@@ -97,7 +97,8 @@ def plot_programs(rows: list[dict]) -> str:
         for ttype, pts in sorted(by_type.items()):
             ax.plot(*zip(*pts, strict=True), label=ttype)
         ax.set(title=key, xlabel="step")
-    axes[0].legend(fontsize=7)
+    if axes[0].get_legend_handles_labels()[0]:
+        axes[0].legend(fontsize=7)
     fig.suptitle("Teacher programs (valid proposals)")
     return _png(fig)
 

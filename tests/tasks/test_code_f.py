@@ -145,3 +145,21 @@ def test_hostile_student_programs_do_not_touch_the_host(fam, task, sandbox, tmp_
     # the pool keeps serving after hostile programs
     [ok] = fam.check([task], [ans("def f(s):\n    return s[::-1].upper()")], sandbox)
     assert ok.outcome is Outcome.CORRECT
+
+
+def test_check_compares_each_hidden_value_by_value_or_by_repr(sandbox):
+    fam = get_family("code_f", n_inputs=4)
+    dc = "from dataclasses import dataclass\n@dataclass\nclass Pt:\n    x: int\n"
+    base = Task("code_o", dc + "def f(n):\n    return Pt(n) if n > 2 else n * 2", ("1",), ("2",))
+    text = "<answer>```input\n1\n```\n```input\n2\n```\n```input\n3\n```\n```input\n4\n```"
+    [v] = fam.verify([text + "\n```message\ndouble\n```</answer>"], sandbox, bases=[base])
+    assert v.valid and v.task.outputs == ("2", "4", "Pt(x=3)", "Pt(x=4)")
+    texts = [
+        ans(dc + "def f(n):\n    return Pt(n) if n > 2 else n * 2.0"),  # 4.0 == 4, same repr
+        ans(dc + "def f(n):\n    return Pt(n * 1.0) if n > 2 else n * 2"),  # Pt(x=4.0)
+        ans(dc + "def f(n):\n    return Pt(n) if n > 2 else str(n * 2)"),  # '4' is not 4
+    ]
+    got = fam.check([v.task] * len(texts), texts, sandbox)
+    assert [g.outcome for g in got] == [Outcome.CORRECT, Outcome.WRONG, Outcome.WRONG]
+    assert got[1].detail == "hidden pair 1: mismatch"
+    assert got[2].detail == "hidden pair 0: mismatch"

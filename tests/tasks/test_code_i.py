@@ -62,7 +62,7 @@ def test_hostile_teacher_class_cannot_make_every_answer_right(fam, sandbox):
     [v] = fam.verify([f"<answer>```python\n{prog}\n```\n```input\n1\n```</answer>"], sandbox)
     assert v.valid and v.task.output == "Any()"
     got = fam.check([v.task] * 2, [ans("1"), ans("0")], sandbox)
-    # the gold is not a plain value, so the type and the repr must match: 0 is not Any()
+    # the gold is not a plain value, so only the same repr matches: 0 is not Any()
     assert [g.outcome for g in got] == [Outcome.CORRECT, Outcome.WRONG]
 
 

@@ -200,3 +200,21 @@ def test_adversarial_answer_texts_are_format_errors(fam, sandbox):
     got = fam.check([TASK] * len(texts), texts, sandbox)
     assert [g.outcome for g in got[:4]] == [Outcome.FORMAT_ERROR] * 4
     assert got[4].outcome is not Outcome.CORRECT  # "import os" is the answer, not [3, 2, 1]
+
+
+def test_check_class_and_special_float_golds(fam, sandbox):
+    prog = (
+        "class P:\n    def __init__(self, x, y=0):\n        self.x, self.y = x, y\n"
+        "    def __repr__(self):\n        return f'P({self.x!r}, {self.y!r})'\n"
+        "def f(a):\n    return [P(a, a + 1), float('nan'), -float('inf')]"
+    )
+    [v] = fam.verify([proposal(prog, "1")], sandbox)
+    assert v.valid and v.task.output == "[P(1, 2), nan, -inf]"
+    texts = [
+        ans("[P(1, 2), nan, -inf]"),
+        ans("[P(y=2, x=1), float('nan'), float('-inf')]"),  # evaluated in the sandbox
+        ans("[P(1, 3), nan, -inf]"),
+        ans("[P(1, 2), nan, inf]"),
+    ]
+    got = [g.outcome for g in fam.check([v.task] * len(texts), texts, sandbox)]
+    assert got == [Outcome.CORRECT, Outcome.CORRECT, Outcome.WRONG, Outcome.WRONG]

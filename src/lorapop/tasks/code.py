@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import ast
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from lorapop.tasks import prompts
+from lorapop.tasks.compare import MATCH
 from lorapop.tasks.family import Runner
 from lorapop.tasks.parsing import (
     MAX_TEXT_CHARS,
@@ -81,22 +82,17 @@ class CodeFamily:
             return "output is not a Python expression"
         return None
 
-    def _grade(self, verdict: Verdict, answer: str) -> Grade:
-        if verdict.ok and verdict.output == "True":
-            return Grade(Outcome.CORRECT, answer, "match")
-        if verdict.ok:
-            return Grade(Outcome.WRONG, answer, "mismatch")
-        return Grade(Outcome.WRONG, answer, reason_of(verdict))
-
     def _run_checks(
         self,
         answers: Sequence[str | FormatError],
         jobs: dict[int, Job],
         runner: Runner,
+        grade: Callable[[int, str], Grade],
         decided: dict[int, Grade] | None = None,
     ) -> list[Grade]:
         """Grades in order: format errors, those `decided` already, and the rest from one
-        batched sandbox call over `jobs`."""
+        batched sandbox call over `jobs`: a job that fails is wrong, else `grade(i, output)`
+        compares its output (a repr) with the gold in this process."""
         idx = sorted(jobs)
         verdicts = runner.run([jobs[i] for i in idx]) if idx else []
         by_idx = dict(zip(idx, verdicts, strict=True))
@@ -107,12 +103,19 @@ class CodeFamily:
                 out.append(Grade(Outcome.FORMAT_ERROR, None, f"format: {a.reason}"))
             elif i in decided:
                 out.append(decided[i])
+            elif not by_idx[i].ok or by_idx[i].output is None:
+                out.append(Grade(Outcome.WRONG, a, reason_of(by_idx[i])))
             else:
-                out.append(self._grade(by_idx[i], a))
+                out.append(grade(i, str(by_idx[i].output)))
         return out
 
     def seed_tasks(self) -> list[Task]:
         return [Task(self.name, IDENTITY, (SEED_INPUT,), (SEED_INPUT,))]
+
+
+def graded(answer: str, judgement: str) -> Grade:
+    """A `compare.judge` result as a grade: a match is correct, anything else wrong."""
+    return Grade(Outcome.CORRECT if judgement == MATCH else Outcome.WRONG, answer, judgement)
 
 
 def reason_of(verdict: Verdict) -> str:

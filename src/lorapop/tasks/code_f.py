@@ -3,8 +3,11 @@
 The teacher is given a program (`base`, drawn by the loop from a buffer) and writes
 `n_inputs` distinct inputs and a message; every input must run (deterministically) in the
 sandbox. The student sees the even-position pairs and the message; its program must
-reproduce every odd-position (hidden) pair, checked in one sandbox job per answer. The
-student's program goes through the sandbox's static checks like any other.
+reproduce every odd-position (hidden) pair. One sandbox job per answer runs the student's
+program on the hidden inputs and returns only the repr of the tuple of its values; the hidden
+outputs never enter that process, and each item is compared with its gold here
+(`compare.judge`), so a program that forges its job's verdict or rebinds builtins gains
+nothing. The student's program goes through the sandbox's static checks like any other.
 """
 
 from __future__ import annotations
@@ -15,11 +18,12 @@ from lorapop.tasks import prompts
 from lorapop.tasks.code import (
     IDENTITY,
     CodeFamily,
+    graded,
     reason_of,
     split_pairs,
     unique,
 )
-from lorapop.tasks.compare import EQ_HELPER, eq_expr
+from lorapop.tasks.compare import MATCH, judge, tuple_items
 from lorapop.tasks.family import Runner
 from lorapop.tasks.parsing import (
     answer_span,
@@ -29,9 +33,10 @@ from lorapop.tasks.parsing import (
     line_fallback,
     opened,
     tag_blocks,
+    value_names,
 )
 from lorapop.tasks.prompts import Caps
-from lorapop.tasks.task import FormatError, Grade, Proposal, Task, Validity
+from lorapop.tasks.task import FormatError, Grade, Outcome, Proposal, Task, Validity
 from lorapop.verify import Job, Verdict
 
 #: Inputs of the seed task (the identity program, as in AZR): reprs equal the inputs.
@@ -174,7 +179,19 @@ class CodeF(CodeFamily):
             if isinstance(a, FormatError):
                 continue
             _, hidden = split_pairs(task)
-            values = "(" + "".join(f"f({x}), " for x, _ in hidden) + ")"
-            golds = "(" + "".join(f"({y}), " for _, y in hidden) + ")"
-            jobs[i] = Job(a + "\n" + EQ_HELPER, eq_expr(values, golds), entry="f")
-        return self._run_checks(answers, jobs, runner)
+            jobs[i] = Job(a, "(" + "".join(f"f({x}), " for x, _ in hidden) + ")", entry="f")
+
+        def grade(i: int, output: str) -> Grade:
+            answer, task = answers[i], tasks[i]
+            assert isinstance(answer, str)
+            golds = [y for _, y in split_pairs(task)[1]]
+            items = tuple_items(output, len(golds))
+            if items is None:
+                return Grade(Outcome.WRONG, answer, f"output is not a tuple of {len(golds)} values")
+            names = value_names(task.program)
+            for k, (item, gold) in enumerate(zip(items, golds, strict=True)):
+                if (j := judge(item, gold, names)) != MATCH:
+                    return graded(answer, f"hidden pair {k}: {j}")
+            return graded(answer, MATCH)
+
+        return self._run_checks(answers, jobs, runner, grade)

@@ -1,8 +1,10 @@
 """code_i (AZR's abduction): the student sees a program and an output and writes an input.
 
-Any input counts when `f(input)` equals the gold output; that runs in the sandbox, with
-`compare.EQ_HELPER` guarding against objects with a hostile `__eq__`. The arguments must state
-values, as code_o answers must (no lambdas, no calls of `f` or helpers, no user-made types).
+Any input counts when `f(input)` equals the gold output. The sandbox runs the teacher's
+program on the student's input and returns only the repr of `f(input)`; `compare.judge`
+compares it with the gold here, so no code in that process sees the gold or decides the
+verdict. The arguments must state values, as code_o answers must (no lambdas, no calls of `f`
+or helpers, no user-made types), so no code of the student's runs at all.
 """
 
 from __future__ import annotations
@@ -10,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from lorapop.tasks import prompts
-from lorapop.tasks.code import ProgramInputFamily
+from lorapop.tasks.code import ProgramInputFamily, graded
 from lorapop.tasks.code_o import NOT_A_VALUE
-from lorapop.tasks.compare import EQ_HELPER, eq_expr
+from lorapop.tasks.compare import VALUE_PRELUDE, judge
 from lorapop.tasks.family import Runner
 from lorapop.tasks.parsing import call_args, is_value_args, value_names
 from lorapop.tasks.task import FormatError, Grade, Outcome, Task
@@ -38,11 +40,18 @@ class CodeI(ProgramInputFamily):
         answers = [self.parse_answer(t) for t in texts]
         decided: dict[int, Grade] = {}
         jobs: dict[int, Job] = {}
+        names = [value_names(t.program) for t in tasks]
         for i, (task, a) in enumerate(zip(tasks, answers, strict=True)):
             if isinstance(a, FormatError):
                 continue
-            if not is_value_args(a, value_names(task.program)):
+            if not is_value_args(a, names[i]):
                 decided[i] = Grade(Outcome.FORMAT_ERROR, a, f"format: {NOT_A_VALUE}")
-                continue
-            jobs[i] = Job(task.program + EQ_HELPER, eq_expr(f"f({a})", task.output), entry="f")
-        return self._run_checks(answers, jobs, runner, decided)
+            else:
+                jobs[i] = Job(task.program + VALUE_PRELUDE, f"f({a})", entry="f")
+
+        def grade(i: int, output: str) -> Grade:
+            answer = answers[i]
+            assert isinstance(answer, str)
+            return graded(answer, judge(output, tasks[i].output, names[i]))
+
+        return self._run_checks(answers, jobs, runner, grade, decided)

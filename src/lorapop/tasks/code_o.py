@@ -3,8 +3,10 @@
 The answer must state a value: literals, and calls of builtin constructors, the program's
 classes and names it imports (`frozenset({1})`, `Point(1, 2)`); an answer that computes
 (calls `f` or a helper, a lambda, a comprehension, arithmetic) is a format error, or a student
-could answer `f(<input>)`. Correct when the value equals the gold output: decided here with
-`ast.literal_eval` when both are literals, otherwise in the sandbox by `compare.EQ_HELPER`.
+could answer `f(<input>)`. Correct when the value equals the gold output (`compare.judge`):
+when the answer is a plain builtin value it is decided here (`ast.literal_eval`, nothing runs);
+otherwise the sandbox evaluates the answer with the program's classes and returns only its
+repr, which is compared here, so the gold never enters the sandbox.
 """
 
 from __future__ import annotations
@@ -12,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from lorapop.tasks import prompts
-from lorapop.tasks.code import ProgramInputFamily
-from lorapop.tasks.compare import EQ_HELPER, eq_expr, literal_equal
+from lorapop.tasks.code import ProgramInputFamily, graded
+from lorapop.tasks.compare import VALUE_PRELUDE, judge, plain
 from lorapop.tasks.family import Runner
 from lorapop.tasks.parsing import is_value, python_expr, value_names
 from lorapop.tasks.task import FormatError, Grade, Outcome, Task
@@ -41,17 +43,20 @@ class CodeO(ProgramInputFamily):
         answers = [self.parse_answer(t) for t in texts]
         decided: dict[int, Grade] = {}
         jobs: dict[int, Job] = {}
+        names = [value_names(t.program) for t in tasks]
         for i, (task, a) in enumerate(zip(tasks, answers, strict=True)):
             if isinstance(a, FormatError):
                 continue
-            if not is_value(a, value_names(task.program)):
+            if not is_value(a, names[i]):
                 decided[i] = Grade(Outcome.FORMAT_ERROR, a, f"format: {NOT_A_VALUE}")
-                continue
-            same = literal_equal(a, task.output)
-            if same is not None:
-                decided[i] = Grade(
-                    Outcome.CORRECT if same else Outcome.WRONG, a, "match" if same else "mismatch"
-                )
-            else:
-                jobs[i] = Job(task.program + EQ_HELPER, eq_expr(a, task.output), entry=None)
-        return self._run_checks(answers, jobs, runner, decided)
+            elif plain(a)[0]:
+                decided[i] = graded(a, judge(a, task.output, names[i]))
+            else:  # the program's classes may be needed: only the value's repr comes back
+                jobs[i] = Job(task.program + VALUE_PRELUDE, a, entry=None)
+
+        def grade(i: int, output: str) -> Grade:
+            answer = answers[i]
+            assert isinstance(answer, str)
+            return graded(answer, judge(output, tasks[i].output, names[i]))
+
+        return self._run_checks(answers, jobs, runner, grade, decided)

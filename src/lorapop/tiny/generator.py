@@ -1,0 +1,201 @@
+"""Verified tasks from the grammar: programs and inputs run through the sandbox.
+
+A candidate program is kept only when the sandbox runs it `ok` (deterministically, under two
+hash seeds) on every probe input, its outputs are short, and they are not all equal (a
+function that ignores its input makes a trivial code_i or code_f task). Outputs are always the
+sandbox's, never ours.
+
+Train / held-out split: every program belongs to one side by a hash of its normalised source
+(`program_split`), so the held-out benchmark and any training corpus are disjoint whatever seeds
+either uses. Candidate `i` of a call is drawn from `random.Random(f"{split}/{seed}/{level}/{i}")`;
+the result is the first `n` candidates that pass, so it does not depend on batch sizes.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import hashlib
+import random
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+from lorapop.tasks.task import Task
+from lorapop.tiny.grammar import (
+    Knobs,
+    Program,
+    describe,
+    generate_input,
+    generate_program,
+    knobs_for,
+)
+from lorapop.verify import Job, Sandbox, Verdict
+
+KINDS = ("code_o", "code_i", "code_f")
+SPLITS = ("train", "heldout")
+#: One program in this many belongs to the held-out side.
+HELDOUT_EVERY = 8
+
+
+def normalize(source: str) -> str:
+    """Source re-printed from its AST: formatting and comments do not make a new program."""
+    try:
+        return ast.unparse(ast.parse(source))
+    except (SyntaxError, ValueError, RecursionError):
+        return source.strip()
+
+
+def program_split(source: str) -> str:
+    """The side of a program: "heldout" for one in `HELDOUT_EVERY`, else "train".
+
+    Hashes the text with trailing spaces dropped, not `normalize`'s AST print, whose format
+    may change between Python versions (and with it the benchmark).
+    """
+    text = "\n".join(line.rstrip() for line in source.strip().splitlines())
+    digest = hashlib.sha256(text.encode()).digest()
+    return "heldout" if int.from_bytes(digest[:8], "big") % HELDOUT_EVERY == 0 else "train"
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    program: Program
+    inputs: tuple[str, ...]
+    level: int | None
+
+
+@contextlib.contextmanager
+def _sandbox(sandbox: Sandbox | None) -> Iterator[Sandbox]:
+    if sandbox is not None:
+        yield sandbox
+        return
+    with Sandbox(workers=2, timeout_s=2.0) as sb:
+        yield sb
+
+
+def _level_key(difficulty: int | Knobs) -> str:
+    return str(difficulty) if isinstance(difficulty, int) else repr(difficulty)
+
+
+def _candidates(
+    difficulty: int | Knobs, seed: int | str, split: str, n_inputs: int
+) -> Iterator[_Candidate]:
+    """Programs of the given split with `n_inputs` distinct inputs each, in a fixed order."""
+    level = difficulty if isinstance(difficulty, int) else None
+    i = 0
+    while True:
+        rng = random.Random(f"{split}/{seed}/{_level_key(difficulty)}/{i}")
+        i += 1
+        program = generate_program(rng, difficulty)
+        if program_split(program.source) != split:
+            continue
+        inputs: list[str] = []
+        for _ in range(4 * n_inputs):
+            text = generate_input(rng, program)
+            if text not in inputs:
+                inputs.append(text)
+            if len(inputs) == n_inputs:
+                break
+        if len(inputs) == n_inputs:
+            yield _Candidate(program, tuple(inputs), level)
+
+
+def generate_tasks(
+    kind: str,
+    n: int,
+    difficulty: int | Knobs,
+    seed: int | str = 0,
+    *,
+    sandbox: Sandbox | None = None,
+    split: str = "train",
+    n_inputs: int = 6,
+    probes: int = 3,
+    max_output_chars: int = 60,
+    exclude: Iterable[str] = (),
+    batch: int = 64,
+    max_candidates: int | None = None,
+) -> list[Task]:
+    """`n` verified tasks of `kind` at `difficulty` (1..5 or explicit `Knobs`).
+
+    code_o / code_i tasks carry one (input, output) pair, checked on `probes` inputs;
+    code_f tasks carry `n_inputs` pairs and a short message. `exclude` holds normalised
+    programs (see `normalize`) to skip, e.g. those of a training corpus. Programs are distinct
+    within a call. Raises RuntimeError when `max_candidates` (default 100 * n) are not enough.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    if n < 0 or probes < 1 or n_inputs < 2:
+        raise ValueError("need n >= 0, probes >= 1 and n_inputs >= 2")
+    knobs_for(difficulty)  # a bad level fails here, before any sandbox starts
+    width = n_inputs if kind == "code_f" else probes
+    limit = max_candidates if max_candidates is not None else 100 * max(n, 1)
+    stream = _candidates(difficulty, seed, split, width)
+    seen = set(exclude)
+    out: list[Task] = []
+    tried = 0
+    with _sandbox(sandbox) as sb:
+        while len(out) < n:
+            if tried >= limit:
+                raise RuntimeError(
+                    f"only {len(out)} of {n} {kind} tasks verified in {limit} candidates"
+                )
+            chunk = []
+            size = min(batch, 2 * (n - len(out)) + 2)  # about 1 in 4 candidates fails
+            while len(chunk) < size and tried < limit:
+                cand = next(stream)
+                tried += 1
+                key = normalize(cand.program.source)
+                if key not in seen:
+                    seen.add(key)
+                    chunk.append(cand)
+            jobs = [
+                Job(c.program.source, f"f({text})", deterministic=True)
+                for c in chunk
+                for text in c.inputs
+            ]
+            verdicts = iter(sb.run(jobs))
+            for cand in chunk:
+                outputs = [next(verdicts) for _ in cand.inputs]
+                if len(out) < n and _acceptable(outputs, max_output_chars):
+                    out.append(_task(kind, cand, [v.output or "" for v in outputs], seed, split))
+    return out
+
+
+def _acceptable(verdicts: Sequence[Verdict], max_output_chars: int) -> bool:
+    if not all(v.ok and v.output is not None for v in verdicts):
+        return False
+    outputs = [v.output for v in verdicts]
+    return max(len(o) for o in outputs) <= max_output_chars and len(set(outputs)) > 1
+
+
+def _task(kind: str, cand: _Candidate, outputs: list[str], seed: int | str, split: str) -> Task:
+    keep = len(cand.inputs) if kind == "code_f" else 1
+    meta = {
+        "difficulty": cand.level,
+        "features": list(cand.program.features),
+        "seed": str(seed),
+        "split": split,
+        "source": "tiny-grammar",
+    }
+    return Task(
+        type=kind,
+        program=cand.program.source,
+        inputs=cand.inputs[:keep],
+        outputs=tuple(outputs[:keep]),
+        message=describe(cand.program) if kind == "code_f" else "",
+        meta=meta,
+    )
+
+
+def generate_triples(
+    n: int,
+    difficulty: int | Knobs,
+    seed: int | str = 0,
+    *,
+    sandbox: Sandbox | None = None,
+    split: str = "train",
+) -> list[tuple[str, str, str]]:
+    """`n` verified (program, input, output) triples: the sandbox computed each output."""
+    tasks = generate_tasks("code_o", n, difficulty, seed, sandbox=sandbox, split=split)
+    return [(t.program, t.input, t.output) for t in tasks]
