@@ -61,7 +61,9 @@ class EvolveConfig(Section):
     """Replacement period in steps; 0 turns evolution off."""
     fraction: float = Field(0.25, ge=0, le=0.5)
     """Share of each sub-population replaced (at least one member when > 0)."""
-    operators: dict[str, float] = {"spectral": 1.0, "dare": 1.0, "subspace": 1.0}
+    operators: dict[str, float] = {
+        "spectral": 1.0, "layer_noise": 1.0, "dare": 1.0, "subspace_mix": 1.0,
+    }
     """Operator name -> sampling weight (names from `lorapop.lora.evolve.OPERATORS`)."""
     parent_fraction: float = Field(0.5, gt=0, le=1)
     """Parents are drawn from this top share of the sub-population."""
@@ -82,6 +84,9 @@ class TasksConfig(Section):
     buffer_size: int = Field(1024, ge=1)
     seed_tasks: str | None = None
     """Optional JSONL of tasks that warm-start the buffers."""
+    fill_from_buffer: bool = False
+    """Top each teacher's valid tasks up from the buffer, so solving always runs at full size
+    (for benchmarks and random-weight models; filled tasks give the teacher no reward)."""
 
 
 class VerifyConfig(Section):
