@@ -58,7 +58,7 @@ def test_population_run_three_steps_and_report(tmp_path):
 def test_replacement_writes_children_into_slots(tmp_path):
     sp = SelfPlay(_cfg("evolve.operators={copy: 1.0}"), tmp_path)
     try:
-        for name, i in sp.slot.items():  # make members distinguishable
+        for i in sp.slot.values():  # make members distinguishable
             sp.bank.reset_slot(i, seed=i)
             state = sp.bank.slot_state(i)
             for m in state.values():
