@@ -20,6 +20,11 @@ class Section(BaseModel):
 class ModelConfig(Section):
     name_or_path: str = "tiny-random"
     """A hub id, a local directory, or `tiny-random` (a random-weight Qwen2 built from a config)."""
+    tokenizer: str | None = None
+    """Tokenizer hub id or path (default: the model's); `byte` is a built-in byte-level one."""
+    random_init: bool = False
+    """Build the architecture of `name_or_path`'s config.json with random weights instead of
+    loading weights: same speed and memory as the real model, for benchmarks."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     gradient_checkpointing: bool = False
@@ -102,6 +107,8 @@ class SamplingConfig(Section):
     teacher_max_new_tokens: int = Field(256, ge=1)
     student_max_new_tokens: int = Field(128, ge=1)
     batch_size: int = Field(64, ge=1)
+    ignore_eos: bool = False
+    """Always generate max_new_tokens (fixed lengths for benchmarks)."""
 
 
 class TrainConfig(Section):

@@ -102,11 +102,10 @@ class SelfPlay:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(cfg.seed)
-        self.tokenizer = load_tokenizer(cfg.model.name_or_path)
-        self.model = load_base_model(
-            cfg.model.name_or_path, self.tokenizer, cfg.model.device, cfg.model.dtype,
-            cfg.seed, cfg.model.trust_remote_code,
-        )
+        mc = cfg.model
+        self.tokenizer = load_tokenizer(mc.tokenizer or mc.name_or_path)
+        self.model = load_base_model(mc.name_or_path, self.tokenizer, mc.device, mc.dtype,
+                                     cfg.seed, mc.trust_remote_code, mc.random_init)
         if cfg.model.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
@@ -316,7 +315,7 @@ class SelfPlay:
                   rec: StepRecord):
         sp = self.cfg.sampling
         params = SamplingParams(temperature=sp.temperature, top_p=sp.top_p,
-                                max_new_tokens=max_new)
+                                max_new_tokens=max_new, eos_token_ids=() if sp.ignore_eos else None)
         t0 = time.perf_counter()
         gens = generate(self.model, self.bank, self.tokenizer, prompts,
                         [self.slot[m] for m in members], params, seed=seed,
@@ -345,9 +344,10 @@ class SelfPlay:
                 self.model, self.bank, [r.prompt_ids for r in part],
                 [r.token_ids for r in part], slots[idx],
             )
-            old = torch.zeros_like(logprobs)
-            for i, r in enumerate(part):
-                old[i, : len(r.logprobs)] = torch.tensor(r.logprobs, device=dev)
+            # One update per batch is on-policy: the ratio is exactly 1 against the policy's own
+            # detached log-probs (the sampler's bf16 values differ by rounding, which would
+            # make PPO clip on noise).
+            old = logprobs.detach()
             adv = torch.tensor(advs[start:start + len(part)], device=dev, dtype=torch.float32)
             loss, _ = policy_loss(logprobs.float(), old, adv, mask, groups=slots[idx],
                                   clip_eps=self.cfg.train.clip_eps, normalizers=norms)

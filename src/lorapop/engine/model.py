@@ -54,7 +54,8 @@ def tiny_random_model(tokenizer: PreTrainedTokenizerBase, seed: int = 0) -> torc
 
 
 def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
-    if name_or_path == TINY_RANDOM:
+    """A hub id or path; `tiny-random` and `byte` give the built-in byte-level tokenizer."""
+    if name_or_path in (TINY_RANDOM, "byte"):
         from lorapop.engine.tiny_tokenizer import byte_tokenizer
 
         return byte_tokenizer()
@@ -76,12 +77,25 @@ def load_base_model(
     dtype: str = "auto",
     seed: int = 0,
     trust_remote_code: bool = False,
+    random_init: bool = False,
 ) -> torch.nn.Module:
-    """The frozen base: every parameter has requires_grad False; adapters are added later."""
+    """The frozen base: every parameter has requires_grad False; adapters are added later.
+
+    `random_init` builds the architecture from the config alone, directly on the device.
+    """
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     if name_or_path == TINY_RANDOM:
         model = tiny_random_model(tokenizer, seed)
+    elif random_init:
+        _check_exists(name_or_path)
+        try:
+            config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"cannot load config '{name_or_path}': {_first_line(e)}") from None
+        torch.manual_seed(seed)
+        with dev:
+            model = AutoModelForCausalLM.from_config(config, dtype=dt)
     else:
         _check_exists(name_or_path)
         try:

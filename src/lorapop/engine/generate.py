@@ -1,0 +1,200 @@
+"""Sampling for a mixed-adapter batch: every row runs under its own adapter slot.
+
+`generate` tokenizes, sorts prompts by length and cuts them into batches of `batch_size`,
+decodes each batch with `Decoder` (static KV cache, CUDA graph on GPU) and turns each row's
+tokens into a `Generation`. Row i's random stream depends only on (seed, i): a row's output
+does not depend on the other prompts, their order or the batch size, beyond floating-point
+differences that padding to another length can cause in low precision.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from lorapop.engine.decoder import Decoder, StopFn
+from lorapop.engine.sampling import SamplingParams, row_uniforms
+
+Finish = Literal["eos", "stop", "length"]
+_CHECK_EVERY = 8  # decode steps between host checks for stop strings / all-finished
+
+
+@dataclass
+class Generation:
+    """One sampled completion.
+
+    `token_ids`/`logprobs` are what the policy sampled: they include the EOS token
+    (finish "eos") or run through the token that completed the stop string (finish "stop").
+    `logprobs[j]` is log pi(token_ids[j]) at temperature 1 over the full vocabulary.
+    `text` is the decoded completion without special tokens, cut before the stop string.
+    """
+
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str
+    logprobs: list[float]
+    finish: Finish
+
+
+def generate(
+    model: Any,
+    bank: Any,
+    tokenizer: Any,
+    prompts: Sequence[str | Sequence[int]],
+    slot_ids: Sequence[int],
+    params: SamplingParams | None = None,
+    seed: int = 0,
+    batch_size: int | None = None,
+    cuda_graph: bool = True,
+) -> list[Generation]:
+    """Sample one completion per prompt, prompt i under adapter slot `slot_ids[i]`.
+
+    Prompts are strings (tokenized with the tokenizer's defaults) or token-id lists.
+    `bank` may be None (the plain model); `tokenizer` may be None when prompts are ids and
+    no stop strings are given (texts are then empty). At most `batch_size` rows decode
+    together (default: all). `cuda_graph=False` forces the eager decode step on GPU.
+    """
+    params = params or SamplingParams()
+    ids = _encode(tokenizer, prompts)
+    _check(model, bank, tokenizer, ids, slot_ids, params, batch_size)
+    if not ids:
+        return []
+    eos = _eos_ids(model, tokenizer, params)
+    order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
+    batch = min(batch_size or len(ids), len(ids))
+    steps = params.max_new_tokens
+    length = -(-(len(ids[order[0]]) + steps - 1) // 64) * 64
+    decoder = Decoder(model, bank, batch, length, params, eos, cuda_graph)
+    stop_fn = _stop_fn(tokenizer, params.stop, eos) if params.stop else None
+    out: list[Generation | None] = [None] * len(ids)
+    for start in range(0, len(order), batch):
+        chunk = sorted(order[start : start + batch], key=lambda i: slot_ids[i])
+        rows = chunk + [chunk[-1]] * (batch - len(chunk))  # fill a short last batch
+        toks, lps = decoder.run(
+            [ids[i] for i in rows],
+            [slot_ids[i] for i in rows],
+            row_uniforms(seed, rows, steps),
+            stop_fn,
+            _CHECK_EVERY,
+        )
+        for j, i in enumerate(chunk):
+            out[i] = _finish(tokenizer, ids[i], toks[j].tolist(), lps[j].tolist(), eos, params)
+    return [g for g in out if g is not None]
+
+
+def _encode(tokenizer: Any, prompts: Sequence[str | Sequence[int]]) -> list[list[int]]:
+    ids = []
+    for p in prompts:
+        if isinstance(p, str):
+            if tokenizer is None:
+                raise ValueError("string prompts need a tokenizer")
+            ids.append(list(tokenizer(p)["input_ids"]))
+        else:
+            ids.append([int(t) for t in p])
+    return ids
+
+
+def _check(
+    model: Any,
+    bank: Any,
+    tokenizer: Any,
+    ids: list[list[int]],
+    slot_ids: Sequence[int],
+    params: SamplingParams,
+    batch_size: int | None,
+) -> None:
+    if len(slot_ids) != len(ids):
+        raise ValueError(f"{len(ids)} prompts but {len(slot_ids)} slot ids")
+    if batch_size is not None and batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if params.stop and tokenizer is None:
+        raise ValueError("stop strings need a tokenizer")
+    n_slots = getattr(bank, "n_slots", None)
+    if n_slots is not None and any(not 0 <= s < n_slots for s in slot_ids):
+        raise ValueError(f"slot ids must be in [0, {n_slots})")
+    cfg = model.config.get_text_config()
+    vocab, limit = cfg.vocab_size, getattr(cfg, "max_position_embeddings", None)
+    for i, p in enumerate(ids):
+        if not p:
+            raise ValueError(f"prompt {i} is empty")
+        if any(not 0 <= t < vocab for t in p):
+            raise ValueError(f"prompt {i} has token ids outside [0, {vocab})")
+        if limit is not None and len(p) + params.max_new_tokens > limit:
+            raise ValueError(
+                f"prompt {i}: {len(p)} + {params.max_new_tokens} new tokens exceed {limit} positions"
+            )
+
+
+def _eos_ids(model: Any, tokenizer: Any, params: SamplingParams) -> list[int]:
+    if params.eos_token_ids is not None:
+        return list(params.eos_token_ids)
+    found: set[int] = set()
+    config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    tok_eos = getattr(tokenizer, "eos_token_id", None)
+    for e in (config_eos, tok_eos):
+        if isinstance(e, int):
+            found.add(e)
+        elif e is not None:
+            found.update(int(x) for x in e)
+    return sorted(found)
+
+
+def _decode(tokenizer: Any, toks: list[int]) -> str:
+    return "" if tokenizer is None else tokenizer.decode(toks, skip_special_tokens=True)
+
+
+def _first_stop(text: str, stops: Sequence[str]) -> tuple[int, str] | None:
+    hits = [(text.find(s), s) for s in stops if s in text]
+    return min(hits, key=lambda h: (h[0], -len(h[1]))) if hits else None
+
+
+def _before_eos(toks: list[int], eos: Sequence[int]) -> list[int]:
+    ends = [j for j, t in enumerate(toks) if t in eos]
+    return toks[: ends[0]] if ends else toks
+
+
+def _stop_fn(tokenizer: Any, stops: Sequence[str], eos: Sequence[int]) -> StopFn:
+    """Rows whose text contains a stop string, decoding only a recent window per check."""
+    window = _CHECK_EVERY + 4 * max(len(s) for s in stops) + 4
+
+    def fn(host: torch.Tensor, n: int, rows: list[int]) -> list[int]:
+        hits = []
+        for b in rows:
+            recent = _decode(tokenizer, host[b, max(0, n - window) : n].tolist())
+            if any(s in recent for s in stops):
+                full = _decode(tokenizer, _before_eos(host[b, :n].tolist(), eos))
+                if _first_stop(full, stops) is not None:
+                    hits.append(b)
+        return hits
+
+    return fn
+
+
+def _finish(
+    tokenizer: Any,
+    prompt: list[int],
+    toks: list[int],
+    lps: list[float],
+    eos: Sequence[int],
+    params: SamplingParams,
+) -> Generation:
+    body = _before_eos(toks, eos)
+    if params.stop and _first_stop(_decode(tokenizer, body), params.stop) is not None:
+        lo, hi = 1, len(body)  # shortest prefix whose text holds a stop string
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if _first_stop(_decode(tokenizer, body[:mid]), params.stop) is None:
+                lo = mid + 1
+            else:
+                hi = mid
+        text = _decode(tokenizer, body[:lo])
+        at, stop = _first_stop(text, params.stop) or (len(text), "")
+        text = text[: at + len(stop)] if params.include_stop else text[:at]
+        return Generation(prompt, body[:lo], text, lps[:lo], "stop")
+    if len(body) < len(toks):
+        n = len(body) + 1
+        return Generation(prompt, toks[:n], _decode(tokenizer, body), lps[:n], "eos")
+    return Generation(prompt, toks, _decode(tokenizer, toks), lps, "length")

@@ -1,0 +1,223 @@
+"""Mixed-adapter generation: reproducible, per-row exact, logprobs = teacher forcing, stops."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from lorapop.engine.generate import generate
+from lorapop.engine.logprobs import sequence_logprobs
+from lorapop.engine.sampling import SamplingParams, row_uniforms, sample
+from lorapop.engine.tiny_tokenizer import byte_tokenizer
+from lorapop.lora.bank import AdapterBank
+
+ARCHS = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}
+PROMPTS = ["def f(x):", "a", "assert f(3) ==", "hello world, this is long", "xy"]
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12, eos_token_ids=())
+SAMPLED = SamplingParams(temperature=1.0, max_new_tokens=12, eos_token_ids=())
+
+
+def tiny_model(arch: str, vocab: int, seed: int = 0) -> torch.nn.Module:
+    config_cls, model_cls = ARCHS[arch]
+    config = config_cls(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    return model_cls(config).eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return byte_tokenizer()
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHS))
+def setup(request, tok):
+    """A tiny model with a 3-slot bank whose slots differ from each other and the base."""
+    model = tiny_model(request.param, len(tok))
+    bank = AdapterBank(model, n_slots=3, rank=4, alpha=8.0)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for t in bank.targets.values():
+            t.b.copy_(torch.randn(t.b.shape, generator=gen) * 0.5)
+    return model, bank
+
+
+def _same(a, b) -> None:
+    assert [g.token_ids for g in a] == [g.token_ids for g in b]
+    assert [g.text for g in a] == [g.text for g in b]
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs))
+
+
+def test_same_seed_same_output_and_other_seed_differs(setup, tok):
+    model, bank = setup
+    slots = [0, 1, 2, 1, 0]
+    a = generate(model, bank, tok, PROMPTS, slots, SAMPLED, seed=7)
+    b = generate(model, bank, tok, PROMPTS, slots, SAMPLED, seed=7)
+    c = generate(model, bank, tok, PROMPTS, slots, SAMPLED, seed=8)
+    _same(a, b)
+    assert [g.token_ids for g in a] != [g.token_ids for g in c]
+    assert all(len(g.token_ids) == 12 and g.finish == "length" for g in a)
+
+
+def test_sample_independent_of_batch_composition_and_size(setup, tok):
+    model, bank = setup
+    slots = [0, 1, 2, 1, 0]
+    full = generate(model, bank, tok, PROMPTS, slots, SAMPLED, seed=3)
+    chunked = generate(model, bank, tok, PROMPTS, slots, SAMPLED, seed=3, batch_size=2)
+    _same(full, chunked)
+    # duplicated prompts (n samples of one task) get different samples
+    dup = generate(model, bank, tok, [PROMPTS[0]] * 4, [1] * 4, SAMPLED, seed=3)
+    assert len({tuple(g.token_ids) for g in dup}) > 1
+
+
+def test_logprobs_equal_teacher_forced_forward(setup, tok):
+    model, bank = setup
+    slots = [2, 0, 1, 1, 2]
+    params = SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=10, eos_token_ids=())
+    gens = generate(model, bank, tok, PROMPTS, slots, params, seed=5)
+    lp, mask = sequence_logprobs(
+        model, bank, [g.prompt_ids for g in gens], [g.token_ids for g in gens], slots
+    )
+    assert mask.all()
+    torch.testing.assert_close(lp, torch.tensor([g.logprobs for g in gens]), atol=1e-4, rtol=1e-4)
+
+
+def test_sequence_logprobs_has_grad_and_masks_ragged_rows(setup):
+    model, bank = setup
+    lp, mask = sequence_logprobs(model, bank, [[5, 6, 7], [8]], [[9, 10], [11, 12, 13]], [0, 1])
+    assert mask.tolist() == [[True, True, False], [True, True, True]]
+    assert lp[0, 2] == 0 and (lp[mask] < 0).all()
+    lp[mask].sum().backward()
+    grads = [p.grad for p in bank.parameters_of_bank()]
+    assert any(g is not None and g.abs().sum() > 0 for g in grads)
+    bank.zero_grad()
+
+
+def test_mixed_batch_rows_equal_each_row_alone(setup, tok):
+    model, bank = setup
+    slots = [0, 1, 2, 2, 1]
+    batch = generate(model, bank, tok, PROMPTS, slots, GREEDY)
+    for i, (prompt, slot) in enumerate(zip(PROMPTS, slots, strict=True)):
+        alone = generate(model, bank, tok, [prompt], [slot], GREEDY)
+        _same([batch[i]], alone)
+    # the slots really differ: the same prompt under another slot gives other tokens
+    others = generate(model, bank, tok, [PROMPTS[0]] * 3, [0, 1, 2], GREEDY)
+    assert len({tuple(g.token_ids) for g in others}) == 3
+
+
+def test_left_padding_does_not_change_a_row(setup, tok):
+    model, bank = setup
+    short = generate(model, bank, tok, ["a"], [1], GREEDY)
+    padded = generate(model, bank, tok, ["a", "x" * 40], [1, 1], GREEDY)
+    _same(short, padded[:1])
+
+
+def test_stop_strings_cut_rows_individually(setup, tok):
+    model, bank = setup
+    slots = [0, 1, 2, 1, 0]
+    free = generate(model, bank, tok, PROMPTS, slots, GREEDY)
+    stop = free[0].text[4:6]  # occurs in row 0; other rows stop only if it occurs there too
+    params = SamplingParams(temperature=0.0, max_new_tokens=12, eos_token_ids=(), stop=(stop,))
+    cut = generate(model, bank, tok, PROMPTS, slots, params)
+    assert cut[0].finish == "stop"
+    for f, c in zip(free, cut, strict=True):
+        if stop not in f.text:
+            _same([f], [c])
+            continue
+        n = len(c.token_ids)
+        assert c.finish == "stop" and c.token_ids == f.token_ids[:n]
+        assert c.logprobs == pytest.approx(f.logprobs[:n], abs=1e-5)
+        assert stop in tok.decode(c.token_ids) and stop not in tok.decode(c.token_ids[:-1])
+        assert c.text == tok.decode(c.token_ids).split(stop)[0] and stop not in c.text
+    kept = generate(model, bank, tok, PROMPTS[:1], [0], replace(params, include_stop=True))
+    assert kept[0].text == cut[0].text + stop
+
+
+def test_eos_stops_rows_individually(setup, tok):
+    model, bank = setup
+    slots = [0, 1, 2, 1, 0]
+    free = generate(model, bank, tok, PROMPTS, slots, GREEDY)
+    eos = free[1].token_ids[3]
+    params = SamplingParams(temperature=0.0, max_new_tokens=12, eos_token_ids=(eos,))
+    cut = generate(model, bank, tok, PROMPTS, slots, params)
+    for f, c in zip(free, cut, strict=True):
+        if eos not in f.token_ids:
+            _same([f], [c])
+            continue
+        n = f.token_ids.index(eos) + 1
+        assert c.finish == "eos" and c.token_ids == f.token_ids[:n]  # EOS is returned
+        assert c.text == tok.decode(f.token_ids[: n - 1], skip_special_tokens=True)
+    assert len(cut[1].token_ids) <= 4
+
+
+def test_tokenizer_eos_is_the_default(tok):
+    model = tiny_model("qwen2", len(tok))
+    params = SamplingParams(temperature=0.0, max_new_tokens=6)
+    free = generate(model, None, tok, ["zz"], [0], replace(params, eos_token_ids=()))
+    # make the first greedy token the tokenizer's EOS by swapping the two output rows
+    first = free[0].token_ids[0]
+    with torch.no_grad():
+        w = model.lm_head.weight
+        w[[first, tok.eos_token_id]] = w[[tok.eos_token_id, first]]
+    g = generate(model, None, tok, ["zz"], [0], params)[0]
+    assert g.finish == "eos" and g.token_ids == [tok.eos_token_id] and g.text == ""
+
+
+def test_tiny_top_p_is_greedy(setup, tok):
+    model, bank = setup
+    slots = [0, 1, 2, 1, 0]
+    nucleus = SamplingParams(temperature=1.0, top_p=1e-6, max_new_tokens=12, eos_token_ids=())
+    _same(
+        generate(model, bank, tok, PROMPTS, slots, GREEDY),
+        generate(model, bank, tok, PROMPTS, slots, nucleus, seed=11),
+    )
+
+
+def test_sampler_matches_the_tempered_nucleus_distribution():
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, -3.0]])
+    u = row_uniforms(0, range(20000), 1)[:, 0]
+    tokens, lps = sample(logits.expand(len(u), -1), u, temperature=0.5, top_p=0.95)
+    probs = torch.softmax(logits[0] / 0.5, -1)
+    kept = probs.cumsum(0) - probs < 0.95
+    expected = torch.where(kept, probs, 0.0) / probs[kept].sum()
+    freq = torch.bincount(tokens, minlength=5).float() / len(u)
+    torch.testing.assert_close(freq, expected, atol=0.01, rtol=0)
+    torch.testing.assert_close(lps, torch.log_softmax(logits[0], -1)[tokens])  # temperature 1
+
+
+def test_bad_input_gives_clear_errors(setup, tok):
+    model, bank = setup
+    with pytest.raises(ValueError, match="slot ids"):
+        generate(model, bank, tok, ["a", "b"], [0], GREEDY)
+    with pytest.raises(ValueError, match="slot ids"):
+        generate(model, bank, tok, ["a"], [3], GREEDY)
+    with pytest.raises(ValueError, match="empty"):
+        generate(model, bank, tok, [[]], [0], GREEDY)
+    with pytest.raises(ValueError, match="exceed"):
+        generate(model, bank, tok, ["a" * 250], [0], GREEDY)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match="stop"):
+        SamplingParams(stop="</answer>")  # type: ignore[arg-type]
+    assert generate(model, bank, tok, [], [], GREEDY) == []
+
+
+def test_token_id_prompts_and_restored_attention(setup, tok):
+    model, bank = setup
+    ids = tok(PROMPTS[2])["input_ids"]
+    a = generate(model, bank, None, [ids], [1], GREEDY)
+    b = generate(model, bank, tok, [PROMPTS[2]], [1], GREEDY)
+    assert a[0].token_ids == b[0].token_ids and a[0].text == ""
+    assert model.config._attn_implementation == "sdpa"
