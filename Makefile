@@ -17,7 +17,7 @@ $(BIN)/.installed: pyproject.toml Makefile
 install: $(BIN)/.installed
 
 demo: install
-	$(BIN)/lorapop demo
+	$(BIN)/lorapop train configs/tiny.yaml --out runs/tiny run.with_baseline=true
 
 test: install
 	$(BIN)/ruff check src tests benchmarks

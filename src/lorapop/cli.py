@@ -47,8 +47,8 @@ def verify(
             sys.stdout.flush()
 
 
-@app.command()
-def demo() -> None:
+@app.command("sandbox-demo")
+def sandbox_demo() -> None:
     """A short verifier demo: honest and hostile programs and their verdicts."""
     from rich.console import Console
     from rich.table import Table
@@ -71,6 +71,32 @@ def _fail(message: str) -> typer.Exit:
     return typer.Exit(2)
 
 
+def _run(cfg, run_dir, resume: bool) -> int:
+    """Train one run with the live display (and TensorBoard when asked); return steps done."""
+    from lorapop.engine.model import ModelLoadError
+    from lorapop.loop import SelfPlay
+    from lorapop.progress import RunDisplay, TensorBoardLog
+
+    try:
+        sp = SelfPlay(cfg, run_dir, resume=resume)
+    except (ModelLoadError, FileNotFoundError, ValueError) as e:
+        raise _fail(str(e)) from None
+    hooks = []
+    tb = TensorBoardLog(str(run_dir / "tensorboard")) if cfg.run.tensorboard else None
+    if tb:
+        hooks.append(tb)
+    try:
+        with RunDisplay(cfg.train.steps, sp.step_done, enabled=cfg.run.progress) as display:
+            hooks.append(display.update)
+            sp.run(on_step=lambda row: [h(row) for h in hooks])
+    finally:
+        sp.close()
+        if tb:
+            tb.close()
+    typer.echo(f"run: {run_dir} ({sp.step_done} steps, {cfg.league.mode})")
+    return sp.step_done
+
+
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def train(
     ctx: typer.Context,
@@ -87,13 +113,12 @@ def train(
     """Run population self-play (or the single-agent baseline) and checkpoint as it goes.
 
     Extra arguments `key.path=value` override the config, e.g. `lora.rank=16 league.pfsp=hard`.
+    With `run.with_baseline=true` the single-agent baseline trains next, in RUN_DIR/baseline,
+    with the same per-adapter compute.
     """
     from pathlib import Path
 
     from lorapop.config import ConfigError, load_config
-    from lorapop.engine.model import ModelLoadError
-    from lorapop.loop import SelfPlay
-    from lorapop.progress import RunDisplay, TensorBoardLog
     from lorapop.report import write_report
 
     overrides = list(ctx.args)
@@ -105,32 +130,25 @@ def train(
         config = config or str(run_dir / "config.yaml")
     elif config is None:
         raise _fail("give a CONFIG file, or --resume RUN_DIR")
+    else:
+        run_dir = Path(out) if out else Path("runs") / Path(config).stem
     try:
         cfg = load_config(config, overrides)
     except ConfigError as e:
         raise _fail(str(e)) from None
     if steps is not None:
         cfg.train.steps = steps
-    if not resume:
-        run_dir = Path(out) if out else Path("runs") / Path(config).stem
-    try:
-        sp = SelfPlay(cfg, run_dir, resume=bool(resume))
-    except (ModelLoadError, FileNotFoundError, ValueError) as e:
-        raise _fail(str(e)) from None
-    hooks = []
-    tb = TensorBoardLog(str(run_dir / "tensorboard")) if cfg.run.tensorboard else None
-    if tb:
-        hooks.append(tb)
-    try:
-        with RunDisplay(cfg.train.steps, sp.step_done, enabled=cfg.run.progress) as display:
-            hooks.append(display.update)
-            sp.run(on_step=lambda row: [h(row) for h in hooks])
-    finally:
-        sp.close()
-        if tb:
-            tb.close()
-    typer.echo(f"run: {run_dir} ({sp.step_done} steps)")
-    if report and sp.step_done:
+    done = _run(cfg, run_dir, bool(resume))
+    baseline_dir = run_dir / "baseline"
+    if cfg.run.with_baseline and cfg.league.mode == "population":
+        base = cfg.model_copy(deep=True)
+        base.league.mode = "single"
+        base.run.with_baseline = False
+        _run(base, baseline_dir, resume=bool(resume) and (baseline_dir / "checkpoints").is_dir())
+    if report and done:
+        from lorapop.report import summary_table
+
+        typer.echo(summary_table(run_dir, baseline_dir if baseline_dir.is_dir() else None))
         typer.echo(f"report: {write_report(run_dir)}")
 
 

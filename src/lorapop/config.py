@@ -126,6 +126,9 @@ class TrainConfig(Section):
 
 class RunConfig(Section):
     save_every: int = Field(10, ge=1)
+    with_baseline: bool = False
+    """After a population run, train the single-agent baseline with the same per-adapter
+    compute in RUN_DIR/baseline (the report then compares the two)."""
     tensorboard: bool = False
     progress: bool = True
 

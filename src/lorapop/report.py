@@ -85,22 +85,66 @@ def plot_matchups(rows: list[dict]) -> str:
     return _png(fig)
 
 
-def plot_programs(rows: list[dict]) -> str:
+def _program_series(rows: list[dict], key: str) -> list[tuple[int, float]]:
+    """Per step: the mean of `key` over task types (coverage: the sum over types)."""
+    pts = []
+    for r in rows:
+        vals = [m[key] for m in r.get("programs", {}).values() if m.get(key) is not None]
+        if vals:
+            pts.append((r["step"], sum(vals) if key == "coverage" else sum(vals) / len(vals)))
+    return pts
+
+
+def plot_programs(runs: dict[str, list[dict]]) -> str:
+    """Teacher program complexity and coverage over time, one line per run."""
     keys = (*PROGRAM_METRICS, "coverage")
     fig, axes = plt.subplots(1, len(keys), figsize=(3 * len(keys), 2.8))
     for ax, key in zip(axes, keys, strict=True):
-        by_type: dict[str, list[tuple[int, float]]] = defaultdict(list)
-        for r in rows:
-            for ttype, m in r.get("programs", {}).items():
-                if m.get(key) is not None:
-                    by_type[ttype].append((r["step"], m[key]))
-        for ttype, pts in sorted(by_type.items()):
-            ax.plot(*zip(*pts, strict=True), label=ttype)
+        for label, rows in runs.items():
+            pts = _program_series(rows, key)
+            if pts:
+                ax.plot(*zip(*pts, strict=True), label=label)
         ax.set(title=key, xlabel="step")
     if axes[0].get_legend_handles_labels()[0]:
         axes[0].legend(fontsize=7)
-    fig.suptitle("Teacher programs (valid proposals)")
+    fig.suptitle("Valid teacher programs: mean over task types (coverage: distinct signatures)")
     return _png(fig)
+
+
+def summarize(rows: list[dict], last: int = 5) -> dict[str, float | None]:
+    """Means over the last `last` steps: what the demo prints and the experiment compares."""
+    tail = rows[-last:]
+
+    def mean(vals: list) -> float | None:
+        vals = [v for v in vals if v is not None]
+        return sum(vals) / len(vals) if vals else None
+
+    members = [m for r in tail for m in r["members"].values()]
+    out = {
+        "valid_rate": mean([m.get("valid_rate") for m in members]),
+        "solve_rate": mean([m.get("solve_rate") for m in members]),
+    }
+    for key in PROGRAM_METRICS:
+        out[key] = mean([v for r in tail for v in [dict(_program_series([r], key)).get(r["step"])]])
+    cov = _program_series(rows, "coverage")
+    out["coverage"] = cov[-1][1] if cov else None
+    return out
+
+
+def summary_table(run_dir: str | Path, baseline_dir: str | Path | None = None) -> str:
+    """A plain-text comparison of a run (and its baseline) over the last steps."""
+    runs = {"population": Path(run_dir)}
+    if baseline_dir is not None:
+        runs["baseline"] = Path(baseline_dir)
+    stats = {k: summarize(read_metrics(d)) for k, d in runs.items()}
+    keys = list(next(iter(stats.values())))
+    lines = [f"{'last 5 steps':14s}" + "".join(f"{k:>12s}" for k in stats)]
+    for key in keys:
+        cells = "".join(
+            f"{v:12.3f}" if (v := stats[k][key]) is not None else f"{'-':>12s}" for k in stats
+        )
+        lines.append(f"{key:14s}{cells}")
+    return "\n".join(lines)
 
 
 def plot_phases(rows: list[dict]) -> str:
@@ -136,10 +180,16 @@ def write_report(run_dir: str | Path, extra_html: str = "") -> Path:
     rows = read_metrics(run_dir)
     if not rows:
         raise ValueError(f"{run_dir}/metrics.jsonl has no complete step yet")
+    runs = {"population" if rows[-1]["members"].keys() - {"A0"} else "baseline": rows}
+    baseline = run_dir / "baseline"
+    if (baseline / "metrics.jsonl").is_file():
+        runs["baseline (single agent)"] = read_metrics(baseline)
+        extra_html = (f"<h2>Population vs baseline</h2><pre>"
+                      f"{html.escape(summary_table(run_dir, baseline))}</pre>{extra_html}")
     figures = [
         ("Ratings", plot_ratings(rows)),
         ("Matchups", plot_matchups(rows)),
-        ("Program complexity and coverage", plot_programs(rows)),
+        ("Program complexity and coverage", plot_programs(runs)),
         ("Phase timings", plot_phases(rows)),
     ]
     last = rows[-1]

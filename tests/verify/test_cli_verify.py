@@ -65,6 +65,6 @@ def test_undecodable_line_is_a_bad_request(tmp_path):
 
 
 def test_demo_runs():
-    result = CliRunner().invoke(app, ["demo"])
+    result = CliRunner().invoke(app, ["sandbox-demo"])
     assert result.exit_code == 0, result.output
     assert "nondeterministic" in result.output and "timeout" in result.output
