@@ -6,7 +6,10 @@ Compares, in one run and with the same concurrency (`--workers`):
   fresh_process     (a) a new `python` process per program
   pool_exec         (b) long-lived ProcessPoolExecutor workers that exec each program, no
                     isolation (AZR's way: one submitted future per program)
-All four must produce the same outputs. Writes benchmarks/results/verify_throughput.json.
+All four must produce the same outputs. Writes benchmarks/results/verify_throughput.json, with
+the load average before and after (the machine is shared: every row of one run sees the same
+contention, so compare ratios) and, per sandbox row, the CPU cost per job of the caller, the fork
+servers and their children (from getrusage and /proc/PID/stat), which does not depend on load.
 
     .venv/bin/python benchmarks/verify_throughput.py [--n 1000] [--workers 2]
 """
@@ -18,6 +21,7 @@ import datetime as dt
 import json
 import os
 import platform
+import resource
 import subprocess
 import sys
 import time
@@ -70,6 +74,20 @@ def pool_exec(progs: list[tuple[str, str]], workers: int) -> tuple[list[str], fl
         return out, time.perf_counter() - t0
 
 
+def _cpu(servers: list[int]) -> tuple[float, float, float, int, int]:
+    """CPU seconds of (this process, the servers, their reaped children), and page faults."""
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    srv = kids = 0.0
+    flt = cflt = 0
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in servers:
+        f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        srv += (int(f[11]) + int(f[12])) / tick
+        kids += (int(f[13]) + int(f[14])) / tick
+        flt, cflt = flt + int(f[7]), cflt + int(f[8])
+    return me.ru_utime + me.ru_stime, srv, kids, flt, cflt
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=1000)
@@ -85,20 +103,45 @@ def main() -> None:
         rows[name] = {"seconds": round(seconds, 3), "programs_per_s": round(args.n / seconds, 1)}
         print(f"{name:>14}: {args.n / seconds:8.1f} programs/s ({seconds:.2f} s)", flush=True)
 
+    load_start = [round(x, 2) for x in os.getloadavg()]
+    cpu: dict[str, dict] = {}
     t0 = time.perf_counter()
     with Sandbox(workers=args.workers) as sb:
         startup = time.perf_counter() - t0
         isolation = sb.isolation
         for name, det in (("sandbox", False), ("sandbox_det", True)):
             sb.run([Job(p, e, deterministic=det) for p, e in progs[:20]])  # warm both servers
+            pids = [s.proc.pid for s in sb._servers if s is not None]  # private: a benchmark
+            before = _cpu(pids)
             t0 = time.perf_counter()
             verdicts = sb.run([Job(p, e, deterministic=det) for p, e in progs])
             record(name, time.perf_counter() - t0, [v.output for v in verdicts])
+            d = [b - a for a, b in zip(before, _cpu(pids), strict=True)]
+            cpu[name] = {
+                "caller_ms": round(1000 * d[0] / args.n, 3),
+                "servers_ms": round(1000 * d[1] / args.n, 3),
+                "children_ms": round(1000 * d[2] / args.n, 3),
+                "total_ms": round(1000 * sum(d[:3]) / args.n, 3),
+                "server_page_faults": round(d[3] / args.n),
+                "children_page_faults": round(d[4] / args.n),
+            }
+
+    def used() -> float:  # CPU seconds of this process and its reaped children
+        a, b = (
+            resource.getrusage(resource.RUSAGE_SELF),
+            resource.getrusage(resource.RUSAGE_CHILDREN),
+        )
+        return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
+
+    c0 = used()
     out, seconds = pool_exec(progs, args.workers)
     record("pool_exec", seconds, out)
+    cpu["pool_exec"] = {"total_ms": round(1000 * (used() - c0) / args.n, 3)}  # with its start
+    c0 = used()
     t0 = time.perf_counter()
     out = fresh_process(progs, args.workers)
     record("fresh_process", time.perf_counter() - t0, out)
+    cpu["fresh_process"] = {"total_ms": round(1000 * (used() - c0) / args.n, 3)}
 
     speed = {k: v["programs_per_s"] for k, v in rows.items()}
     result = {
@@ -109,6 +152,7 @@ def main() -> None:
             "cpu_count": os.cpu_count(),
             "platform": platform.platform(),
             "python": platform.python_version(),
+            "loadavg_at_start": load_start,
             "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
         },
         "n_programs": args.n,
@@ -116,6 +160,7 @@ def main() -> None:
         "sandbox_startup_s": round(startup, 3),
         "sandbox_isolation": isolation,
         "results": rows,
+        "cpu_per_job": cpu,
         "ratios": {
             "sandbox_vs_fresh_process": round(speed["sandbox"] / speed["fresh_process"], 2),
             "sandbox_det_vs_fresh_process": round(speed["sandbox_det"] / speed["fresh_process"], 2),

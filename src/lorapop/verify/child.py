@@ -1,15 +1,16 @@
-"""What a forked job process does: confine itself, run the program, report one JSON line.
+"""What a forked job process does: confine itself, wait for its job, run it, report one JSON line.
 
-Runs inside the fork server, after `fork()`. Confinement happens before any untrusted code and
-a failure to confine reports `crashed` without running it. The result is JSON text (never a
-pickle) written to fd 3; the server trusts only its shape, and reads at most a capped amount.
+Runs inside the fork server, after `fork()`. The server forks children ahead of time: each one
+confines itself (process group, fds, working dir, rlimits, uid) with no job yet, then blocks
+reading its single job from fd 4, so a job starts with a pipe write instead of a fork. A failure
+to confine reports `crashed` without running the job. The result is JSON text (never a pickle)
+written to fd 3 (`lorapop.verify.wire`); the server trusts only its shape, and reads at most a capped amount.
 """
 
 from __future__ import annotations
 
 import builtins
 import io
-import json
 import os
 import pickle
 import resource
@@ -19,7 +20,10 @@ import types
 from dataclasses import dataclass
 from typing import NoReturn
 
+from lorapop.verify.wire import decode_job, encode_result
+
 RESULT_FD = 3
+JOB_FD = 4
 # Bound at import, so a program that rebinds builtins.repr or pickle.dumps cannot fake a result.
 _repr, _dumps, _str, _type, _len = repr, pickle.dumps, str, type, len
 
@@ -37,7 +41,8 @@ ALLOWED_MODULES: tuple[str, ...] = (
     "encodings.base64_codec", "encodings.rot_13",
 )  # fmt: skip
 
-#: Loaded in the server for its own work but hidden from jobs (they are banned or pointless).
+#: Loaded in the server for its own work but hidden from jobs (they are banned or pointless);
+#: the server drops them from sys.modules once, before it forks (see `hide_modules`).
 _HIDDEN_PREFIXES = (
     "lorapop", "subprocess", "_posixsubprocess", "selectors", "threading", "multiprocessing",
     "logging", "ctypes", "_ctypes", "socket", "_socket", "random", "time", "datetime",
@@ -75,13 +80,27 @@ class _CappedText(io.TextIOBase):
         return len(s)
 
 
-def _confine(limits: Limits, workdir: str, uid: int | None, gid: int | None) -> None:
-    os.setpgid(0, 0)
-    devnull = os.open(os.devnull, os.O_RDWR)
-    for fd in (0, 1, 2):
-        os.dup2(devnull, fd)
-    os.closerange(RESULT_FD + 1, 1 << 16)
-    os.chdir(workdir)
+@dataclass(frozen=True)
+class Prepared:
+    """What every child of one server needs, built once in the server before it forks.
+
+    Doing this work (and hiding modules, dropping import caches) in each child instead would
+    run more Python there, and every page a child writes costs a copy-on-write fault.
+    """
+
+    limits: Limits
+    rlimits: tuple[tuple[int, tuple[int, int]], ...]
+    devnull: int
+    streams: tuple[io.StringIO, _CappedText, _CappedText]  # each child mutates its own copy
+    importer: tuple[object, ...]  # the server's import state, which children unbind
+
+
+def prepare(limits: Limits) -> Prepared:
+    """Call once in the server, after its imports: hide its modules, build the shared parts."""
+    for name in list(sys.modules):  # the server keeps its own references
+        if name.split(".")[0] in _HIDDEN_PREFIXES:
+            del sys.modules[name]
+    sys.path_importer_cache.clear()  # a cache: freeing it in each child would touch every entry
     cpu = int(limits.timeout_s) + 1
     rlimits = [
         (resource.RLIMIT_CPU, (cpu, cpu + 1)),
@@ -95,7 +114,17 @@ def _confine(limits: Limits, workdir: str, uid: int | None, gid: int | None) -> 
     if limits.isolate:
         # NPROC counts the processes of the (per-slot) uid; 0 means no fork/clone at all.
         rlimits.append((resource.RLIMIT_NPROC, (0, 0)))
-    for which, value in rlimits:
+    cap = limits.max_stdout_chars
+    streams = (io.StringIO(""), _CappedText(cap), _CappedText(cap))
+    importer = (sys.meta_path, sys.path_hooks, sys.path_importer_cache, sys.path)
+    return Prepared(limits, tuple(rlimits), os.open(os.devnull, os.O_RDWR), streams, importer)
+
+
+def _confine(prep: Prepared, workdir: str, uid: int | None, gid: int | None) -> None:
+    os.setpgid(0, 0)
+    os.closerange(JOB_FD + 1, 1 << 16)
+    os.chdir(workdir)
+    for which, value in prep.rlimits:
         resource.setrlimit(which, value)
     if uid is not None and gid is not None:
         os.setgroups([])
@@ -103,16 +132,10 @@ def _confine(limits: Limits, workdir: str, uid: int | None, gid: int | None) -> 
         os.setuid(uid)
         if os.getuid() != uid or os.geteuid() != uid:
             raise RuntimeError("setuid did not take effect")
-    sys.stdin = io.StringIO("")
-    sys.stdout = _CappedText(limits.max_stdout_chars)
-    sys.stderr = _CappedText(limits.max_stdout_chars)
-    for name in list(sys.modules):
-        if name.split(".")[0] in _HIDDEN_PREFIXES:
-            del sys.modules[name]
-    sys.meta_path.clear()
-    sys.path_hooks.clear()
-    sys.path_importer_cache.clear()
-    sys.path.clear()
+    sys.stdin, sys.stdout, sys.stderr = prep.streams
+    # Import system off. Rebinding (not clearing) leaves the server's objects alone: freeing
+    # them here would write to every page they lie on. `prep.importer` keeps them alive.
+    sys.meta_path, sys.path_hooks, sys.path_importer_cache, sys.path = [], [], {}, []
 
 
 def _describe(e: BaseException) -> str:
@@ -175,22 +198,42 @@ def execute(
     return {"status": "ok", "output": text, "error": None}
 
 
+def _read_job() -> tuple[str, str] | None:
+    """(program, expr) the server writes to fd 4, then EOF; None when closed without one."""
+    parts = []
+    while chunk := os.read(JOB_FD, 1 << 16):
+        parts.append(chunk)
+    os.close(JOB_FD)
+    return decode_job(b"".join(parts)) if parts else None
+
+
 def run_child(
-    job: dict[str, object], limits: Limits, workdir: str, uid: int | None, gid: int | None
+    fds: tuple[int, int], prep: Prepared, workdir: str, uid: int | None, gid: int | None
 ) -> NoReturn:
-    """Entry point right after fork(); never returns."""
+    """Entry point right after fork(): `fds` = (result pipe write end, job pipe read end)."""
     try:
+        # Park the three fds above every fd we were given, then move them down: 0-2 /dev/null,
+        # 3 the result pipe, 4 the job pipe (the rest is closed before the job runs).
+        high = max(*fds, prep.devnull) + 1
+        for i, fd in enumerate((prep.devnull, *fds)):
+            os.dup2(fd, high + i)
+        for fd in (0, 1, 2, RESULT_FD, JOB_FD):
+            os.dup2(high + max(0, fd - 2), fd)
         try:
-            _confine(limits, workdir, uid, gid)
+            _confine(prep, workdir, uid, gid)
+            failure = None
         except BaseException as e:
-            res: dict[str, object] = {
-                "status": "crashed", "output": None, "error": "confinement: " + _describe(e)
-            }  # fmt: skip
+            failure = "confinement: " + _describe(e)
+        job = _read_job()
+        if job is None:  # the server is shutting down
+            os._exit(0)
+        if failure is not None:
+            data = encode_result("crashed", None, failure, 0.0)
         else:
             t0 = time.perf_counter()
-            res = execute(str(job["program"]), str(job["expr"]), limits.max_output_chars, True)
-            res["duration"] = time.perf_counter() - t0
-        data = json.dumps(res).encode()
+            res = execute(*job, prep.limits.max_output_chars, True)
+            duration = time.perf_counter() - t0
+            data = encode_result(res["status"], res["output"], res["error"], duration)  # type: ignore[arg-type]
         view = memoryview(data)
         while view:
             view = view[os.write(RESULT_FD, view) :]

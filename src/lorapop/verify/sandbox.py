@@ -28,6 +28,8 @@ _warned: set[str] = set()
 
 #: First uid of the per-slot users when isolating as root; unassigned ids far above real users.
 UID_BASE = 0x7F000000
+#: uids per fork server: it keeps up to workers + max(workers, 8) children alive (running, idle).
+UID_SPAN = 2000
 NOGROUP = 65534
 _RESOURCE = (Status.TIMEOUT, Status.MEMORY, Status.CRASHED)
 
@@ -68,8 +70,10 @@ class _Server:
         sel.register(self.fd, selectors.EVENT_READ)
         ready = sel.select(timeout)
         sel.close()
-        if not ready:
-            return []
+        return self.read() if ready else []
+
+    def read(self) -> list[dict] | None:
+        """The complete lines of one read (call when readable); None at EOF."""
         chunk = os.read(self.fd, 1 << 20)
         if not chunk:
             return None
@@ -176,7 +180,7 @@ class Sandbox:
         config = {
             "workers": self.workers,
             "limits": self._limits,
-            "uid_base": UID_BASE + 1000 * i if self.isolate else None,
+            "uid_base": UID_BASE + UID_SPAN * i if self.isolate else None,
             "gid": NOGROUP,
         }
         srv = _Server(config, self.hash_seeds[i])
@@ -241,23 +245,29 @@ class Sandbox:
             writers.append(t)
         stall = self.timeout_s + 15.0
         last = {s: time.monotonic() for s in active}
+        sel = selectors.DefaultSelector()
         for s in active:
             self._absorb(servers[s].backlog, waiting[s], out[s])
             servers[s].backlog = []
+            sel.register(servers[s].fd, selectors.EVENT_READ, s)
         while any(waiting.values()):
+            ready = {key.data for key, _ in sel.select(timeout=1.0)}
+            now = time.monotonic()
             for s in active:
                 if not waiting[s]:
                     continue
-                lines = servers[s].read_lines(timeout=0.05 if len(active) > 1 else 1.0)
+                lines = servers[s].read() if s in ready else []
                 if lines:
-                    last[s] = time.monotonic()
+                    last[s] = now
                     self._absorb(lines, waiting[s], out[s])
-                elif lines is None or time.monotonic() - last[s] > stall:
+                elif lines is None or now - last[s] > stall:
                     why = "sandbox server died" if lines is None else "sandbox server stalled"
+                    sel.unregister(servers[s].fd)
                     servers[s].kill()  # restarted on next use
                     for rid in waiting[s]:
                         out[s][rid] = Verdict(Status.CRASHED, None, why, 0.0)
                     waiting[s] = set()
+        sel.close()
         for t in writers:
             t.join(timeout=5.0)
         return out

@@ -2,12 +2,16 @@
 
 Started by `Sandbox` as `python -S -m lorapop.verify.server CONFIG` with a clean environment and
 its own PYTHONHASHSEED (children inherit the hash secret, so determinism needs two servers).
-It pre-imports the allowed modules once, so a job costs a fork, not an interpreter start.
+It pre-imports the allowed modules once, so a job costs a fork, not an interpreter start. It
+forks each child ahead of its job: an idle child confines itself and waits on a pipe, so
+starting a job is one pipe write and the fork overlaps the jobs that are running. Each child
+still runs exactly one job and never sees another job's state.
 
 When isolating as root it enters a fresh network namespace (no interfaces up: no network) and a
 mount namespace with private tmpfs over the world-writable dirs (/tmp, /var/tmp, /dev/shm,
 /run/lock), so a job can neither reach the network nor leave files behind; each child then drops
-to its own unprivileged uid (one per slot, so a job cannot signal its siblings either).
+to its own unprivileged uid (one per live child, idle or running: workers + max(workers, SPARE)
+uids), so a job cannot signal its siblings or the children waiting for the next jobs.
 
 Protocol (JSON lines): stdin `{"id", "program", "expr"}`; stdout first `{"hello": {...}}`, then
 one `{"id", "status", "output", "error", "duration"}` per job, in completion order. EOF on stdin
@@ -26,9 +30,11 @@ import shutil
 import signal
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
-from lorapop.verify.child import ALLOWED_MODULES, Limits, run_child
+from lorapop.verify.child import ALLOWED_MODULES, Limits, Prepared, prepare, run_child
+from lorapop.verify.wire import decode_result, encode_job
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWNET = 0x40000000
@@ -37,6 +43,8 @@ _PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
 #: Bytes read back from one child at most; more is a flood and counts as output_too_large.
 _SLACK = 1 << 16
 _HAS_PIDFD = hasattr(os, "pidfd_open")
+#: Idle children a refill makes at least (a refill starts when fewer than `workers` are idle).
+SPARE = 8
 
 
 def _unshare(flags: int) -> None:
@@ -99,34 +107,39 @@ class Config:
 
 
 @dataclass
-class _Running:
-    job_id: object
+class _Child:
     pid: int
-    fd: int | None
-    slot: int
+    fd: int | None  # read end of the result pipe
+    job_fd: int | None  # write end of the job pipe, until the job is sent
+    slot: int  # index of its uid
     workdir: str
-    start: float
-    deadline: float
+    job_id: object = None
+    start: float = 0.0
+    deadline: float = float("inf")
     pidfd: int | None = None
     data: bytearray = field(default_factory=bytearray)
     flooded: bool = False
 
 
 class Server:
-    def __init__(self, cfg: Config) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: Config, prep: Prepared) -> None:
+        self.cfg, self.prep = cfg, prep
         self.sel = selectors.DefaultSelector()
-        self.pending: list[dict[str, object]] = []
-        self.running: dict[int, _Running] = {}  # pid -> job
-        self.free = list(range(cfg.workers))
+        self.pending: deque[dict[str, object]] = deque()
+        self.idle: list[_Child] = []  # forked and confined, waiting for a job
+        self.running: dict[int, _Child] = {}  # pid -> child
+        self.spare = max(cfg.workers, SPARE)  # idle children after a refill
+        self.free = list(range(cfg.workers + self.spare))  # uid slots: one per live child
         self.inbuf = bytearray()
+        self.outbuf: list[bytes] = []
         self.seq = 0
         self.closing = False
         self.root = f"/tmp/lorapop-sandbox-{os.getpid()}-{os.urandom(4).hex()}"
         os.mkdir(self.root, 0o711)
 
-    # --- jobs -----------------------------------------------------------------------------
-    def _spawn(self, job: dict[str, object]) -> None:
+    # --- children ---------------------------------------------------------------------------
+    def _fork(self) -> None:
+        """Fork an idle child: it confines itself and waits for its job on a pipe."""
         slot = self.free.pop()
         self.seq += 1
         workdir = f"{self.root}/{slot}-{self.seq}"
@@ -134,34 +147,86 @@ class Server:
         uid = None if self.cfg.uid_base is None else self.cfg.uid_base + slot
         if uid is not None:
             os.chown(workdir, uid, self.cfg.gid)
-        r, w = os.pipe()
+        res_r, res_w = os.pipe()
+        job_r, job_w = os.pipe()
         pid = os.fork()
         if pid == 0:  # child
             try:
-                if w != 3:
-                    os.dup2(w, 3)
-                run_child(job, self.cfg.limits, workdir, uid, self.cfg.gid)
+                run_child((res_w, job_r), self.prep, workdir, uid, self.cfg.gid)
             finally:
                 os._exit(70)
-        os.close(w)
+        os.close(res_w)
+        os.close(job_r)
         with contextlib.suppress(OSError):  # the child did it first, or already exited
             os.setpgid(pid, pid)
-        os.set_blocking(r, False)
-        now = time.monotonic()
-        run = _Running(job["id"], pid, r, slot, workdir, now, now + self.cfg.limits.timeout_s)
-        self.running[pid] = run
-        self.sel.register(r, selectors.EVENT_READ, run)
-        if _HAS_PIDFD:  # readable when the child exits: no polling for the reap
-            run.pidfd = os.pidfd_open(pid)
-            self.sel.register(run.pidfd, selectors.EVENT_READ, (run,))
+        self.idle.append(_Child(pid, res_r, job_w, slot, workdir))
 
-    def _close_fd(self, run: _Running) -> None:
+    def _start(self, job: dict[str, object]) -> None:
+        """Hand `job` to an idle child; a child that died idle is replaced (never reused)."""
+        data = encode_job(str(job["program"]), str(job["expr"]))
+        for _ in range(3):
+            if not self.idle:
+                self._fork()
+            child = self.idle.pop(0)
+            try:
+                view = memoryview(data)
+                while view:  # blocking: the child is reading
+                    view = view[os.write(child.job_fd, view) :]  # type: ignore[arg-type]
+                os.close(child.job_fd)  # type: ignore[arg-type]
+                child.job_fd = None
+                break
+            except OSError:
+                self._discard(child)
+        else:
+            self._send(
+                {
+                    "id": job["id"],
+                    "status": "crashed",
+                    "output": None,
+                    "error": "sandbox children die before their job",
+                    "duration": 0.0,
+                }
+            )
+            return
+        now = time.monotonic()
+        child.job_id, child.start = job["id"], now
+        child.deadline = now + self.cfg.limits.timeout_s
+        self.running[child.pid] = child
+        os.set_blocking(child.fd, False)  # type: ignore[arg-type]
+        self.sel.register(child.fd, selectors.EVENT_READ, child)  # type: ignore[arg-type]
+
+    def _discard(self, child: _Child) -> None:
+        """Kill and reap a child that never got (or will never get) a job."""
+        self._kill(child)
+        os.waitpid(child.pid, 0)
+        for fd in (child.fd, child.job_fd):
+            if fd is not None:
+                os.close(fd)
+        self._release(child)
+
+    def _release(self, child: _Child) -> None:
+        self.free.append(child.slot)
+        try:
+            os.rmdir(child.workdir)
+        except OSError:
+            shutil.rmtree(child.workdir, ignore_errors=True)
+
+    def _close_fd(self, run: _Child) -> None:
         if run.fd is not None:
             self.sel.unregister(run.fd)
             os.close(run.fd)
             run.fd = None
 
-    def _reap(self, run: _Running, block: bool) -> bool:
+    def _exited(self, run: _Child) -> None:
+        """The result pipe is closed: reap the child now if it is gone, else wait on a pidfd."""
+        pid, status = os.waitpid(run.pid, os.WNOHANG)
+        if pid:
+            self._finish(run, status, timed_out=False)
+        elif _HAS_PIDFD and run.pidfd is None:  # readable when the child exits
+            run.pidfd = os.pidfd_open(run.pid)
+            self.sel.register(run.pidfd, selectors.EVENT_READ, (run,))
+
+    def _reap(self, run: _Child, block: bool) -> bool:
         """Collect an exited child: drain its pipe and send its verdict."""
         pid, status = os.waitpid(run.pid, 0 if block else os.WNOHANG)
         if not pid:
@@ -172,31 +237,27 @@ class Server:
         self._finish(run, status, timed_out=False)
         return True
 
-    def _kill(self, run: _Running) -> None:
+    def _kill(self, run: _Child) -> None:
         with contextlib.suppress(OSError):
             os.killpg(run.pid, signal.SIGKILL)
         with contextlib.suppress(OSError):
             os.kill(run.pid, signal.SIGKILL)
 
-    def _finish(self, run: _Running, wait_status: int | None, timed_out: bool) -> None:
+    def _finish(self, run: _Child, wait_status: int | None, timed_out: bool) -> None:
         self._close_fd(run)
         if run.pidfd is not None:
             self.sel.unregister(run.pidfd)
             os.close(run.pidfd)
             run.pidfd = None
         del self.running[run.pid]
-        self.free.append(run.slot)
-        try:
-            os.rmdir(run.workdir)
-        except OSError:
-            shutil.rmtree(run.workdir, ignore_errors=True)
+        self._release(run)
         wall = time.monotonic() - run.start
         res = self._verdict(run, wait_status, timed_out)
         res.setdefault("duration", wall)
         res["id"] = run.job_id
         self._send(res)
 
-    def _verdict(self, run: _Running, wait_status: int | None, timed_out: bool) -> dict:
+    def _verdict(self, run: _Child, wait_status: int | None, timed_out: bool) -> dict:
         limit = self.cfg.limits.timeout_s
         if timed_out:
             return {"status": "timeout", "output": None, "error": f"exceeded {limit:g} s"}
@@ -209,19 +270,9 @@ class Server:
         )
         if sig == signal.SIGXCPU:
             return {"status": "timeout", "output": None, "error": f"CPU time over {limit:g} s"}
-        try:
-            res = json.loads(run.data.decode())
-            ok = (
-                isinstance(res, dict)
-                and isinstance(res.get("status"), str)
-                and isinstance(res.get("output"), str | None)
-                and isinstance(res.get("error"), str | None)
-                and isinstance(res.get("duration", 0.0), float | int)
-            )
-        except ValueError:
-            ok = False
-        if ok and sig is None:
-            return {k: res[k] for k in ("status", "output", "error", "duration") if k in res}
+        res = decode_result(bytes(run.data))
+        if res is not None and sig is None:
+            return res
         if sig is not None:
             name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else sig
             return {"status": "crashed", "output": None, "error": f"killed by signal {name}"}
@@ -230,9 +281,13 @@ class Server:
 
     # --- io -------------------------------------------------------------------------------
     def _send(self, obj: dict) -> None:
-        if self.closing:
-            return
-        view = memoryview((json.dumps(obj) + "\n").encode())
+        if not self.closing:
+            self.outbuf.append((json.dumps(obj) + "\n").encode())
+
+    def _flush(self) -> None:
+        """Write the verdicts of one loop turn at once: one wake-up of the caller, not many."""
+        view = memoryview(b"".join(self.outbuf))
+        self.outbuf.clear()
         while view:
             view = view[os.write(1, view) :]
 
@@ -246,7 +301,7 @@ class Server:
         self.pending.extend(json.loads(line) for line in lines if line.strip())
         return True
 
-    def _read_child(self, run: _Running) -> bool:
+    def _read_child(self, run: _Child) -> bool:
         """Read what is there; False when nothing was (would block)."""
         cap = 8 * self.cfg.limits.max_output_chars + _SLACK
         try:
@@ -263,12 +318,29 @@ class Server:
             self._close_fd(run)
         return True
 
+    def _shutdown(self) -> None:
+        self.closing = True
+        self.sel.unregister(0)
+        self.pending.clear()
+        for run in list(self.running.values()):
+            self._kill(run)
+        while self.idle:
+            self._discard(self.idle.pop())
+
     def serve(self) -> None:
         self.sel.register(0, selectors.EVENT_READ, None)
+        workers = self.cfg.workers
         open_stdin = True
         while open_stdin or self.running or self.pending:
-            while self.pending and self.free:
-                self._spawn(self.pending.pop(0))
+            while self.pending and len(self.running) < workers and not self.closing:
+                self._start(self.pending.popleft())
+            if open_stdin and len(self.idle) < workers:
+                # Refill in a burst: after each fork the server's own next writes copy pages
+                # it shares with the children, and forks in a row share that cost.
+                while len(self.idle) < self.spare and self.free:
+                    self._fork()
+            if self.outbuf:
+                self._flush()
             now = time.monotonic()
             waits = [r.deadline - now for r in self.running.values()]
             if not _HAS_PIDFD and any(r.fd is None for r in self.running.values()):
@@ -278,15 +350,14 @@ class Server:
                 if key.data is None:
                     if not self._read_stdin():
                         open_stdin = False
-                        self.closing = True
-                        self.sel.unregister(0)
-                        self.pending.clear()
-                        for run in list(self.running.values()):
-                            self._kill(run)
+                        self._shutdown()
                 elif isinstance(key.data, tuple):  # a pidfd: the child exited
-                    self._reap(key.data[0], block=True)
+                    if key.data[0].pid in self.running:
+                        self._reap(key.data[0], block=True)
                 elif key.data.pid in self.running:
                     self._read_child(key.data)
+                    if key.data.fd is None:  # EOF, or a flood (killed)
+                        self._exited(key.data)
             now = time.monotonic()
             for run in list(self.running.values()):
                 if run.pidfd is None and (run.fd is None or run.flooded) and self._reap(run, False):
@@ -295,6 +366,8 @@ class Server:
                     self._kill(run)
                     _, status = os.waitpid(run.pid, 0)
                     self._finish(run, status, timed_out=True)
+        if self.outbuf:
+            self._flush()
 
     def close(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
@@ -313,10 +386,12 @@ def main() -> None:
     for name in ALLOWED_MODULES:
         importlib.import_module(name)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
+    prep = prepare(cfg.limits)
     gc.collect()
     gc.freeze()  # keep pre-imported objects out of the collector: fewer copy-on-write faults
-    server = Server(cfg)
+    server = Server(cfg, prep)
     server._send({"hello": info, "pid": os.getpid(), "hash_seed": os.environ.get("PYTHONHASHSEED")})
+    server._flush()
     try:
         server.serve()
     finally:
