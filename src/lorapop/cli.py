@@ -186,3 +186,54 @@ def export(
         raise _fail(f"{out_dir} exists and is not empty")
     shutil.copytree(src, out_dir, dirs_exist_ok=True)
     typer.echo(f"{member} -> {out_dir} (load with peft.PeftModel.from_pretrained)")
+
+
+@app.command("eval")
+def evaluate(
+    target: str = typer.Argument(
+        ..., help="A run directory (all members + baseline), a PEFT adapter directory, "
+        "or a base model (hub id, local path, tiny-random)."
+    ),
+    bench: str = typer.Option(
+        ..., "--bench", help="Comma-separated benchmarks, e.g. humanevalplus,mbppplus,gsm8k."
+    ),
+    data_dir: str = typer.Option(None, "--data-dir", help="Folder holding the benchmark files."),
+    out: str = typer.Option(
+        None, "--out", help="Write eval.json and eval.md here (default for a run: RUN_DIR/eval)."
+    ),
+    source: list[str] = typer.Option(
+        [], "--source", help="BENCH=PATH or BENCH=hf:DATASET_ID for one benchmark's data."
+    ),
+    base_model: str = typer.Option(None, "--base-model", help="Override the adapters' base."),
+    template: str = typer.Option("auto", help="Prompt: auto, azr (R1 template) or chat."),
+    max_new_tokens: int = typer.Option(2048, help="Generation length per answer."),
+    batch_size: int = typer.Option(None, help="Rows decoded together (default: all)."),
+    limit: int = typer.Option(None, help="Only the first N problems of each benchmark."),
+    device: str = typer.Option("auto", help="auto, cpu or cuda."),
+    workers: int = typer.Option(2, help="Sandbox processes for code scoring."),
+    base: bool = typer.Option(True, help="Also score the base model without adapters."),
+) -> None:
+    """Greedy pass@1 of every member on the paper's code and math benchmarks, in shared batches."""
+    from pathlib import Path
+
+    from lorapop.checkpoint import latest_checkpoint
+    from lorapop.evals import EvalError, run_eval
+
+    if out is None and latest_checkpoint(Path(target)) is not None:
+        out = str(Path(target) / "eval")  # `lorapop report` shows it with the run
+    sources = {}
+    for s in source:
+        name, sep, value = s.partition("=")
+        if not sep:
+            raise _fail(f"--source {s!r} is not BENCH=PATH")
+        sources[name] = value
+    try:
+        result = run_eval(
+            target, [b.strip() for b in bench.split(",") if b.strip()], data_dir, out,
+            sources=sources, base_model=base_model, include_base=base, template=template,
+            max_new_tokens=max_new_tokens, batch_size=batch_size, limit=limit, device=device,
+            workers=workers, log=lambda m: typer.echo(m, err=True),
+        )
+    except EvalError as e:
+        raise _fail(str(e)) from None
+    typer.echo(result["table"])

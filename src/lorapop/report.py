@@ -174,6 +174,24 @@ def _replacement_table(rows: list[dict]) -> str:
     return f"<table><tr><th>step</th><th>replaced</th><th>parents</th><th>operator</th></tr>{body}</table>"
 
 
+def markdown_table(text: str) -> str:
+    """The pipe tables of a markdown text as HTML tables (other lines are dropped)."""
+    out, rows = [], []
+    for line in [*text.splitlines(), ""]:
+        if line.startswith("|"):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if not all(set(c) <= set("-: ") for c in cells):
+                rows.append(cells)
+        elif rows:
+            head, *body = rows
+            out.append("<table><tr>" + "".join(f"<th>{html.escape(c)}</th>" for c in head)
+                       + "</tr>" + "".join("<tr>" + "".join(
+                           f"<td>{html.escape(c.strip('*'))}</td>" for c in r) + "</tr>"
+                           for r in body) + "</table>")
+            rows = []
+    return "".join(out)
+
+
 def write_report(run_dir: str | Path, extra_html: str = "") -> Path:
     """Write RUN_DIR/report.html and return its path."""
     run_dir = Path(run_dir)
@@ -186,6 +204,9 @@ def write_report(run_dir: str | Path, extra_html: str = "") -> Path:
         runs["baseline (single agent)"] = read_metrics(baseline)
         extra_html = (f"<h2>Population vs baseline</h2><pre>"
                       f"{html.escape(summary_table(run_dir, baseline))}</pre>{extra_html}")
+    evaluation = run_dir / "eval" / "eval.md"
+    if evaluation.is_file():
+        extra_html += "<h2>Benchmarks (lorapop eval)</h2>" + markdown_table(evaluation.read_text())
     figures = [
         ("Ratings", plot_ratings(rows)),
         ("Matchups", plot_matchups(rows)),

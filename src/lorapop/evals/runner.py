@@ -36,8 +36,12 @@ class Member:
 def find_members(target: str | Path) -> tuple[list[Member], str | None]:
     """Members under `target` and the base model their adapter configs name (if any)."""
     path = Path(target)
+    named: dict[Path, tuple[str, str]] = {}
     if (path / CONFIG_NAME).is_file():
         dirs = [path]
+    elif (run := _run_members(path)) is not None:
+        named = run
+        dirs = list(run)
     elif path.is_dir():
         dirs = sorted(p.parent for p in path.rglob(CONFIG_NAME))
         if not dirs:
@@ -52,12 +56,31 @@ def find_members(target: str | Path) -> tuple[list[Member], str | None]:
             raise EvalError(f"{d / CONFIG_NAME}: unreadable ({e})") from None
         if cfg.get("base_model_name_or_path"):
             bases.add(cfg["base_model_name_or_path"])
-        name = d.name if d == path else str(d.relative_to(path))
-        role = "baseline" if d.name == "baseline" else "member"
+        if d in named:
+            name, role = named[d]
+        else:
+            name = d.name if d == path else str(d.relative_to(path))
+            role = "baseline" if d.name == "baseline" else "member"
         members.append(Member(name, d, role))
     if len(bases) > 1:
         raise EvalError(f"adapters name different base models: {sorted(bases)}")
     return members, next(iter(bases), None)
+
+
+def _run_members(path: Path) -> dict[Path, tuple[str, str]] | None:
+    """A `lorapop train` run directory: the members of its last checkpoint, and the single
+    agent of its `baseline/` run (if any) as the baseline. None for any other directory."""
+    from lorapop.checkpoint import latest_checkpoint
+
+    ckpt = latest_checkpoint(path)
+    if ckpt is None:
+        return None
+    found = {d: (d.name, "member") for d in sorted((ckpt / "adapters").iterdir()) if d.is_dir()}
+    base_ckpt = latest_checkpoint(path / "baseline")
+    if base_ckpt is not None:
+        for d in sorted((base_ckpt / "adapters").iterdir()):
+            found[d] = ("baseline", "baseline")
+    return found
 
 
 def _load(base: str, members: list[Member], device: str, dtype: str, seed: int):  # noqa: ANN202
