@@ -325,7 +325,8 @@ class SelfPlay:
         return gens
 
     def _policy_step(self, rollouts: list[Rollout], rec: StepRecord) -> None:
-        rollouts = [r for r in rollouts if r.token_ids]
+        # slot order lets the bank use grouped matmuls (advantages are computed per group)
+        rollouts = sorted((r for r in rollouts if r.token_ids), key=lambda r: self.slot[r.member])
         if not rollouts:
             return
         advs = trr_advantages([((r.member, r.role, r.type), r.reward) for r in rollouts])

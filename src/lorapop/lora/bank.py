@@ -1,0 +1,351 @@
+"""N LoRA adapter slots on one frozen Hugging Face causal LM.
+
+Every target `nn.Linear` keeps its frozen base weight and gets a forward hook that adds the
+LoRA delta of each row's slot, so the model's module tree and state dict stay untouched.
+All adapter weights live in ONE flat tensor `weights` [N, P] (P: parameters of one slot);
+each layer's `A` [N, r, in] and `B` [N, out, r] are views of it, and their gradients are
+views of one flat `grads` [N, P]. A slot is then one row: copy, reset and optimizer updates
+are a few whole-tensor ops instead of a loop over layers or slots.
+
+Initialisation follows PEFT (A kaiming-uniform with a=sqrt(5), B zeros), so a fresh slot is
+the identity, and the delta is `alpha / r * B @ A @ dropout(x)`.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from lorapop.lora.routing import KERNELS, Routing, grouped_supported, lora_delta
+
+DEFAULT_TARGETS: tuple[str, ...] = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
+
+SlotState = dict[str, dict[str, Tensor]]
+
+# Parameters are strided views of the flat storage, so autograd notes once that their grads
+# are not dense; accumulation into the bound grad views is still in place and correct.
+warnings.filterwarnings("ignore", message="grad and param do not obey the gradient layout")
+
+
+@dataclass
+class _Target:
+    """One banked linear: its name in the model, its views into the flat storage."""
+
+    name: str
+    module: nn.Linear
+    a: nn.Parameter  # [N, r, in]
+    b: nn.Parameter  # [N, out, r]
+    a_slice: slice  # columns of the flat storage holding A
+    b_slice: slice
+    handle: torch.utils.hooks.RemovableHandle | None = None
+
+
+class AdapterBank:
+    """N LoRA slots attached to `model`; `route(slot_ids)` picks each row's slot.
+
+    The base model is frozen. Create the bank after moving the model to its device; the bank
+    allocates its weights on the device of the base weights.
+
+    Kernels: ``kernel`` is used for multi-token rows (prefill, training) and
+    ``decode_kernel`` for one-token rows. "auto" picks, for multi-token rows, "grouped" when
+    the rows are in slot order and this torch build runs grouped_mm for the compute dtype,
+    else "gather" (row permutations cost more than per-row weight gathers); for one-token
+    rows "dense" (fewest kernels). Measurements in benchmarks/README.md.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        n_slots: int,
+        rank: int = 16,
+        alpha: float = 32.0,
+        dropout: float = 0.0,
+        target_modules: Sequence[str] = DEFAULT_TARGETS,
+        *,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+        kernel: str = "auto",
+        decode_kernel: str = "auto",
+    ) -> None:
+        if n_slots < 1 or rank < 1:
+            raise ValueError(f"AdapterBank needs n_slots >= 1 and rank >= 1, got {n_slots}, {rank}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        for k in (kernel, decode_kernel):
+            if k != "auto" and k not in KERNELS:
+                raise ValueError(f"unknown kernel {k!r}; expected 'auto' or one of {KERNELS}")
+        if getattr(model, "_lorapop_bank", None) is not None:
+            raise ValueError("this model already has an AdapterBank; call bank.detach() first")
+        suffixes = tuple(target_modules)
+        found = [
+            (name, mod)
+            for name, mod in model.named_modules()
+            if isinstance(mod, nn.Linear) and name.rsplit(".", 1)[-1] in suffixes
+        ]
+        if not found:
+            raise ValueError(f"no nn.Linear in the model matches target_modules {list(suffixes)}")
+        devices = {mod.weight.device for _, mod in found}
+        if len(devices) != 1:
+            raise ValueError(f"AdapterBank needs all target modules on one device, got {devices}")
+        for p in model.parameters():
+            p.requires_grad_(False)
+
+        self.model = model
+        self.n_slots = n_slots
+        self.rank = rank
+        self.alpha = float(alpha)
+        self.scaling = self.alpha / rank
+        self.dropout = dropout
+        self.target_modules = suffixes
+        self.dtype = dtype
+        self.device = devices.pop()
+        self.kernel = kernel
+        self.decode_kernel = decode_kernel
+
+        sizes = [(rank * m.in_features, m.out_features * rank) for _, m in found]
+        self.slot_numel = sum(a + b for a, b in sizes)
+        self.weights = torch.zeros(n_slots, self.slot_numel, dtype=dtype, device=self.device)
+        self.grads = torch.zeros_like(self.weights)
+        self.targets: dict[str, _Target] = {}
+        col = 0
+        for (name, mod), (na, nb) in zip(found, sizes, strict=True):
+            a_sl, b_sl = slice(col, col + na), slice(col + na, col + na + nb)
+            col += na + nb
+            a = nn.Parameter(self.weights[:, a_sl].view(n_slots, rank, mod.in_features))
+            b = nn.Parameter(self.weights[:, b_sl].view(n_slots, mod.out_features, rank))
+            self.targets[name] = _Target(name, mod, a, b, a_sl, b_sl)
+        self.bind_grads_()
+
+        self._grouped_ok: dict[torch.dtype, bool] = {}
+        for dt in {dtype, torch.bfloat16, next(iter(found))[1].weight.dtype}:
+            self._grouped_ok[dt] = grouped_supported(self.device, dt)
+        self._routings: dict[int, Routing] = {}
+        self._active: Routing | None = None
+        self._version = 0
+        self._grad_routing: Routing | None = None
+        self._grad_version = -1
+        self._disabled = False
+
+        for i in range(n_slots):
+            self.reset_slot(i, seed + i)
+        for t in self.targets.values():
+            t.handle = t.module.register_forward_hook(self._hook(t))
+        model._lorapop_bank = self  # type: ignore[assignment]
+
+    # ------------------------------------------------------------------ routing
+    @contextmanager
+    def route(self, slot_ids: Sequence[int] | Tensor) -> Iterator[None]:
+        """Route row b of every forward inside the block to slot `slot_ids[b]`.
+
+        Validates the ids (this may synchronise with the device); the previous routing is
+        restored on exit. For CUDA-graph decoding use `set_slot_ids_` instead.
+        """
+        ids = torch.as_tensor(slot_ids, dtype=torch.long).reshape(-1)
+        host = ids.cpu()
+        if host.numel() == 0:
+            raise ValueError("route() needs at least one slot id")
+        lo, hi = int(host.min()), int(host.max())
+        if lo < 0 or hi >= self.n_slots:
+            raise ValueError(f"slot ids must lie in [0, {self.n_slots}), got range [{lo}, {hi}]")
+        is_sorted = bool((host[1:] >= host[:-1]).all())
+        prev = self._active
+        saved = None if prev is None else (prev.ids.clone(), prev.is_sorted)
+        self.set_slot_ids_(ids.to(self.device), is_sorted=is_sorted)
+        try:
+            yield
+        finally:
+            if saved is None:
+                self._active = None
+                self._version += 1
+            else:
+                self.set_slot_ids_(*saved)
+
+    def set_slot_ids_(self, slot_ids: Tensor, is_sorted: bool = False) -> None:
+        """Set the routing in place, without host synchronisation or validation.
+
+        Index buffers persist per batch size, so a CUDA graph captured after this call reads
+        whatever a later call with the same batch size writes. `is_sorted=True` promises the
+        ids are non-decreasing (the grouped kernel then skips its row gathers).
+        """
+        batch = slot_ids.numel()
+        routing = self._routings.get(batch)
+        if routing is None:
+            routing = Routing.empty(batch, self.n_slots, self.device)
+            self._routings[batch] = routing
+        routing.fill_(slot_ids.reshape(-1), is_sorted)
+        self._active = routing
+        self._version += 1
+
+    @contextmanager
+    def disabled(self) -> Iterator[None]:
+        """Run the base model alone (no adapter on any row) inside the block."""
+        prev, self._disabled = self._disabled, True
+        try:
+            yield
+        finally:
+            self._disabled = prev
+
+    def _routing(self) -> Routing:
+        """The routing for this forward.
+
+        Under non-reentrant gradient checkpointing the forward is recomputed during
+        backward, possibly after `route` exited or re-routed another batch. Grad-enabled
+        forwards therefore snapshot the routing, and recomputation (a forward running inside
+        a backward pass) reads that snapshot.
+        """
+        if torch.is_grad_enabled():
+            if torch._C._current_graph_task_id() != -1:
+                if self._grad_routing is None:
+                    raise RuntimeError("AdapterBank: recomputation without a routed forward")
+                return self._grad_routing
+            if self._active is None:
+                raise RuntimeError(_NO_ROUTE)
+            if self._grad_version != self._version:
+                self._grad_routing = self._active.clone()
+                self._grad_version = self._version
+            return self._grad_routing  # type: ignore[return-value]
+        if self._active is None:
+            raise RuntimeError(_NO_ROUTE)
+        return self._active
+
+    def _hook(self, target: _Target):
+        def hook(module: nn.Module, args: tuple, output: Tensor) -> Tensor:
+            if self._disabled:
+                return output
+            routing = self._routing()
+            x = args[0]
+            if self.dropout > 0 and module.training:
+                x = nn.functional.dropout(x, self.dropout, training=True)
+            dev = x.device.type
+            dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+            one_token = x.dim() >= 2 and x.shape[-2] == 1
+            kernel = self.decode_kernel if one_token else self.kernel
+            if kernel == "auto":
+                grouped = routing.is_sorted and self._grouped_ok.get(dt, False)
+                kernel = "dense" if one_token else "grouped" if grouped else "gather"
+            a, b = target.a.to(dt), target.b.to(dt)
+            delta = lora_delta(x.to(dt), a, b, routing, kernel, self.scaling)
+            return output + delta.to(output.dtype)
+
+        return hook
+
+    # ------------------------------------------------------------------ slots
+    @property
+    def module_names(self) -> list[str]:
+        return list(self.targets)
+
+    def parameters_of_bank(self) -> list[nn.Parameter]:
+        """Per-layer A and B parameters (views of `weights`; their grads view `grads`)."""
+        return [p for t in self.targets.values() for p in (t.a, t.b)]
+
+    def bind_grads_(self) -> None:
+        """Make every parameter's .grad a view of `grads` (autograd accumulates in place)."""
+        for t in self.targets.values():
+            for p, sl in ((t.a, t.a_slice), (t.b, t.b_slice)):
+                view = self.grads[:, sl].view(p.shape)
+                g = p.grad
+                if g is not None and g.data_ptr() != view.data_ptr():
+                    view.copy_(g)
+                elif g is None:
+                    view.zero_()
+                p.grad = view
+
+    def zero_grad(self) -> None:
+        self.grads.zero_()
+        self.bind_grads_()
+
+    def _check_slot(self, i: int) -> None:
+        if not 0 <= i < self.n_slots:
+            raise IndexError(f"slot {i} out of range [0, {self.n_slots})")
+
+    def slot_state(self, i: int) -> SlotState:
+        """Copies of slot i's weights: {module_name: {"A": [r, in], "B": [out, r]}}."""
+        self._check_slot(i)
+        return {
+            n: {"A": t.a[i].detach().clone(), "B": t.b[i].detach().clone()}
+            for n, t in self.targets.items()
+        }
+
+    @torch.no_grad()
+    def load_slot(self, i: int, state: SlotState) -> None:
+        """Write a slot state (same modules and shapes as `slot_state`) into slot i."""
+        self._check_slot(i)
+        missing = set(self.targets) - set(state)
+        extra = set(state) - set(self.targets)
+        if missing or extra:
+            raise ValueError(
+                f"slot state does not match the bank: missing {sorted(missing)[:3]}, "
+                f"unexpected {sorted(extra)[:3]}"
+            )
+        for n, t in self.targets.items():
+            for key, p in (("A", t.a), ("B", t.b)):
+                src = state[n][key]
+                if tuple(src.shape) != tuple(p.shape[1:]):
+                    raise ValueError(
+                        f"{n}.{key}: expected shape {tuple(p.shape[1:])}, got {tuple(src.shape)}"
+                    )
+                p[i].copy_(src)
+
+    @torch.no_grad()
+    def copy_slot(self, src: int, dst: int) -> None:
+        self._check_slot(src)
+        self._check_slot(dst)
+        self.weights[dst].copy_(self.weights[src])
+
+    @torch.no_grad()
+    def reset_slot(self, i: int, seed: int = 0) -> None:
+        """Fresh PEFT-style init of slot i (identity), reproducible on any device."""
+        self._check_slot(i)
+        gen = torch.Generator().manual_seed(seed)
+        for t in self.targets.values():
+            a = torch.empty(t.a.shape[1:], dtype=torch.float32)
+            nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=gen)
+            t.a[i].copy_(a)
+            t.b[i].zero_()
+
+    def state_dict(self) -> dict:
+        """Weights and shape metadata, for checkpoints."""
+        return {
+            "weights": self.weights.detach().clone(),
+            "n_slots": self.n_slots,
+            "rank": self.rank,
+            "alpha": self.alpha,
+            "modules": self.module_names,
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("modules") != self.module_names or state.get("rank") != self.rank:
+            raise ValueError("bank checkpoint does not match this bank's modules or rank")
+        if tuple(state["weights"].shape) != tuple(self.weights.shape):
+            raise ValueError(
+                f"bank checkpoint has weights {tuple(state['weights'].shape)}, "
+                f"expected {tuple(self.weights.shape)}"
+            )
+        self.weights.copy_(state["weights"])
+
+    def detach(self) -> None:
+        """Remove the hooks: the model is the plain base model again."""
+        for t in self.targets.values():
+            if t.handle is not None:
+                t.handle.remove()
+                t.handle = None
+        if getattr(self.model, "_lorapop_bank", None) is self:
+            self.model._lorapop_bank = None  # type: ignore[assignment]
+
+
+_NO_ROUTE = "AdapterBank: no routing set; wrap the forward in `with bank.route(slot_ids):`"

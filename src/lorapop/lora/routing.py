@@ -1,0 +1,223 @@
+"""Row-to-slot routing and the batched LoRA kernels.
+
+A `Routing` is computed once per batch (by `AdapterBank.set_slot_ids_`) and read by every
+banked layer, so layers do no index arithmetic of their own. Nothing here synchronises with
+the host: shapes depend only on the batch size and the number of slots, never on the ids, so a
+decode step that reads a routing can be captured in a CUDA graph.
+
+Three kernels compute the LoRA delta `scaling * B[s] @ A[s] @ x` for every row at once:
+
+- ``grouped``: rows sorted by slot, then `grouped_mm` over the slot groups. Each adapter is
+  read once and every FLOP is useful; the kernel for training on CUDA.
+- ``gather``: each row gathers its own A and B (`index_select`) and one `bmm` does the rest.
+  Works on every device and dtype; its cost grows with rows x adapter size.
+- ``dense``: every row through every slot's A (one matmul), masked to its own slot, then a
+  `bmm` with all B's. N times the LoRA FLOPs but no sort or gather; meant for decoding, where
+  a step reads every adapter anyway and FLOPs are free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+KERNELS = ("grouped", "gather", "dense")
+
+
+def _grouped_mm_fn():
+    """The grouped matmul of this torch build: public in 2.13, private before."""
+    fn = getattr(torch.nn.functional, "grouped_mm", None)
+    return fn if fn is not None else getattr(torch, "_grouped_mm", None)
+
+
+GROUPED_MM = _grouped_mm_fn()
+
+
+@dataclass
+class Routing:
+    """Per-batch index tensors shared by all banked layers (persistent, updated in place)."""
+
+    ids: Tensor  # [B] long: slot of each row
+    perm: Tensor  # [B] long: rows in slot order (stable)
+    inv: Tensor  # [B] long: inverse of perm
+    ends: Tensor  # [N] int32: exclusive end of each slot's group among the sorted rows
+    mask: Tensor  # [N, B] float32: mask[s, b] = 1 when row b uses slot s
+    is_sorted: bool  # rows already in slot order: the grouped kernel skips its gathers (T > 1)
+    _ends_by_len: dict[int, Tensor] = field(default_factory=dict)
+    _masks: dict[tuple[int, torch.dtype, float], Tensor] = field(default_factory=dict)
+
+    @classmethod
+    def empty(cls, batch: int, n_slots: int, device: torch.device) -> Routing:
+        long = dict(dtype=torch.long, device=device)
+        return cls(
+            ids=torch.zeros(batch, **long),
+            perm=torch.zeros(batch, **long),
+            inv=torch.zeros(batch, **long),
+            ends=torch.zeros(n_slots, dtype=torch.int32, device=device),
+            mask=torch.zeros(n_slots, batch, dtype=torch.float32, device=device),
+            is_sorted=False,
+        )
+
+    @torch.no_grad()
+    def fill_(self, ids: Tensor, is_sorted: bool) -> None:
+        """Recompute every index tensor in place from `ids` (no host synchronisation)."""
+        n_slots = self.ends.numel()
+        self.ids.copy_(ids)
+        sorted_ids, perm = torch.sort(self.ids, stable=True)
+        self.perm.copy_(perm)
+        self.inv.scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
+        slots = torch.arange(n_slots, device=ids.device, dtype=sorted_ids.dtype)
+        self.ends.copy_(torch.searchsorted(sorted_ids, slots, right=True))
+        self.mask.copy_(slots[:, None] == self.ids[None, :])
+        self.is_sorted = is_sorted
+        for tokens, ends in self._ends_by_len.items():
+            torch.mul(self.ends, tokens, out=ends)
+        for key, mask in self._masks.items():
+            mask.copy_(self._token_mask(*key))
+
+    def ends_for(self, tokens_per_row: int) -> Tensor:
+        """Group ends in tokens when every row holds `tokens_per_row` tokens (cached)."""
+        ends = self._ends_by_len.get(tokens_per_row)
+        if ends is None:
+            ends = self.ends * tokens_per_row
+            self._ends_by_len[tokens_per_row] = ends
+        return ends
+
+    def token_mask(self, tokens: int, dtype: torch.dtype, scale: float) -> Tensor:
+        """[N, B*tokens, 1] = scale where the token's row uses the slot, else 0 (cached)."""
+        key = (tokens, dtype, scale)
+        mask = self._masks.get(key)
+        if mask is None:
+            mask = self._token_mask(*key)
+            self._masks[key] = mask
+        return mask
+
+    def _token_mask(self, tokens: int, dtype: torch.dtype, scale: float) -> Tensor:
+        n, rows = self.mask.shape
+        full = (self.mask * scale).to(dtype)[:, :, None].expand(n, rows, tokens)
+        return full.reshape(n, rows * tokens, 1)
+
+    def clone(self) -> Routing:
+        return Routing(
+            ids=self.ids.clone(),
+            perm=self.perm.clone(),
+            inv=self.inv.clone(),
+            ends=self.ends.clone(),
+            mask=self.mask.clone(),
+            is_sorted=self.is_sorted,
+        )
+
+
+def lora_delta(
+    x: Tensor, a: Tensor, b: Tensor, routing: Routing, kernel: str, scaling: float = 1.0
+) -> Tensor:
+    """scaling * B[s] @ A[s] @ x for x [B, ..., in], a [N, r, in], b [N, out, r].
+
+    All three tensors must already be in the compute dtype. Returns [B, ..., out]. The
+    scaling is applied to the rank-r intermediate, the smallest tensor on the path.
+    """
+    rows = x.shape[0]
+    if rows != routing.ids.numel():
+        raise ValueError(
+            f"AdapterBank: batch has {rows} rows but the routing has {routing.ids.numel()} slot ids"
+        )
+    x3 = x.reshape(rows, -1, x.shape[-1])
+    if kernel == "grouped":
+        y = _grouped(x3, a, b, routing, scaling)
+    elif kernel == "gather":
+        y = _gather(x3, a, b, routing, scaling)
+    elif kernel == "dense":
+        y = _dense(x3, a, b, routing, scaling)
+    else:
+        raise ValueError(f"unknown LoRA kernel {kernel!r}; expected one of {KERNELS}")
+    return y.reshape(*x.shape[:-1], b.shape[1])
+
+
+class _PermuteRows(torch.autograd.Function):
+    """x[perm] whose backward is the inverse gather, not index_select's atomic index_add."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, perm: Tensor, inv: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(inv)
+        return x.index_select(0, perm)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # type: ignore[override]
+        (inv,) = ctx.saved_tensors
+        return grad.index_select(0, inv), None, None
+
+
+def _gather(x: Tensor, a: Tensor, b: Tensor, routing: Routing, scaling: float) -> Tensor:
+    a_rows = a.index_select(0, routing.ids)  # [B, r, in]
+    b_rows = b.index_select(0, routing.ids)  # [B, out, r]
+    h = torch.bmm(x, a_rows.transpose(1, 2)) * scaling
+    return torch.bmm(h, b_rows.transpose(1, 2))
+
+
+def _grouped(x: Tensor, a: Tensor, b: Tensor, routing: Routing, scaling: float) -> Tensor:
+    if GROUPED_MM is None:
+        raise RuntimeError("this torch build has no grouped_mm; use the 'gather' kernel")
+    rows, tokens, _ = x.shape
+    # One-token rows (decoding) always gather: a CUDA graph captured on a sorted batch must
+    # stay right when a later batch of the same size is not. Gathering 1 token/row is cheap.
+    skip = routing.is_sorted and tokens > 1
+    if not skip:
+        x = _PermuteRows.apply(x, routing.perm, routing.inv)
+    flat = x.reshape(rows * tokens, x.shape[-1])
+    ends = routing.ends_for(tokens)
+    h = GROUPED_MM(flat, a.transpose(1, 2), offs=ends) * scaling  # [B*T, r]
+    y = GROUPED_MM(h, b.transpose(1, 2), offs=ends).view(rows, tokens, b.shape[1])
+    return y if skip else _PermuteRows.apply(y, routing.inv, routing.perm)
+
+
+def _dense(x: Tensor, a: Tensor, b: Tensor, routing: Routing, scaling: float) -> Tensor:
+    rows, tokens, width = x.shape
+    h = torch.matmul(x.reshape(1, rows * tokens, width), a.transpose(1, 2))  # [N, B*T, r]
+    h = h * routing.token_mask(tokens, h.dtype, scaling)
+    y = torch.bmm(h, b.transpose(1, 2)).sum(0)  # [B*T, out]
+    return y.view(rows, tokens, b.shape[1])
+
+
+def grouped_probe(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why grouped_mm can't serve the bank here (None: it runs forward and backward).
+
+    Probed on small tensors with the bank's layouts: A/B as strided views, transposed.
+    """
+    if GROUPED_MM is None:
+        return "this torch build has no grouped_mm"
+    with torch.enable_grad():
+        return _probe(device, dtype)
+
+
+def _probe(device: torch.device, dtype: torch.dtype) -> str | None:
+    try:
+        x = torch.randn(32, 64, device=device, dtype=dtype, requires_grad=True)
+        store = torch.randn(2, 3 * 64 * 16, device=device, dtype=dtype)
+        w = store[:, 64 * 16 : 2 * 64 * 16].view(2, 16, 64).requires_grad_()  # like bank A
+        ends = torch.tensor([8, 32], device=device, dtype=torch.int32)
+        y = GROUPED_MM(x, w.transpose(1, 2), offs=ends)
+        ref = torch.cat([x[:8] @ w[0].T, x[8:] @ w[1].T])
+    except (RuntimeError, NotImplementedError, TypeError, ValueError) as err:
+        return f"forward: {type(err).__name__}: {err}".splitlines()[0][:200]
+    tol = 2e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-4
+    if not torch.allclose(y.float(), ref.float(), atol=tol * 8, rtol=tol):
+        return "forward: wrong result"
+    try:
+        (y * 2).sum().backward()
+        gx, gw = x.grad, w.grad
+        x.grad = w.grad = None
+        (ref * 2).sum().backward()
+    except (RuntimeError, NotImplementedError, TypeError, ValueError) as err:
+        return f"backward: {type(err).__name__}: {err}".splitlines()[0][:200]
+    if gx is None or gw is None:
+        return "backward: no gradient"
+    ok = torch.allclose(gx.float(), x.grad.float(), atol=tol * 8, rtol=tol)
+    ok = ok and torch.allclose(gw.float(), w.grad.float(), atol=tol * 32, rtol=tol)
+    return None if ok else "backward: wrong gradient"
+
+
+def grouped_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether grouped_mm runs forward and backward here (probed once on tiny tensors)."""
+    return grouped_probe(device, dtype) is None

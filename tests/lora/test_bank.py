@@ -1,0 +1,173 @@
+"""AdapterBank: identity at init, slot operations, routing rules, kernels agree."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lora_fixtures import VOCAB, randomize_b, tiny_model
+
+from lorapop.lora import DEFAULT_TARGETS, AdapterBank
+from lorapop.lora.routing import GROUPED_MM
+
+
+def _logits(model, ids, **kw):
+    with torch.no_grad():
+        return model(ids, **kw).logits
+
+
+def test_fresh_bank_is_identity_and_targets_all_projections(arch):
+    model = tiny_model(arch)
+    ids = torch.randint(0, VOCAB, (3, 6))
+    base = _logits(model, ids)
+    bank = AdapterBank(model, n_slots=3, rank=4, alpha=8)
+    assert len(bank.targets) == 2 * len(DEFAULT_TARGETS)
+    assert not any(p.requires_grad for p in model.parameters())
+    assert all(p.requires_grad for p in bank.parameters_of_bank())
+    with bank.route([2, 0, 1]):
+        torch.testing.assert_close(_logits(model, ids), base, rtol=0, atol=0)
+    # B is zero and A is PEFT's kaiming-uniform(a=sqrt(5)): U(-1/sqrt(in), 1/sqrt(in))
+    t = bank.targets["model.layers.0.mlp.down_proj"]
+    assert t.b.abs().max() == 0
+    bound = 1 / t.module.in_features**0.5
+    assert 0.5 * bound < t.a.abs().max() <= bound
+
+
+def test_slot_ops_copy_reset_load_and_views():
+    bank = AdapterBank(tiny_model(), n_slots=3, rank=4, alpha=8, seed=5)
+    randomize_b(bank)
+    s0 = bank.slot_state(0)
+    bank.copy_slot(0, 2)
+    for name, ab in bank.slot_state(2).items():
+        assert torch.equal(ab["A"], s0[name]["A"]) and torch.equal(ab["B"], s0[name]["B"])
+    bank.reset_slot(1, seed=11)
+    first = bank.slot_state(1)
+    bank.load_slot(1, s0)
+    bank.reset_slot(1, seed=11)
+    again = bank.slot_state(1)
+    for name in first:
+        assert torch.equal(first[name]["A"], again[name]["A"])
+        assert again[name]["B"].abs().max() == 0
+    # slot_state returns copies; parameters are views of the flat storage
+    s0[next(iter(s0))]["A"].add_(1.0)
+    assert not torch.equal(bank.slot_state(0)[next(iter(s0))]["A"], s0[next(iter(s0))]["A"])
+    bank.weights[0].zero_()
+    assert all(p[0].abs().max() == 0 for p in bank.parameters_of_bank())
+
+
+def test_bad_input_gives_clear_errors():
+    model = tiny_model()
+    bank = AdapterBank(model, n_slots=2, rank=4)
+    ids = torch.randint(0, VOCAB, (2, 5))
+    with pytest.raises(RuntimeError, match="no routing"):
+        model(ids)
+    with pytest.raises(ValueError, match=r"slot ids must lie in \[0, 2\)"), bank.route([0, 2]):
+        pass
+    with pytest.raises(ValueError, match="3 slot ids"), bank.route([0, 1, 1]):
+        model(ids)
+    state = bank.slot_state(0)
+    name = next(iter(state))
+    state[name]["A"] = state[name]["A"][:2]
+    with pytest.raises(ValueError, match="expected shape"):
+        bank.load_slot(1, state)
+    with pytest.raises(IndexError):
+        bank.copy_slot(0, 5)
+    with pytest.raises(ValueError, match="already has an AdapterBank"):
+        AdapterBank(model, n_slots=1)
+    with pytest.raises(ValueError, match="no nn.Linear"):
+        AdapterBank(tiny_model(), n_slots=1, target_modules=["nope"])
+
+
+def test_route_restores_previous_routing_disabled_and_detach():
+    model = tiny_model()
+    ids = torch.randint(0, VOCAB, (2, 5))
+    base = _logits(model, ids)
+    bank = AdapterBank(model, n_slots=2, rank=4)
+    randomize_b(bank)
+    with bank.route([0, 1]):
+        outer = _logits(model, ids)
+        with bank.route([1, 1]):
+            assert not torch.allclose(_logits(model, ids), outer)
+        torch.testing.assert_close(_logits(model, ids), outer, rtol=0, atol=0)
+        with bank.disabled():
+            torch.testing.assert_close(_logits(model, ids), base, rtol=0, atol=0)
+    bank.detach()
+    torch.testing.assert_close(_logits(model, ids), base, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("tokens", [1, 6])
+def test_kernels_agree_on_unsorted_mixed_batch(tokens):
+    model = tiny_model()
+    bank = AdapterBank(model, n_slots=4, rank=4, alpha=8)
+    randomize_b(bank)
+    ids = torch.randint(0, VOCAB, (5, tokens))
+    slots = [3, 0, 3, 1, 0]  # slot 2 unused, rows out of slot order
+    kernels = ["gather", "dense"] + (["grouped"] if GROUPED_MM is not None else [])
+    outs = {}
+    for k in kernels:
+        bank.kernel = bank.decode_kernel = k
+        with bank.route(slots):
+            outs[k] = _logits(model, ids)
+    for k in kernels[1:]:
+        torch.testing.assert_close(outs[k], outs["gather"], rtol=1e-5, atol=1e-5)
+    # sorted rows take the grouped kernel's no-gather path: same per-row result
+    order = sorted(range(5), key=lambda b: slots[b])
+    with bank.route([slots[b] for b in order]):
+        torch.testing.assert_close(_logits(model, ids[order]), outs["gather"][order])
+
+
+def test_set_slot_ids_reuses_buffers_in_place():
+    """A CUDA graph captured once must see later routings of the same batch size."""
+    bank = AdapterBank(tiny_model(), n_slots=3, rank=4)
+    bank.set_slot_ids_(torch.tensor([0, 2, 1, 2]))
+    first = bank._active
+    ptrs = [first.ids.data_ptr(), first.perm.data_ptr(), first.ends.data_ptr()]
+    bank.set_slot_ids_(torch.tensor([1, 1, 0, 2]))
+    assert bank._active is first
+    assert [first.ids.data_ptr(), first.perm.data_ptr(), first.ends.data_ptr()] == ptrs
+    assert first.ids.tolist() == [1, 1, 0, 2]
+    assert first.ids[first.perm].tolist() == [0, 1, 1, 2]
+    assert first.ends.tolist() == [1, 3, 4]
+    assert first.perm[first.inv].tolist() == [0, 1, 2, 3]
+
+
+def test_dropout_on_lora_input_only_in_training_mode():
+    model = tiny_model()
+    bank = AdapterBank(model, n_slots=2, rank=4, dropout=0.5)
+    randomize_b(bank)
+    ids = torch.randint(0, VOCAB, (2, 5))
+    with bank.route([0, 1]):
+        a, b = _logits(model, ids), _logits(model, ids)
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        model.train()
+        torch.manual_seed(0)
+        c = _logits(model, ids)
+        torch.manual_seed(0)
+        torch.testing.assert_close(_logits(model, ids), c, rtol=0, atol=0)
+        assert not torch.allclose(a, c)
+        with bank.disabled():  # base path has no dropout
+            torch.testing.assert_close(_logits(model, ids), _logits(model, ids))
+
+
+def test_kernels_give_the_same_gradients_on_unsorted_rows():
+    model = tiny_model().train()
+    bank = AdapterBank(model, n_slots=3, rank=4, alpha=8)
+    randomize_b(bank)
+    ids = torch.randint(0, VOCAB, (4, 6))
+    grads = {}
+    kernels = ["gather", "dense"] + (["grouped"] if GROUPED_MM is not None else [])
+    for k in kernels:
+        bank.kernel = k
+        bank.zero_grad()
+        with bank.route([2, 0, 2, 1]):
+            model(ids, labels=ids).loss.backward()
+        grads[k] = bank.grads.clone()
+    assert grads["gather"].abs().sum() > 0
+    for k in kernels[1:]:
+        torch.testing.assert_close(grads[k], grads["gather"], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.skipif(GROUPED_MM is None, reason="no grouped_mm in this torch build")
+def test_grouped_probe_is_independent_of_grad_mode():
+    with torch.no_grad():
+        bank = AdapterBank(tiny_model(), n_slots=2, rank=4)
+    assert bank._grouped_ok[torch.float32]
