@@ -64,21 +64,23 @@ def plot_matchups(rows: list[dict]) -> str:
     solved: dict[tuple[str, str], list[float]] = defaultdict(list)
     for r in rows:
         for m in r.get("matchups", []):
+            cell = solved[(m["teacher"], m["student"])]  # pairs without a valid task show "–"
             if m.get("solve_rate") is not None:
-                solved[(m["teacher"], m["student"])].append(m["solve_rate"])
+                cell.append(m["solve_rate"])
     teachers = sorted({t for t, _ in solved})
     students = sorted({s for _, s in solved})
     fig, ax = plt.subplots(figsize=(1.2 + 0.8 * max(1, len(students)), 1 + 0.6 * max(1, len(teachers))))
     grid = [[float("nan")] * len(students) for _ in teachers]
     for (t, s), v in solved.items():
-        grid[teachers.index(t)][students.index(s)] = sum(v) / len(v)
+        if v:
+            grid[teachers.index(t)][students.index(s)] = sum(v) / len(v)
     if teachers and students:
         im = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis")
         fig.colorbar(im, ax=ax, label="mean solve rate")
         for i, row in enumerate(grid):
             for j, v in enumerate(row):
-                if v == v:
-                    ax.text(j, i, f"{v:.2f}", ha="center", va="center", color="w", fontsize=8)
+                label, color = (f"{v:.2f}", "w") if v == v else ("–", "k")
+                ax.text(j, i, label, ha="center", va="center", color=color, fontsize=8)
     ax.set_xticks(range(len(students)), students)
     ax.set_yticks(range(len(teachers)), teachers)
     ax.set(xlabel="student", ylabel="teacher", title="Solve rate per matchup")
@@ -148,7 +150,9 @@ def summary_table(run_dir: str | Path, baseline_dir: str | Path | None = None) -
 
 
 def plot_phases(rows: list[dict]) -> str:
-    phases = sorted({p for r in rows for p in r.get("phase_s", {})})
+    order = ("matchmaking", "proposal", "verification", "solving", "update", "replacement")
+    seen = {p for r in rows for p in r.get("phase_s", {})}
+    phases = [p for p in order if p in seen] + sorted(seen - set(order))
     fig, ax = plt.subplots(figsize=(7, 3))
     steps = [r["step"] for r in rows]
     bottom = [0.0] * len(rows)
