@@ -72,6 +72,11 @@ def test_livecodebench_functional_and_stdin(pool):
     res = codecheck.score([(p, fenced(c)) for p, c in zip(ps, good + bad, strict=False)]
                           + [(p, fenced(c)) for p, c in zip(ps, bad, strict=True)], pool)
     assert [r["passed"] for r in res] == [True, True, False, False]
+    # stdin solutions see LiveCodeBench's import header too, random and all
+    uses = ("a, b = map(int, input().split())\nprint(a + b)\n"
+            "print(reduce(operator.mul, [a, b]) + random.randint(0, 0))")  # fmt: skip
+    (r,) = codecheck.score([(ps[1], fenced(uses))], pool)
+    assert r["passed"], r["reason"]
     assert codecheck.stdout_matches("1.50 \n2\n", "1.5\n2")
     assert not codecheck.stdout_matches("1\n2\n", "1\n3\n")
 
@@ -86,3 +91,23 @@ def test_cruxeval_checks_like_code_o_and_code_i(data_dir, pool):
              (o[1], "<answer>```output\n1) or (True\n```"),  # injection: not one expression
              (i[1], "<answer>```input\n1) or f(2\n```"), (o[2], "no idea")]  # fmt: skip
     assert not any(r["passed"] for r in codecheck.score(wrong, pool))
+
+
+def test_canonicals_importing_random_and_hashlib_pass(data_dir, pool):
+    """HumanEval/39 (random) and /162 (hashlib) need the sandbox's benchmark policy."""
+    want = {"HumanEval/39", "HumanEval/162"}
+    ps = [p for p in data.load("humanevalplus", data_dir) if p.id in want]
+    assert {p.id for p in ps} == want
+    res = codecheck.score([(p, fenced(p.meta["canonical"])) for p in ps], pool)
+    assert [r["reason"] for r in res] == [None, None]
+
+
+def test_pool_runs_each_job_under_its_own_limit(pool):
+    from lorapop.verify import Job, Status
+
+    assert pool.limit(0.37) == 0.37 and pool.limit(1e4) == pool.cap_s  # exact, capped
+    sleep = "import time\ndef f(s):\n    time.sleep(s)\n    return s"
+    jobs = [(Job(sleep, "f(2.0)"), 0.3), (Job(sleep, "f(0.05)"), 0.3), (Job(sleep, "f(1.2)"), 5.0)]
+    a, b, c = pool.run(jobs)
+    assert a.status is Status.TIMEOUT and a.error == "exceeded 0.3 s"
+    assert b.ok and c.ok and c.output == "1.2"

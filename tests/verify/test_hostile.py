@@ -13,24 +13,6 @@ S = Status
 ROOT = os.geteuid() == 0
 
 
-@pytest.fixture(scope="module")
-def canaries(tmp_path_factory):
-    """Root-owned files a job might try to delete or overwrite: one under /tmp, and one outside
-    /tmp in a root-only directory that children can see (when running as root)."""
-    paths = [tmp_path_factory.mktemp("canary") / "canary.txt"]
-    if ROOT and os.access("/run", os.W_OK):
-        d = Path("/run") / f"lorapop-canary-{uuid.uuid4().hex[:8]}"
-        d.mkdir(mode=0o755)
-        paths.append(d / "canary.txt")
-    for p in paths:
-        p.write_text("precious")
-        p.chmod(0o644)
-    yield paths
-    for p in paths[1:]:
-        p.unlink(missing_ok=True)
-        p.parent.rmdir()
-
-
 def hostile_cases(canaries: list[Path]) -> list[tuple[str, Job, set[Status]]]:
     c0, cl = str(canaries[0]), str(canaries[-1])
     me = os.getpid()

@@ -23,7 +23,7 @@ def test_result_round_trip(fields):
 
 def test_job_round_trip():
     program, expr = "def f(s):\n    return s  # é \udcff\n", "f('\\n12\\n')"
-    assert decode_job(encode_job(program, expr)) == (program, expr)
+    assert decode_job(encode_job(program, expr, 3)) == (program, expr, 3)
 
 
 @pytest.mark.parametrize(

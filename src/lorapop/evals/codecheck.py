@@ -199,11 +199,13 @@ def _evalplus_case(p: Problem, code: str, truth: list[Chunk], rule: TimeRule) ->
 
 # --- LiveCodeBench ---------------------------------------------------------------------------
 
-#: A short form of LiveCodeBench's import header (minus modules the sandbox hides).
+#: A short form of LiveCodeBench's import header, put before functional and stdin solutions
+#: alike (the sandbox's benchmark policy makes random, datetime, ... importable).
 LCB_HEADER = (
     "from typing import *\nfrom collections import *\nfrom functools import *\n"
     "from itertools import *\nfrom heapq import *\nfrom bisect import *\n"
     "import math, heapq, bisect, itertools, functools, collections, string, re\n"
+    "import random, datetime, copy, statistics, operator, io, sys, json\n"
 )
 
 _STDIO = '''
@@ -268,7 +270,7 @@ def _lcb_case(p: Problem, code: str, rule: TimeRule) -> Case:
                       expr=_HARNESS.format(call=f"Solution().{func}(*_a)", args=_args_source(args)))
             wants = [json.loads(t["output"]) for t in chunk]
         else:
-            program = LCB_HEADER + _STDIO.format(src=repr(code))
+            program = LCB_HEADER + _STDIO.format(src=repr(LCB_HEADER + code))
             job = Job(program=program, entry="_run_stdin",
                       expr=f"[_run_stdin(_t) for _t in {source([t['input'] for t in chunk])}]")
             wants = [t["output"] for t in chunk]

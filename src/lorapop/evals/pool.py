@@ -1,15 +1,17 @@
-"""Sandboxes by time limit, and a round-based runner of multi-step checks.
+"""One benchmark-policy sandbox with per-job time limits, and a round-based runner of
+multi-step checks.
 
-`lorapop.verify.Sandbox` has one timeout per instance, so a limit is rounded up to a ladder
-(`min_s * 2**k`, capped) and each rung gets its own (cheap) sandbox. A `Case` is a list of steps
-(a job, its time limit, a judge); steps run in rounds across all cases at once and a case stops
-at its first failing step, as evalplus' fast check does.
+Benchmark programs import random, hashlib, time, ... (HumanEval/39, /162), so the sandbox runs
+under the `benchmark` module policy (same OS isolation as self-play, no banned modules); each
+job carries its own limit (`Job.timeout_s`), so evalplus' per-test limits apply exactly. A
+`Case` is a list of steps (a job, its time limit, a judge); steps run in rounds across all
+cases at once and a case stops at its first failing step, as evalplus' fast check does.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from lorapop.verify import Job, Sandbox, Verdict
 
@@ -33,38 +35,34 @@ class Case:
 
 
 class Pool:
-    """Lazily created sandboxes, one per rung of the time-limit ladder."""
+    """A lazily started sandbox (policy "benchmark" unless `sandbox_kwargs` names another) whose
+    jobs each run under their own limit, clamped to [min_s, cap_s]."""
 
     def __init__(
-        self, workers: int = 2, min_s: float = 4.0, cap_s: float = 60.0, memory_mb: int = 4096,
+        self, workers: int = 2, min_s: float = 0.0, cap_s: float = 60.0, memory_mb: int = 4096,
         max_output_chars: int = 2_000_000, sandbox_kwargs: dict | None = None,
     ) -> None:  # fmt: skip
+        if cap_s <= 0 or min_s > cap_s:
+            raise ValueError("Pool needs 0 < cap_s and min_s <= cap_s")
         self.workers, self.min_s, self.cap_s = workers, min_s, cap_s
         self.memory_mb, self.max_output_chars = memory_mb, max_output_chars
-        self.sandbox_kwargs = dict(sandbox_kwargs or {})  # e.g. a module policy, where supported
-        self._boxes: dict[float, Sandbox] = {}
+        self.sandbox_kwargs = {"policy": "benchmark", **(sandbox_kwargs or {})}
+        self._box: Sandbox | None = None
 
-    def rung(self, limit_s: float) -> float:
-        t = self.min_s
-        while t < limit_s and t < self.cap_s:
-            t *= 2
-        return min(t, self.cap_s)
+    def limit(self, limit_s: float) -> float:
+        """The time limit a job asking for `limit_s` runs under."""
+        return min(self.cap_s, max(self.min_s, limit_s))
 
     def run(self, jobs: Sequence[tuple[Job, float]]) -> list[Verdict]:
-        """Verdicts in order; each job runs under the rung at or above its limit."""
-        out: list[Verdict | None] = [None] * len(jobs)
-        by_rung: dict[float, list[int]] = {}
-        for i, (_, lim) in enumerate(jobs):
-            by_rung.setdefault(self.rung(lim), []).append(i)
-        for r, idx in sorted(by_rung.items()):
-            if r not in self._boxes:
-                self._boxes[r] = Sandbox(
-                    workers=self.workers, timeout_s=r, memory_mb=self.memory_mb,
-                    max_output_chars=self.max_output_chars, **self.sandbox_kwargs,
-                )  # fmt: skip
-            for i, v in zip(idx, self._boxes[r].run([jobs[i][0] for i in idx]), strict=False):
-                out[i] = v
-        return [v for v in out if v is not None]
+        """Verdicts in order; each job runs under its own (clamped) limit."""
+        if not jobs:
+            return []
+        if self._box is None:
+            self._box = Sandbox(
+                workers=self.workers, timeout_s=self.cap_s, memory_mb=self.memory_mb,
+                max_output_chars=self.max_output_chars, **self.sandbox_kwargs,
+            )  # fmt: skip
+        return self._box.run([replace(job, timeout_s=self.limit(lim)) for job, lim in jobs])
 
     def run_cases(self, cases: Sequence[Case]) -> None:
         """Run every case's steps in rounds until each passed all steps or failed one."""
@@ -84,9 +82,9 @@ class Pool:
                     c.passed, c.reason = False, why
 
     def close(self) -> None:
-        for box in self._boxes.values():
-            box.close()
-        self._boxes.clear()
+        if self._box is not None:
+            self._box.close()
+            self._box = None
 
     def __enter__(self) -> Pool:
         return self

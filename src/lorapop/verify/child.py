@@ -27,32 +27,15 @@ JOB_FD = 4
 # Bound at import, so a program that rebinds builtins.repr or pickle.dumps cannot fake a result.
 _repr, _dumps, _str, _type, _len = repr, pickle.dumps, str, type, len
 
-#: Pre-imported by the fork server; a job can import these and nothing else (the import
-#: system is switched off in the child, which also makes behaviour independent of which stdlib
-#: files the unprivileged user could read).
-ALLOWED_MODULES: tuple[str, ...] = (
-    "abc", "array", "base64", "binascii", "bisect", "cmath", "collections", "collections.abc",
-    "contextlib", "copy", "dataclasses", "decimal", "difflib", "enum", "fractions", "functools",
-    "graphlib", "heapq", "itertools", "json", "keyword", "math", "numbers", "operator", "pprint",
-    "re", "reprlib", "statistics", "string", "struct", "textwrap", "types", "typing",
-    "unicodedata", "zlib", "encodings.ascii", "encodings.latin_1", "encodings.utf_16",
-    "encodings.utf_32", "encodings.cp1252", "encodings.idna", "encodings.unicode_escape",
-    "encodings.raw_unicode_escape", "encodings.punycode", "encodings.hex_codec",
-    "encodings.base64_codec", "encodings.rot_13",
-)  # fmt: skip
-
-#: Loaded in the server for its own work but hidden from jobs (they are banned or pointless);
-#: the server drops them from sys.modules once, before it forks (see `hide_modules`).
-_HIDDEN_PREFIXES = (
-    "lorapop", "subprocess", "_posixsubprocess", "selectors", "threading", "multiprocessing",
-    "logging", "ctypes", "_ctypes", "socket", "_socket", "random", "time", "datetime",
-    "hashlib", "hmac", "calendar", "resource", "shutil",
-)  # fmt: skip
+# The fork server pre-imports its policy's modules (`lorapop.verify.policy`); a job can import
+# those and nothing else (the import system is switched off in the child, which also makes
+# behaviour independent of which stdlib files the unprivileged user could read).
 
 
 @dataclass(frozen=True)
 class Limits:
-    """Per-job limits applied with setrlimit (and a uid when isolating as root)."""
+    """Limits applied with setrlimit (and a uid when isolating as root). `timeout_s` is the
+    default; a job may carry its own (the child sets RLIMIT_CPU once it has read its job)."""
 
     timeout_s: float
     memory_mb: int
@@ -95,15 +78,15 @@ class Prepared:
     importer: tuple[object, ...]  # the server's import state, which children unbind
 
 
-def prepare(limits: Limits) -> Prepared:
-    """Call once in the server, after its imports: hide its modules, build the shared parts."""
+def prepare(limits: Limits, hidden: tuple[str, ...]) -> Prepared:
+    """Call once in the server, after its imports: hide the `hidden` top-level packages from
+    jobs, build the shared parts. RLIMIT_CPU is not among them: it depends on the job."""
+    hide = frozenset(hidden)
     for name in list(sys.modules):  # the server keeps its own references
-        if name.split(".")[0] in _HIDDEN_PREFIXES:
+        if name.split(".")[0] in hide:
             del sys.modules[name]
     sys.path_importer_cache.clear()  # a cache: freeing it in each child would touch every entry
-    cpu = int(limits.timeout_s) + 1
     rlimits = [
-        (resource.RLIMIT_CPU, (cpu, cpu + 1)),
         (resource.RLIMIT_FSIZE, (0, 0)),
         (resource.RLIMIT_CORE, (0, 0)),
         (resource.RLIMIT_NOFILE, (limits.nofile, limits.nofile)),
@@ -198,8 +181,23 @@ def execute(
     return {"status": "ok", "output": text, "error": None}
 
 
-def _read_job() -> tuple[str, str] | None:
-    """(program, expr) the server writes to fd 4, then EOF; None when closed without one."""
+def cpu_limit(timeout_s: float) -> int:
+    """RLIMIT_CPU seconds for a wall-clock limit: a backstop above it (the server enforces the
+    wall clock; the soft limit's SIGXCPU reads as a timeout)."""
+    return int(timeout_s) + 1
+
+
+def _limit_cpu(seconds: int) -> None:
+    """Soft limit `seconds`, hard one more; never above a hard limit the server inherited."""
+    hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
+    soft, new_hard = seconds, seconds + 1
+    if hard != resource.RLIM_INFINITY:
+        soft, new_hard = min(soft, hard), min(new_hard, hard)
+    resource.setrlimit(resource.RLIMIT_CPU, (soft, new_hard))
+
+
+def _read_job() -> tuple[str, str, int] | None:
+    """(program, expr, cpu seconds) the server writes to fd 4, then EOF; None when closed."""
     parts = []
     while chunk := os.read(JOB_FD, 1 << 16):
         parts.append(chunk)
@@ -227,11 +225,17 @@ def run_child(
         job = _read_job()
         if job is None:  # the server is shutting down
             os._exit(0)
+        program, expr, cpu = job
+        if failure is None:
+            try:
+                _limit_cpu(cpu)
+            except BaseException as e:
+                failure = "confinement: " + _describe(e)
         if failure is not None:
             data = encode_result("crashed", None, failure, 0.0)
         else:
             t0 = time.perf_counter()
-            res = execute(*job, prep.limits.max_output_chars, True)
+            res = execute(program, expr, prep.limits.max_output_chars, True)
             duration = time.perf_counter() - t0
             data = encode_result(res["status"], res["output"], res["error"], duration)  # type: ignore[arg-type]
         view = memoryview(data)

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from lorapop.verify import static
+from lorapop.verify.policy import Policy, resolve
 from lorapop.verify.verdict import Job, Status, Verdict
 
 log = logging.getLogger(__name__)
@@ -136,9 +137,13 @@ class Sandbox:
     """A pool of isolated, pre-forked workers; see the module docstring.
 
     workers: jobs in flight at once per fork server. timeout_s: wall-clock (and, rounded up, CPU)
-    limit per job. memory_mb: RLIMIT_AS per job (0: none). isolate: uid switch, namespaces,
-    no fork (turn off only for trusted code). max_output_chars: a longer repr is
-    `output_too_large`. hash_seeds: PYTHONHASHSEED of the main and the determinism server.
+    limit of a job that names none (`Job.timeout_s`). memory_mb: RLIMIT_AS per job (0: none).
+    isolate: uid switch, namespaces, no fork (turn off only for trusted code). policy: "azr"
+    (AZR's banned modules refused and hidden: self-play tasks) or "benchmark" (nothing refused,
+    random/hashlib/time/... importable: benchmark programs), or a `Policy`
+    (`lorapop.verify.policy`); OS isolation is the same under every policy.
+    max_output_chars: a longer repr is `output_too_large`. hash_seeds: PYTHONHASHSEED of the
+    main and the determinism server.
     """
 
     def __init__(
@@ -150,6 +155,7 @@ class Sandbox:
         *,
         max_output_chars: int = 100_000,
         hash_seeds: tuple[int, int] = (1, 2),
+        policy: str | Policy = "azr",
     ) -> None:
         if workers < 1 or workers > 999:
             raise ValueError("workers must be in 1..999")
@@ -157,6 +163,7 @@ class Sandbox:
             raise ValueError("timeout_s must be positive")
         self.workers, self.timeout_s, self.isolate = workers, timeout_s, isolate
         self.hash_seeds = hash_seeds
+        self.policy = resolve(policy)
         self._limits = {
             "timeout_s": timeout_s,
             "memory_mb": memory_mb,
@@ -182,6 +189,8 @@ class Sandbox:
             "limits": self._limits,
             "uid_base": UID_BASE + UID_SPAN * i if self.isolate else None,
             "gid": NOGROUP,
+            "modules": list(self.policy.modules),
+            "hidden": list(self.policy.hidden),
         }
         srv = _Server(config, self.hash_seeds[i])
         self._servers[i] = srv
@@ -211,17 +220,20 @@ class Sandbox:
             verdicts: list[Verdict | None] = [None] * len(jobs)
             batches: dict[int, dict[int, int]] = {0: {}, 1: {}}  # server -> request id -> job
             payloads: dict[int, list[dict]] = {0: [], 1: []}
+            pol = self.policy
             for i, job in enumerate(jobs):
-                bad = static.check(job.program, job.expr, job.entry)
+                bad = static.check(job.program, job.expr, job.entry, pol.banned, pol.ban_input)
                 if bad is not None:
                     verdicts[i] = Verdict(bad[0], None, bad[1], 0.0)
                     continue
                 for s in (0, 1) if job.deterministic else (0,):
                     self._next_id += 1
                     batches[s][self._next_id] = i
+                    limit = job.timeout_s or self.timeout_s
                     payloads[s].append(
-                        {"id": self._next_id, "program": job.program, "expr": job.expr}
-                    )
+                        {"id": self._next_id, "program": job.program, "expr": job.expr,
+                         "timeout_s": limit}
+                    )  # fmt: skip
             results = self._exchange(payloads)
             runs: dict[int, list[Verdict]] = {}
             for s in (0, 1):
@@ -243,7 +255,7 @@ class Sandbox:
             t = threading.Thread(target=_write, args=(servers[s].stdin, data), daemon=True)
             t.start()
             writers.append(t)
-        stall = self.timeout_s + 15.0
+        stall = max((p["timeout_s"] for s in active for p in payloads[s]), default=0.0) + 15.0
         last = {s: time.monotonic() for s in active}
         sel = selectors.DefaultSelector()
         for s in active:

@@ -2,7 +2,7 @@
 
 Started by `Sandbox` as `python -S -m lorapop.verify.server CONFIG` with a clean environment and
 its own PYTHONHASHSEED (children inherit the hash secret, so determinism needs two servers).
-It pre-imports the allowed modules once, so a job costs a fork, not an interpreter start. It
+It pre-imports its policy's modules once, so a job costs a fork, not an interpreter start. It
 forks each child ahead of its job: an idle child confines itself and waits on a pipe, so
 starting a job is one pipe write and the fork overlaps the jobs that are running. Each child
 still runs exactly one job and never sees another job's state.
@@ -13,9 +13,10 @@ mount namespace with private tmpfs over the world-writable dirs (/tmp, /var/tmp,
 to its own unprivileged uid (one per live child, idle or running: workers + max(workers, SPARE)
 uids), so a job cannot signal its siblings or the children waiting for the next jobs.
 
-Protocol (JSON lines): stdin `{"id", "program", "expr"}`; stdout first `{"hello": {...}}`, then
-one `{"id", "status", "output", "error", "duration"}` per job, in completion order. EOF on stdin
-shuts the server down (children are killed).
+Protocol (JSON lines): stdin `{"id", "program", "expr", "timeout_s"}` (timeout_s optional: the
+config's default); stdout first `{"hello": {...}}`, then one `{"id", "status", "output", "error",
+"duration"}` per job, in completion order. EOF on stdin shuts the server down (children are
+killed).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from lorapop.verify.child import ALLOWED_MODULES, Limits, Prepared, prepare, run_child
+from lorapop.verify.child import Limits, Prepared, cpu_limit, prepare, run_child
 from lorapop.verify.wire import decode_result, encode_job
 
 CLONE_NEWNS = 0x00020000
@@ -99,11 +100,16 @@ class Config:
     limits: Limits
     uid_base: int | None  # first per-slot uid, None: keep the server's uid
     gid: int
+    modules: tuple[str, ...]  # pre-imported for jobs (the policy's)
+    hidden: tuple[str, ...]  # top-level packages removed from the jobs' sys.modules
 
     @classmethod
     def from_json(cls, text: str) -> Config:
         d = json.loads(text)
-        return cls(d["workers"], Limits(**d["limits"]), d["uid_base"], d["gid"])
+        return cls(
+            d["workers"], Limits(**d["limits"]), d["uid_base"], d["gid"],
+            tuple(d["modules"]), tuple(d["hidden"]),
+        )  # fmt: skip
 
 
 @dataclass
@@ -114,6 +120,7 @@ class _Child:
     slot: int  # index of its uid
     workdir: str
     job_id: object = None
+    limit: float = 0.0  # the job's wall-clock limit, seconds
     start: float = 0.0
     deadline: float = float("inf")
     pidfd: int | None = None
@@ -163,7 +170,8 @@ class Server:
 
     def _start(self, job: dict[str, object]) -> None:
         """Hand `job` to an idle child; a child that died idle is replaced (never reused)."""
-        data = encode_job(str(job["program"]), str(job["expr"]))
+        limit = float(job.get("timeout_s") or self.cfg.limits.timeout_s)  # type: ignore[arg-type]
+        data = encode_job(str(job["program"]), str(job["expr"]), cpu_limit(limit))
         for _ in range(3):
             if not self.idle:
                 self._fork()
@@ -189,8 +197,8 @@ class Server:
             )
             return
         now = time.monotonic()
-        child.job_id, child.start = job["id"], now
-        child.deadline = now + self.cfg.limits.timeout_s
+        child.job_id, child.start, child.limit = job["id"], now, limit
+        child.deadline = now + limit
         self.running[child.pid] = child
         os.set_blocking(child.fd, False)  # type: ignore[arg-type]
         self.sel.register(child.fd, selectors.EVENT_READ, child)  # type: ignore[arg-type]
@@ -258,7 +266,7 @@ class Server:
         self._send(res)
 
     def _verdict(self, run: _Child, wait_status: int | None, timed_out: bool) -> dict:
-        limit = self.cfg.limits.timeout_s
+        limit = run.limit
         if timed_out:
             return {"status": "timeout", "output": None, "error": f"exceeded {limit:g} s"}
         if run.flooded:
@@ -383,10 +391,10 @@ def main() -> None:
     info["uid_isolated"] = cfg.limits.isolate and cfg.uid_base is not None and os.geteuid() == 0
     if not info["uid_isolated"]:
         cfg.uid_base = None
-    for name in ALLOWED_MODULES:
+    for name in cfg.modules:
         importlib.import_module(name)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
-    prep = prepare(cfg.limits)
+    prep = prepare(cfg.limits, cfg.hidden)
     gc.collect()
     gc.freeze()  # keep pre-imported objects out of the collector: fewer copy-on-write faults
     server = Server(cfg, prep)

@@ -24,12 +24,24 @@ class Status(str, Enum):
 
 @dataclass(frozen=True)
 class Job:
-    """One evaluation: exec `program` in a fresh namespace, then evaluate `expr` there."""
+    """One evaluation: exec `program` in a fresh namespace, then evaluate `expr` there.
+
+    timeout_s: this job's wall-clock limit (RLIMIT_CPU follows it), overriding the Sandbox's
+    `timeout_s`; None keeps the Sandbox's.
+    """
 
     program: str
     expr: str
     entry: str | None = "f"
     deterministic: bool = False
+    timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        t = self.timeout_s
+        if t is not None and (
+            isinstance(t, bool) or not isinstance(t, int | float) or not 0 < t < 1e6
+        ):
+            raise ValueError(f"Job.timeout_s must be a positive number of seconds, not {t!r}")
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ costs a copy-on-write fault, and the json module's first call touches ~80 pages 
 job's cost); slicing and `str.encode` touch almost none. The server parses what a child sends
 as hostile bytes: anything malformed is None, never an exception.
 
-    job:    b"<len(program)>\\n" + program + expr                     (UTF-8, surrogates kept)
+    job:    b"<len(program)> <cpu seconds>\\n" + program + expr      (UTF-8, surrogates kept)
     result: b"<status> <len(output)|-1> <len(error)|-1> <duration>\\n" + output + error
 """
 
@@ -19,15 +19,17 @@ _ENC = ("utf-8", "surrogatepass")
 _STATUSES = frozenset(s.value.encode() for s in Status)
 
 
-def encode_job(program: str, expr: str) -> bytes:
+def encode_job(program: str, expr: str, cpu_s: int) -> bytes:
     p = program.encode(*_ENC)
-    return b"%d\n" % len(p) + p + expr.encode(*_ENC)
+    return b"%d %d\n" % (len(p), cpu_s) + p + expr.encode(*_ENC)
 
 
-def decode_job(data: bytes) -> tuple[str, str]:
+def decode_job(data: bytes) -> tuple[str, str, int]:
+    """(program, expr, RLIMIT_CPU seconds); the server's own bytes, so not parsed defensively."""
     head, _, body = data.partition(b"\n")
-    n = int(head)
-    return body[:n].decode(*_ENC), body[n:].decode(*_ENC)
+    n, cpu = head.split(b" ")
+    k = int(n)
+    return body[:k].decode(*_ENC), body[k:].decode(*_ENC), int(cpu)
 
 
 def encode_result(status: str, output: str | None, error: str | None, duration: float) -> bytes:
