@@ -1,17 +1,20 @@
 """Mixed-adapter generation at Qwen2.5-7B scale: lorapop's engine against HF generate + PEFT.
 
 Random bf16 weights stand in for the real model (the cost does not depend on the values).
-Batch 64, 128-token prompts, 128 new tokens, LoRA rank 32 on all projections. Measures:
-end-to-end tokens/s of `generate` for N = 1, 2, 4, 8, 16 slots (slots mixed in the batch),
-the decode step alone (CUDA graph replay) as a fraction of the memory-bandwidth bound,
-the base model through our engine and through HF `generate`, PEFT with one adapter and with
-8 adapters mixed via `adapter_names=`, and peak GPU memory of each case. It also checks that
-the CUDA-graph path emits the same tokens as the eager path, and how far the returned
-logprobs are from a teacher-forced forward pass in bf16.
+Batch 64, 128-token prompts, 128 new tokens, LoRA rank 32 on all projections, the bank in
+fp32 (master weights, as in self-play) unless a case says bf16. Measures: end-to-end tokens/s
+of `generate` for N = 1, 2, 4, 8, 16 slots (slots mixed in the batch), the decode step alone
+(CUDA graph replay) as a fraction of the memory-bandwidth bound, "before" cases (the "dense"
+decode kernel that casts the bank every step), a bf16 bank, the decode step under
+torch.compile, the base model through our engine and (unless --no-hf) through HF `generate`,
+PEFT with one adapter and with 8 adapters mixed via `adapter_names=`, and peak GPU memory.
+It also checks that the CUDA-graph path emits the eager path's tokens, the fused decode
+kernel the dense one's, and how far the returned logprobs are from a teacher-forced forward
+pass in bf16. The JSON is rewritten after every case (the run may be cut short).
 Imports only torch / transformers / peft and lorapop.lora / lorapop.engine.
 
     PYTHONPATH=src python benchmarks/generate_multi_adapter.py --out results.json
-    PYTHONPATH=src python benchmarks/generate_multi_adapter.py --layers 2 --quick  # smoke
+    PYTHONPATH=src python benchmarks/generate_multi_adapter.py --layers 2 --no-hf  # smoke
 """
 
 from __future__ import annotations
@@ -84,16 +87,19 @@ def measured_tbps() -> float:
     return 5 * 2 * 2**32 / seconds / 1e12
 
 
-def decode_step_seconds(model, bank, prompts, slots, params) -> tuple[float, float]:
+def decode_step_seconds(model, bank, prompts, slots, params, compile=False) -> tuple[float, float]:
     """(prefill seconds, seconds per decode step) with the step replayed from its CUDA graph."""
     length = -(-(PROMPT + NEW - 1) // 64) * 64
-    dec = Decoder(model, bank, BATCH, length, params, [], cuda_graph=True)
+    dec = Decoder(model, bank, BATCH, length, params, [], cuda_graph=True, compile=compile)
     u = row_uniforms(0, range(BATCH), NEW)
     dec.slots.copy_(torch.tensor(slots))
+    if bank is not None:
+        bank.sync_caches()
     with torch.no_grad(), static_kv(model, dec.kv), route(bank, dec.slots):
         dec.prefill(prompts, u)
-        dec._capture()
+        dec._prepare()
         assert dec.graph is not None, "CUDA graph capture failed"
+        assert not compile or dec.compiled is not None, "torch.compile failed"
         prefill_s, _ = timed(lambda: dec.prefill(prompts, u))
         steps = NEW - 1
         decode_s, _ = timed(lambda: [dec.graph.replay() for _ in range(steps)])
@@ -123,7 +129,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--layers", type=int, default=28)
-    ap.add_argument("--slots", default="1,2,4,8,16")
+    ap.add_argument("--slots", default="1,8,2,4,16")
+    ap.add_argument("--no-hf", action="store_true", help="skip HF generate / PEFT baselines")
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile cases")
     ap.add_argument("--quick", action="store_true", help="skip the slow PEFT-mixed baseline")
     args = ap.parse_args()
     name = torch.cuda.get_device_name()
@@ -142,6 +150,7 @@ def main() -> None:
             "rank": RANK,
             "layers": args.layers,
             "arch": "Qwen2.5-7B shapes, random bf16 weights",
+            "bank": "fp32 master weights (the self-play case) unless the case says bf16",
         },
     }
     nominal = next((v for k, v in NOMINAL_TBPS.items() if k in name), None)
@@ -155,13 +164,140 @@ def main() -> None:
     prompts = ids.tolist()
     tokens = BATCH * NEW
     params = SamplingParams(temperature=1.0, max_new_tokens=NEW, eos_token_ids=())
+    cache_len = -(-(PROMPT + NEW - 1) // 64) * 64
     cases: dict[str, dict] = {}
+    checks: dict = {}
+    result["checks"], result["cases"] = checks, cases
 
-    def record(key: str, seconds: float, mem: float, **extra) -> None:
-        cases[key] = {"seconds": seconds, "tok_per_s": tokens / seconds, "peak_gib": mem, **extra}
-        print(key, json.dumps(cases[key]), flush=True)
+    def save() -> None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
 
-    # HF generate, base model alone
+    def record(key: str, seconds: float | None = None, mem: float | None = None, **extra) -> None:
+        entry = dict(extra)
+        if seconds is not None:
+            entry.update(seconds=seconds, tok_per_s=tokens / seconds, peak_gib=mem)
+        cases[key] = entry
+        print(key, json.dumps(entry), flush=True)
+        save()
+
+    def step_case(key, bank, n, slots, compile=False) -> None:
+        t0 = time.perf_counter()
+        pre, step = decode_step_seconds(model, bank, prompts, slots, params, compile)
+        nbytes = bytes_per_step(model, n, cache_len)
+        need = nbytes["weights"] + nbytes["adapters"] + nbytes["kv_mean_context"]
+        read = nbytes["weights"] + nbytes["adapters"] + nbytes["kv_static"]
+        extra = cases.get(key, {})
+        record(
+            key,
+            extra.get("seconds"),
+            extra.get("peak_gib"),
+            prefill_s=pre,
+            decode_step_s=step,
+            decode_tok_per_s=BATCH / step,
+            bytes_per_step=nbytes,
+            bandwidth_fraction=need / step / (peak * 1e12),
+            bandwidth_fraction_static_reads=read / step / (peak * 1e12),
+            setup_s=time.perf_counter() - t0,
+        )
+
+    def e2e_case(key, bank, slots, **kw) -> None:
+        generate(model, bank, None, prompts, slots, params, **kw)  # warm-up (and compile)
+        s, m = peak_gb(lambda: generate(model, bank, None, prompts, slots, params, **kw))
+        record(key, s, m)
+
+    # lorapop engine, base model (no bank)
+    e2e_case("lorapop_base", None, [0] * BATCH)
+    step_case("lorapop_base", None, 0, [0] * BATCH)
+
+    banks: dict[tuple[int, torch.dtype], AdapterBank] = {}
+
+    def bank_for(n: int, dtype=torch.float32) -> AdapterBank | None:
+        """The bank with n slots (others detached); n < 1: detach all, None."""
+        for key in list(banks):
+            if key != (n, dtype):
+                banks.pop(key).detach()
+        torch.cuda.empty_cache()
+        if n < 1:
+            return None
+        if (n, dtype) not in banks:
+            banks[(n, dtype)] = AdapterBank(model, n, rank=RANK, alpha=2.0 * RANK, dtype=dtype)
+            with torch.no_grad():  # nonzero B: every slot differs from the base
+                for t in banks[(n, dtype)].targets.values():
+                    t.b.normal_(0.0, 1e-3)
+        return banks[(n, dtype)]
+
+    def slots_of(n: int) -> list[int]:
+        return [i * n // BATCH for i in range(BATCH)]
+
+    sweep = [int(x) for x in args.slots.split(",")]
+    for n in sweep[:2]:  # the headline counts first (the run has a time limit)
+        bank = bank_for(n)
+        e2e_case(f"lorapop_N{n}", bank, slots_of(n))
+        step_case(f"lorapop_N{n}", bank, n, slots_of(n))
+        # before this change: the "dense" decode kernel casting the fp32 bank every step
+        bank.decode_kernel = "dense"
+        step_case(f"lorapop_N{n}_before_dense_fp32_cast", bank, n, slots_of(n))
+        bank.decode_kernel = "auto"
+        if n == 8:
+            greedy = SamplingParams(temperature=0.0, max_new_tokens=16, eos_token_ids=())
+            a = generate(model, bank, None, prompts, slots_of(8), greedy)
+            b = generate(model, bank, None, prompts, slots_of(8), greedy, cuda_graph=False)
+            checks["graph_equals_eager_tokens"] = [x.token_ids for x in a] == [
+                x.token_ids for x in b
+            ]
+            bank.decode_kernel = "dense"
+            c = generate(model, bank, None, prompts, slots_of(8), greedy)
+            bank.decode_kernel = "auto"
+            same = [x.token_ids == y.token_ids for x, y in zip(a, c, strict=True)]
+            checks["fused_vs_dense_rows_same_greedy_tokens"] = sum(same) / len(same)
+            lp_a = torch.tensor([x.logprobs[0] for x in a])
+            lp_c = torch.tensor([x.logprobs[0] for x in c])
+            checks["fused_vs_dense_first_logprob_max_abs"] = float((lp_a - lp_c).abs().max())
+            sub = slice(0, 16)
+            with torch.no_grad():
+                lp, _ = sequence_logprobs(
+                    model, bank, prompts[sub], [x.token_ids for x in a[sub]], slots_of(8)[sub]
+                )
+            ref = torch.tensor([x.logprobs for x in a[sub]])
+            checks["max_abs_logprob_vs_teacher_forced_bf16"] = float((lp.cpu() - ref).abs().max())
+            checks["mean_abs_logprob_vs_teacher_forced_bf16"] = float((lp.cpu() - ref).abs().mean())
+            save()
+    bank = bank_for(8, torch.bfloat16)
+    step_case("lorapop_N8_bf16_bank", bank, 8, slots_of(8))
+    bank.decode_kernel = "dense"
+    step_case("lorapop_N8_bf16_bank_before_dense", bank, 8, slots_of(8))
+    bank.decode_kernel = "auto"
+
+    if not args.no_compile:
+        for n in (8, 0, 1):
+            bank = bank_for(n)
+            key = f"lorapop_N{n}_compiled" if n else "lorapop_base_compiled"
+            try:
+                step_case(key, bank, n, slots_of(max(n, 1)) if n else [0] * BATCH, True)
+                e2e_case(key, bank, slots_of(max(n, 1)) if n else [0] * BATCH, compile=True)
+            except Exception as e:  # noqa: BLE001 - record and go on
+                record(key, error=f"{type(e).__name__}: {e}"[:500])
+
+    for n in sweep[2:]:
+        bank = bank_for(n)
+        e2e_case(f"lorapop_N{n}", bank, slots_of(n))
+        step_case(f"lorapop_N{n}", bank, n, slots_of(n))
+    bank_for(-1)
+
+    base = cases.get("lorapop_N1", {}).get("decode_step_s")
+    if base:
+        result["decode_step_vs_N1"] = {
+            k: v["decode_step_s"] / base for k, v in cases.items() if "decode_step_s" in v
+        }
+    if not args.no_hf:
+        hf_baselines(model, ids, cases, record, args.quick)
+    save()
+    print(json.dumps({k: v for k, v in result.items() if k != "cases"}, indent=1))
+
+
+def hf_baselines(model, ids, cases, record, quick: bool) -> None:
+    """HF generate on the base model, and + PEFT with one adapter / 8 mixed adapters."""
     hf_kw = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0)
     model.generation_config.eos_token_id = None
     cuda_ids = ids.cuda()
@@ -169,85 +305,6 @@ def main() -> None:
     model.generate(input_ids=cuda_ids[:, :8], attention_mask=mask[:, :8], max_new_tokens=4)
     s, m = peak_gb(lambda: model.generate(input_ids=cuda_ids, attention_mask=mask, **hf_kw))
     record("hf_generate_base", s, m)
-
-    # lorapop engine, base model (no bank)
-    generate(model, None, None, prompts, [0] * BATCH, params)  # warm-up
-    s, m = peak_gb(lambda: generate(model, None, None, prompts, [0] * BATCH, params))
-    pre, step = decode_step_seconds(model, None, prompts, [0] * BATCH, params)
-    record("lorapop_base", s, m, prefill_s=pre, decode_step_s=step)
-
-    # lorapop engine, N slots mixed in the batch
-    checks: dict = {}
-    for n in [int(x) for x in args.slots.split(",")]:
-        bank = AdapterBank(model, n_slots=n, rank=RANK, alpha=2.0 * RANK, dtype=torch.bfloat16)
-        slots = [i * n // BATCH for i in range(BATCH)]
-        generate(model, bank, None, prompts, slots, params)  # warm-up
-        s, m = peak_gb(
-            lambda bank=bank, slots=slots: generate(model, bank, None, prompts, slots, params)
-        )
-        pre, step = decode_step_seconds(model, bank, prompts, slots, params)
-        cache_len = -(-(PROMPT + NEW - 1) // 64) * 64
-        nbytes = bytes_per_step(model, n, cache_len)
-        read = nbytes["weights"] + nbytes["adapters"] + nbytes["kv_static"]
-        need = nbytes["weights"] + nbytes["adapters"] + nbytes["kv_mean_context"]
-        record(
-            f"lorapop_N{n}",
-            s,
-            m,
-            prefill_s=pre,
-            decode_step_s=step,
-            decode_tok_per_s=BATCH / step,
-            bytes_per_step=nbytes,
-            bandwidth_fraction=need / step / (peak * 1e12),
-            bandwidth_fraction_static_reads=read / step / (peak * 1e12),
-        )
-        if n in (1, 8):  # the bank's "dense" decode kernel: every row through every slot
-            bank.decode_kernel = "dense"
-            pre, step = decode_step_seconds(model, bank, prompts, slots, params)
-            cases[f"lorapop_N{n}_dense_decode"] = {
-                "decode_step_s": step,
-                "decode_tok_per_s": BATCH / step,
-                "bandwidth_fraction": need / step / (peak * 1e12),
-            }
-            print(n, "dense", cases[f"lorapop_N{n}_dense_decode"], flush=True)
-            bank.decode_kernel = "auto"
-        if n == 8:
-            s, m = peak_gb(
-                lambda bank=bank, slots=slots: generate(
-                    model, bank, None, prompts, slots, params, cuda_graph=False
-                )
-            )
-            record("lorapop_N8_eager", s, m)
-            greedy = SamplingParams(temperature=0.0, max_new_tokens=16, eos_token_ids=())
-            a = generate(model, bank, None, prompts, slots, greedy)
-            b = generate(model, bank, None, prompts, slots, greedy, cuda_graph=False)
-            checks["graph_equals_eager_tokens"] = [x.token_ids for x in a] == [
-                x.token_ids for x in b
-            ]
-            sub = slice(0, 16)
-            with torch.no_grad():
-                lp, _ = sequence_logprobs(
-                    model, bank, prompts[sub], [x.token_ids for x in a[sub]], slots[sub]
-                )
-            ref = torch.tensor([x.logprobs for x in a[sub]])
-            checks["max_abs_logprob_vs_teacher_forced_bf16"] = float((lp.cpu() - ref).abs().max())
-            checks["mean_abs_logprob_vs_teacher_forced_bf16"] = float((lp.cpu() - ref).abs().mean())
-        bank.detach()
-        del bank
-        torch.cuda.empty_cache()
-    result["checks"] = checks
-    base = cases["lorapop_N1"]["tok_per_s"]
-    result["overhead_vs_N1"] = {
-        k: base / v["tok_per_s"]
-        for k, v in cases.items()
-        if "tok_per_s" in v and k.startswith("lorapop_N")
-    }
-    step1 = cases["lorapop_N1"]["decode_step_s"]
-    result["decode_step_overhead_vs_N1"] = {
-        k: v["decode_step_s"] / step1 for k, v in cases.items() if "decode_step_s" in v
-    }
-
-    # HF generate + PEFT: one adapter, then 8 adapters mixed in the batch
     cfg = peft.LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=list(DEFAULT_TARGETS))
     pm = peft.get_peft_model(model, cfg, adapter_name="a0")
     for i in range(1, 8):
@@ -257,7 +314,7 @@ def main() -> None:
     pm.generate(input_ids=cuda_ids[:, :8], attention_mask=mask[:, :8], max_new_tokens=4)
     s, m = peak_gb(lambda: pm.generate(input_ids=cuda_ids, attention_mask=mask, **hf_kw))
     record("hf_peft_1_adapter", s, m)
-    if not args.quick:
+    if not quick:
         names = [f"a{i * 8 // BATCH}" for i in range(BATCH)]
         s, m = peak_gb(
             lambda: pm.generate(
@@ -265,16 +322,6 @@ def main() -> None:
             )
         )
         record("hf_peft_8_adapters_mixed", s, m)
-        result["lorapop_N8_vs_peft_mixed"] = (
-            cases["lorapop_N8"]["tok_per_s"] / cases["hf_peft_8_adapters_mixed"]["tok_per_s"]
-        )
-    result["lorapop_N1_vs_hf_base"] = (
-        cases["lorapop_N1"]["tok_per_s"] / cases["hf_generate_base"]["tok_per_s"]
-    )
-    result["cases"] = cases
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
-    print(json.dumps({k: v for k, v in result.items() if k != "cases"}, indent=1))
 
 
 if __name__ == "__main__":

@@ -221,3 +221,40 @@ def test_token_id_prompts_and_restored_attention(setup, tok):
     b = generate(model, bank, tok, [PROMPTS[2]], [1], GREEDY)
     assert a[0].token_ids == b[0].token_ids and a[0].text == ""
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_generation_sees_slot_changes_between_calls(tok):
+    """The decode cache must follow the bank: modify a slot, generate again."""
+    model = tiny_model("qwen2", len(tok))
+    bank = AdapterBank(model, n_slots=2, rank=4, alpha=8.0)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for t in bank.targets.values():
+            t.b.copy_(torch.randn(t.b.shape, generator=gen) * 0.5)
+    prompts = PROMPTS[:3]
+    first = generate(model, bank, tok, prompts, [1, 1, 1], GREEDY)
+    as_zero = generate(model, bank, tok, prompts, [0, 0, 0], GREEDY)
+    assert [g.token_ids for g in first] != [g.token_ids for g in as_zero]
+    bank.copy_slot(0, 1)
+    _same(generate(model, bank, tok, prompts, [1, 1, 1], GREEDY), as_zero)
+    with torch.no_grad():
+        bank.weights[1].mul_(0.0)  # slot 1 = the base model now
+    with bank.disabled():
+        base = generate(model, bank, tok, prompts, [0, 0, 0], GREEDY)
+    _same(generate(model, bank, tok, prompts, [1, 1, 1], GREEDY), base)
+
+
+def test_compile_failure_falls_back_to_the_plain_step(setup, tok, monkeypatch):
+    model, bank = setup
+
+    def broken(fn, **kw):
+        def run(*a, **k):
+            raise RuntimeError("no compiler here")
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken)
+    want = generate(model, bank, tok, PROMPTS, [0, 1, 2, 1, 0], SAMPLED, seed=4)
+    with pytest.warns(UserWarning, match="torch.compile of the decode step failed"):
+        got = generate(model, bank, tok, PROMPTS, [0, 1, 2, 1, 0], SAMPLED, seed=4, compile=True)
+    _same(got, want)

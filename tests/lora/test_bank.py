@@ -171,3 +171,71 @@ def test_grouped_probe_is_independent_of_grad_mode():
     with torch.no_grad():
         bank = AdapterBank(tiny_model(), n_slots=2, rank=4)
     assert bank._grouped_ok[torch.float32]
+
+
+def test_fused_decode_cache_matches_dense_and_follows_weight_changes():
+    """One-token no-grad forwards read a cached copy; every kind of weight write reaches it."""
+    model = tiny_model()
+    bank = AdapterBank(model, n_slots=4, rank=4, alpha=8)
+    randomize_b(bank)
+    ids = torch.randint(0, VOCAB, (5, 1))
+    slots = [3, 0, 3, 1, 0]
+
+    def both() -> tuple[torch.Tensor, torch.Tensor]:
+        out = []
+        for k in ("auto", "dense"):
+            bank.decode_kernel = k
+            with bank.route(slots):
+                out.append(_logits(model, ids))
+        return out[0], out[1]
+
+    fused, dense = both()
+    assert len(bank._caches) == 1  # "auto" decoded through the cache
+    torch.testing.assert_close(fused, dense, rtol=1e-5, atol=1e-5)
+    before = fused
+    state = bank.state_dict()
+    changes = [
+        lambda: bank.copy_slot(1, 3),
+        lambda: bank.load_slot(0, bank.slot_state(2)),
+        lambda: bank.reset_slot(1, seed=3),
+        lambda: bank.load_state_dict(state),
+        lambda: bank.targets["model.layers.1.mlp.down_proj"].b.data.mul_(3),  # untracked
+    ]
+    for change in changes:
+        change()
+        if change is changes[-1]:
+            bank.invalidate_caches()
+        fused, dense = both()
+        torch.testing.assert_close(fused, dense, rtol=1e-5, atol=1e-5)
+        assert not torch.equal(fused, before)
+        before = fused
+    with torch.no_grad():  # an optimizer-style in-place update of the flat storage
+        bank.weights.mul_(0.5)
+    fused, dense = both()
+    torch.testing.assert_close(fused, dense, rtol=1e-5, atol=1e-5)
+    # q/k/v and gate/up share one A GEMM: 4 input groups per layer
+    assert len({id(m.group) for m in bank._caches[torch.float32].members.values()}) == 8
+
+
+def test_fused_decode_in_bf16_from_an_fp32_bank():
+    model = tiny_model().to(torch.bfloat16)
+    bank = AdapterBank(model, n_slots=3, rank=4, alpha=8)  # fp32 master weights
+    randomize_b(bank)
+    ids = torch.randint(0, VOCAB, (4, 1))
+    out = {}
+    for k in ("fused", "dense"):
+        bank.decode_kernel = k
+        with bank.route([2, 0, 1, 2]):
+            out[k] = _logits(model, ids).float()
+    assert list(bank._caches) == [torch.bfloat16]
+    torch.testing.assert_close(out["fused"], out["dense"], rtol=0.05, atol=0.02)
+    one = AdapterBank(tiny_model(), n_slots=1, rank=4)  # one slot: the mask is a broadcast
+    with torch.no_grad():
+        one.weights.normal_()
+    out = []
+    for batch in ([0, 0, 0, 0], [0, 0, 0, 0]):  # the second route refills the cached mask
+        with one.route(batch):
+            out.append(_logits(one.model, ids))
+    torch.testing.assert_close(out[0], out[1], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="unknown decode kernel"):
+        AdapterBank(tiny_model(), n_slots=1, decode_kernel="fast")

@@ -7,6 +7,10 @@ once in a graph and replayed; on CPU the same step runs eagerly. Adapter routing
 once per batch, outside the step: the bank fills its per-batch-size index buffers in place,
 so the captured step reads each new batch's routing. Rows must come sorted by slot (the
 bank's grouped kernel then skips its gathers, and that choice is baked into the graph).
+The bank's decode cache (a compute-dtype copy of its weights, read by the graph) is brought
+up to date before every batch. With `compile=True` the step is first compiled with
+torch.compile (fusing the base model's small elementwise kernels), then captured; if
+compilation fails the decoder warns and runs the plain step.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ class Decoder:
         params: SamplingParams,
         eos_ids: Sequence[int],
         cuda_graph: bool = True,
+        compile: bool = False,
     ) -> None:
         cfg = model.config.get_text_config()
         param = next(model.parameters())
@@ -67,6 +72,10 @@ class Decoder:
         self.bias = torch.tensor([0.0, float("-inf")], dtype=param.dtype, device=dev)
         self.use_graph = cuda_graph and dev.type == "cuda" and steps > 3
         self.graph: torch.cuda.CUDAGraph | None = None
+        self.compiled: Callable[[], None] | None = None
+        self._ready = False
+        if compile:
+            self.compiled = torch.compile(self._step, dynamic=False)
 
     @torch.no_grad()
     def run(
@@ -82,16 +91,19 @@ class Decoder:
         host = torch.zeros(self.batch, steps, dtype=torch.long)
         stopped = [False] * self.batch
         self.slots.copy_(torch.as_tensor(list(slots), dtype=torch.long))
+        if hasattr(self.bank, "sync_caches"):
+            self.bank.sync_caches()  # the graph reads the cache: refresh it in place
         with static_kv(self.model, self.kv), route(self.bank, self.slots):
             self.prefill(prompts, u)
-            if self.use_graph and self.graph is None:
-                self._capture()
+            if not self._ready and steps > 1:
+                self._prepare()
+            step = self.compiled or self._step
             n, seen = 1, 0
             while n < steps:
                 if self.graph is not None:
                     self.graph.replay()
                 else:
-                    self._step()
+                    step()
                 n += 1
                 if n % check_every and n < steps:
                     continue
@@ -169,24 +181,40 @@ class Decoder:
         self.kv.pos += 1
         self.step += 1
 
-    def _capture(self) -> None:
-        """Warm up on a side stream, capture one step, then restore the state it advanced."""
+    def _prepare(self) -> None:
+        """Compile (if asked) and capture (on CUDA) the step, then restore the state they
+        advanced; the tokens and cache entries they wrote are overwritten by the real steps."""
         state = [self.tok, self.done, self.step, self.kv.pos]
         saved = [x.clone() for x in state]
+        if self.compiled is not None:
+            try:
+                self.compiled()
+            except Exception as e:  # noqa: BLE001 - any compiler failure: run uncompiled
+                warnings.warn(f"torch.compile of the decode step failed: {e}", stacklevel=3)
+                self.compiled = None
+            for x, s in zip(state, saved, strict=True):
+                x.copy_(s)
+        if self.use_graph:
+            self._capture()
+        for x, s in zip(state, saved, strict=True):
+            x.copy_(s)
+        self._ready = True
+
+    def _capture(self) -> None:
+        """Warm up on a side stream and capture one step (`_prepare` restores the state)."""
+        step = self.compiled or self._step
         try:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):
-                    self._step()
+                    step()
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                self._step()
+                step()
             self.graph = graph
         except RuntimeError as e:  # e.g. a host sync inside routing: decode eagerly instead
             warnings.warn(f"CUDA graph capture failed, decoding eagerly: {e}", stacklevel=2)
             self.use_graph = False
             torch.cuda.synchronize()
-        for x, s in zip(state, saved, strict=True):
-            x.copy_(s)

@@ -26,6 +26,8 @@ NAME = "lorapop_static_kv"
 class StaticKV:
     """Keys and values of every layer for a fixed batch size and length.
 
+    One tensor per layer ([batch, kv_heads, length, head_dim]), so that under torch.compile
+    the in-place cache write mutates a whole graph input rather than a view of a shared one.
     `pos` is the cache index that the next decoded token is written to. During prefill
     (`prefilling`), the first q positions are written and attention runs over them only.
     """
@@ -40,16 +42,16 @@ class StaticKV:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        shape = (layers, batch, kv_heads, length, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        shape = (batch, kv_heads, length, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.pos = torch.zeros((), dtype=torch.long, device=device)
         self.length = length
         self.prefilling = False
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+        return sum(2 * k.numel() * k.element_size() for k in self.k)
 
 
 _active: StaticKV | None = None
@@ -76,8 +78,8 @@ def _attention(
     i = module.layer_idx
     if kv.prefilling:
         q_len = query.shape[2]
-        kv.k[i, :, :, :q_len].copy_(key)
-        kv.v[i, :, :, :q_len].copy_(value)
+        kv.k[i][:, :, :q_len].copy_(key)
+        kv.v[i][:, :, :q_len].copy_(value)
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=0.0, scaling=scaling, **kwargs
         )

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from lorapop.lora.routing import KERNELS, Routing, grouped_supported, lora_delta
+from lorapop.lora.routing import KERNELS, DecodeCache, Routing, grouped_supported, lora_delta
 
 DEFAULT_TARGETS: tuple[str, ...] = (
     "q_proj",
@@ -35,6 +35,12 @@ DEFAULT_TARGETS: tuple[str, ...] = (
 )
 
 SlotState = dict[str, dict[str, Tensor]]
+DECODE_KERNELS = (*KERNELS, "fused")
+# Projections of one parent module that read the same input: their decode LoRA shares one GEMM.
+SHARED_INPUT: tuple[frozenset[str], ...] = (
+    frozenset({"q_proj", "k_proj", "v_proj"}),
+    frozenset({"gate_proj", "up_proj"}),
+)
 
 # Parameters are strided views of the flat storage, so autograd notes once that their grads
 # are not dense; accumulation into the bound grad views is still in place and correct.
@@ -64,7 +70,14 @@ class AdapterBank:
     ``decode_kernel`` for one-token rows. "auto" picks, for multi-token rows, "grouped" when
     the rows are in slot order and this torch build runs grouped_mm for the compute dtype,
     else "gather" (row permutations cost more than per-row weight gathers); for one-token
-    rows "dense" (fewest kernels). Measurements in benchmarks/README.md.
+    rows "fused" without grad (a cached compute-dtype copy of the bank, 3 GEMM-sized kernels
+    per projection, q/k/v and gate/up sharing their A GEMM) and "dense" with grad.
+    Measurements in benchmarks/README.md.
+
+    The "fused" cache is refreshed when `weights` changed since it was built, detected by
+    the tensor's version counter (every in-place write through `weights`, its views or the
+    per-layer parameters counts; writes through `.data` do not: call `invalidate_caches()`).
+    It costs 2 bytes (bf16) per adapter parameter; `clear_caches()` frees it.
     """
 
     def __init__(
@@ -85,9 +98,13 @@ class AdapterBank:
             raise ValueError(f"AdapterBank needs n_slots >= 1 and rank >= 1, got {n_slots}, {rank}")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
-        for k in (kernel, decode_kernel):
-            if k != "auto" and k not in KERNELS:
-                raise ValueError(f"unknown kernel {k!r}; expected 'auto' or one of {KERNELS}")
+        if kernel != "auto" and kernel not in KERNELS:
+            raise ValueError(f"unknown kernel {kernel!r}; expected 'auto' or one of {KERNELS}")
+        if decode_kernel != "auto" and decode_kernel not in DECODE_KERNELS:
+            raise ValueError(
+                f"unknown decode kernel {decode_kernel!r}; expected 'auto' or one of "
+                f"{DECODE_KERNELS}"
+            )
         if getattr(model, "_lorapop_bank", None) is not None:
             raise ValueError("this model already has an AdapterBank; call bank.detach() first")
         suffixes = tuple(target_modules)
@@ -139,6 +156,8 @@ class AdapterBank:
         self._grad_routing: Routing | None = None
         self._grad_version = -1
         self._disabled = False
+        self._caches: dict[torch.dtype, DecodeCache] = {}
+        self._stale = 0  # bumped by invalidate_caches(): part of the cache stamp
 
         for i in range(n_slots):
             self.reset_slot(i, seed + i)
@@ -234,7 +253,13 @@ class AdapterBank:
             dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
             one_token = x.dim() >= 2 and x.shape[-2] == 1
             kernel = self.decode_kernel if one_token else self.kernel
-            if kernel == "auto":
+            fused = one_token and x.dim() == 3 and kernel in ("auto", "fused")
+            fused = fused and not torch.is_grad_enabled()
+            if fused and not (self.dropout > 0 and module.training):
+                share = not torch.compiler.is_compiling()
+                cache = self.decode_cache(dt, check=share)
+                return cache.add_delta(target.name, x, output, routing, self.scaling, share)
+            if kernel in ("auto", "fused"):
                 grouped = routing.is_sorted and self._grouped_ok.get(dt, False)
                 kernel = "dense" if one_token else "grouped" if grouped else "gather"
             a, b = target.a.to(dt), target.b.to(dt)
@@ -242,6 +267,48 @@ class AdapterBank:
             return output + delta.to(output.dtype)
 
         return hook
+
+    # ------------------------------------------------------------------ decode cache
+    def decode_cache(self, dtype: torch.dtype, check: bool = True) -> DecodeCache:
+        """The "fused" decode kernel's copy of the bank in `dtype`, refreshed if stale.
+
+        `check=False` skips the staleness test (used while torch.compile traces, which
+        cannot read version counters; the decoder refreshes before each batch).
+        """
+        cache = self._caches.get(dtype)
+        if cache is None:
+            cache = DecodeCache(self._shared_input_groups(), dtype)
+            self._caches[dtype] = cache
+            check = True
+        if check and cache.stamp != self._stamp():
+            cache.refresh_(self._stamp())
+        return cache
+
+    def sync_caches(self) -> None:
+        """Refresh every existing decode cache whose weights changed (no-op otherwise)."""
+        for dtype in list(self._caches):
+            self.decode_cache(dtype)
+
+    def invalidate_caches(self) -> None:
+        """Mark the decode caches stale (needed only after writes through `.data`)."""
+        self._stale += 1
+
+    def clear_caches(self) -> None:
+        """Free the decode caches (rebuilt on the next decode forward)."""
+        self._caches.clear()
+
+    def _stamp(self) -> int:
+        return self.weights._version * 1_000_003 + self._stale
+
+    def _shared_input_groups(self) -> list[list[tuple[str, Tensor, Tensor]]]:
+        """Targets grouped by shared input: same parent module, one SHARED_INPUT set."""
+        groups: dict[tuple[str, int, int], list[tuple[str, Tensor, Tensor]]] = {}
+        for name, t in self.targets.items():
+            parent, _, leaf = name.rpartition(".")
+            kind = next((i for i, s in enumerate(SHARED_INPUT) if leaf in s), -1)
+            key = (parent, kind, t.module.in_features) if kind >= 0 else (name, -1, 0)
+            groups.setdefault(key, []).append((name, t.a.detach(), t.b.detach()))  # type: ignore[arg-type]
+        return list(groups.values())
 
     # ------------------------------------------------------------------ slots
     @property
@@ -340,6 +407,7 @@ class AdapterBank:
 
     def detach(self) -> None:
         """Remove the hooks: the model is the plain base model again."""
+        self.clear_caches()
         for t in self.targets.values():
             if t.handle is not None:
                 t.handle.remove()

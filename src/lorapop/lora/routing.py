@@ -14,6 +14,12 @@ Three kernels compute the LoRA delta `scaling * B[s] @ A[s] @ x` for every row a
 - ``dense``: every row through every slot's A (one matmul), masked to its own slot, then a
   `bmm` with all B's. N times the LoRA FLOPs but no sort or gather; meant for decoding, where
   a step reads every adapter anyway and FLOPs are free.
+
+`DecodeCache` serves one-token rows without grad (decoding): a compute-dtype copy of the bank
+laid out for two plain GEMMs per projection, `h = x @ A_all^T` ([B, N*r], masked to each row's
+slot) and `out + h @ B_all` (one addmm), where projections that read the same input (q/k/v,
+gate/up) share one A GEMM. That is 3 small kernels per projection instead of ~7, and no cast
+of the fp32 master weights on every step.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ class Routing:
     is_sorted: bool  # rows already in slot order: the grouped kernel skips its gathers (T > 1)
     _ends_by_len: dict[int, Tensor] = field(default_factory=dict)
     _masks: dict[tuple[int, torch.dtype, float], Tensor] = field(default_factory=dict)
+    _cols: dict[tuple[int, int, torch.dtype, float], Tensor] = field(default_factory=dict)
 
     @classmethod
     def empty(cls, batch: int, n_slots: int, device: torch.device) -> Routing:
@@ -76,6 +83,8 @@ class Routing:
             torch.mul(self.ends, tokens, out=ends)
         for key, mask in self._masks.items():
             mask.copy_(self._token_mask(*key))
+        for key, cols in self._cols.items():
+            cols.copy_(self._col_mask(*key))
 
     def ends_for(self, tokens_per_row: int) -> Tensor:
         """Group ends in tokens when every row holds `tokens_per_row` tokens (cached)."""
@@ -98,6 +107,23 @@ class Routing:
         n, rows = self.mask.shape
         full = (self.mask * scale).to(dtype)[:, :, None].expand(n, rows, tokens)
         return full.reshape(n, rows * tokens, 1)
+
+    def col_mask(self, rank: int, tiles: int, dtype: torch.dtype, scale: float) -> Tensor:
+        """[B, tiles*N*rank] = scale on the row's own slot's rank columns, else 0 (cached).
+
+        Columns are ordered (tile, slot, rank), matching `DecodeCache`'s rows of A.
+        """
+        key = (rank, tiles, dtype, scale)
+        cols = self._cols.get(key)
+        if cols is None:
+            cols = self._col_mask(*key).clone()  # own memory: refilled in place by fill_
+            self._cols[key] = cols
+        return cols
+
+    def _col_mask(self, rank: int, tiles: int, dtype: torch.dtype, scale: float) -> Tensor:
+        n, rows = self.mask.shape
+        per_row = (self.mask.t() * scale).to(dtype)[:, None, :, None]
+        return per_row.expand(rows, tiles, n, rank).reshape(rows, tiles * n * rank)
 
     def clone(self) -> Routing:
         return Routing(
@@ -178,6 +204,101 @@ def _dense(x: Tensor, a: Tensor, b: Tensor, routing: Routing, scaling: float) ->
     h = h * routing.token_mask(tokens, h.dtype, scaling)
     y = torch.bmm(h, b.transpose(1, 2)).sum(0)  # [B*T, out]
     return y.view(rows, tokens, b.shape[1])
+
+
+@dataclass
+class _Group:
+    """Projections reading one input: their A's stacked, and the last input's h (shared)."""
+
+    a: Tensor  # [G*N*r, in]: rows (member, slot, rank)
+    size: int
+    x: Tensor | None = None  # the input whose h is held for the other members
+    h: Tensor | None = None
+    uses: int = 0
+
+
+@dataclass
+class _Member:
+    group: _Group
+    index: int  # position in the group: rows/columns [index*N*r, (index+1)*N*r)
+    b: Tensor  # [N*r, out]: rows (slot, rank)
+
+
+class DecodeCache:
+    """Compute-dtype copy of the bank for one-token rows without grad (see module docstring).
+
+    `groups` lists, per shared input, the (name, A [N, r, in], B [N, out, r]) of its
+    projections. Buffers are allocated once and refreshed in place (`refresh_`), so CUDA
+    graphs captured on them stay valid after the weights change.
+    """
+
+    def __init__(
+        self,
+        groups: list[list[tuple[str, Tensor, Tensor]]],
+        dtype: torch.dtype,
+    ) -> None:
+        self.dtype = dtype
+        self.members: dict[str, _Member] = {}
+        self.sources: list[tuple[_Member, Tensor, Tensor]] = []
+        for group in groups:
+            n, r, width = group[0][1].shape
+            a = torch.empty(len(group) * n * r, width, dtype=dtype, device=group[0][1].device)
+            g = _Group(a, len(group))
+            for i, (name, a_src, b_src) in enumerate(group):
+                b = torch.empty(n * r, b_src.shape[1], dtype=dtype, device=b_src.device)
+                self.members[name] = _Member(g, i, b)
+                self.sources.append((self.members[name], a_src, b_src))
+        self.n_slots, self.rank = n, r
+        self.stamp = -1
+
+    @torch.no_grad()
+    def refresh_(self, stamp: int) -> None:
+        """Copy (and cast) the bank's current A and B into the cache."""
+        nr = self.n_slots * self.rank
+        for m, a_src, b_src in self.sources:
+            m.group.a[m.index * nr : (m.index + 1) * nr].view(a_src.shape).copy_(a_src)
+            m.b.view(b_src.shape[0], self.rank, b_src.shape[1]).copy_(b_src.transpose(1, 2))
+            m.group.x = m.group.h = None
+        self.stamp = stamp
+
+    def add_delta(
+        self, name: str, x: Tensor, out: Tensor, routing: Routing, scaling: float, share: bool
+    ) -> Tensor:
+        """out + scaling * B[s] A[s] x for one-token rows x [B, 1, in] (out: the base output).
+
+        `share`: reuse the h that a projection of the same group computed from this very
+        `x` (off while tracing for torch.compile, where the held state would not replay).
+        """
+        rows = x.shape[0]
+        if rows != routing.ids.numel():
+            raise ValueError(
+                f"AdapterBank: batch has {rows} rows but the routing has "
+                f"{routing.ids.numel()} slot ids"
+            )
+        m = self.members[name]
+        g, nr = m.group, self.n_slots * self.rank
+        if share and g.x is x:
+            h = g.h
+            g.uses += 1
+            if g.uses == g.size:
+                g.x = g.h = None
+        else:
+            x2 = x.reshape(rows, x.shape[-1]).to(self.dtype)
+            tiles = g.size if share else 1
+            a = g.a if share else g.a[m.index * nr : (m.index + 1) * nr]
+            h = torch.mm(x2, a.t())
+            h.mul_(routing.col_mask(self.rank, tiles, self.dtype, scaling))
+            if share and g.size > 1:
+                g.x, g.h, g.uses = x, h, 1
+        assert h is not None
+        if share:
+            h = h[:, m.index * nr : (m.index + 1) * nr]
+        out2 = out.reshape(rows, out.shape[-1])
+        if out2.dtype == self.dtype:
+            y = torch.addmm(out2, h, m.b)
+        else:
+            y = out2 + torch.mm(h, m.b).to(out2.dtype)
+        return y.view(out.shape)
 
 
 def grouped_probe(device: torch.device, dtype: torch.dtype) -> str | None:
