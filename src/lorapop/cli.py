@@ -195,7 +195,9 @@ def evaluate(
         "or a base model (hub id, local path, tiny-random)."
     ),
     bench: str = typer.Option(
-        ..., "--bench", help="Comma-separated benchmarks, e.g. humanevalplus,mbppplus,gsm8k."
+        ..., "--bench",
+        help="Comma-separated benchmarks, e.g. humanevalplus,mbppplus,gsm8k; or `tiny`, the "
+        "tiny world's held-out set (5 levels x code_o/code_i/code_f).",
     ),
     data_dir: str = typer.Option(None, "--data-dir", help="Folder holding the benchmark files."),
     out: str = typer.Option(
@@ -221,6 +223,12 @@ def evaluate(
 
     if out is None and latest_checkpoint(Path(target)) is not None:
         out = str(Path(target) / "eval")  # `lorapop report` shows it with the run
+    benches = [b.strip() for b in bench.split(",") if b.strip()]
+    if "tiny" in benches:
+        if benches != ["tiny"]:
+            raise _fail("--bench tiny (the tiny world's held-out set) runs on its own")
+        _eval_tiny(target, out, device, workers, base_model)
+        return
     sources = {}
     for s in source:
         name, sep, value = s.partition("=")
@@ -229,7 +237,7 @@ def evaluate(
         sources[name] = value
     try:
         result = run_eval(
-            target, [b.strip() for b in bench.split(",") if b.strip()], data_dir, out,
+            target, benches, data_dir, out,
             sources=sources, base_model=base_model, include_base=base, template=template,
             max_new_tokens=max_new_tokens, batch_size=batch_size, limit=limit, device=device,
             workers=workers, log=lambda m: typer.echo(m, err=True),
@@ -237,3 +245,42 @@ def evaluate(
     except EvalError as e:
         raise _fail(str(e)) from None
     typer.echo(result["table"])
+
+
+def _eval_tiny(target: str, out: str | None, device: str, workers: int, base: str | None) -> None:
+    import json
+    from pathlib import Path
+
+    from lorapop.evals import EvalError
+    from lorapop.tiny.evaluate import evaluate_run, markdown
+
+    try:
+        result = evaluate_run(target, base_model=base, device=device, workers=workers)
+    except EvalError as e:
+        raise _fail(str(e)) from None
+    table = markdown(result)
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "tiny_eval.json").write_text(json.dumps(result, indent=1))
+        (Path(out) / "eval.md").write_text(table + "\n")
+    typer.echo(table)
+
+
+@app.command("pretrain-tiny")
+def pretrain_tiny(
+    out: str = typer.Option(None, "--out", help="Model directory (default: the shipped one)."),
+    seed: int = typer.Option(0, help="Seed for the corpus, tokenizer and training."),
+    steps: int = typer.Option(3000, help="Optimizer steps (batch 64)."),
+    device: str = typer.Option("auto", help="auto, cpu or cuda."),
+    n_per_level: int = typer.Option(1000, help="Generated programs per difficulty level."),
+    workers: int = typer.Option(2, help="Sandbox processes verifying generated programs."),
+) -> None:
+    """Re-make the tiny world's base model: corpus, tokenizer, supervised warm start."""
+    import sys
+
+    from lorapop.tiny.pretrain import TINY_MODEL_DIR
+    from lorapop.tiny.pretrain import pretrain_tiny as run
+
+    record = run(out or TINY_MODEL_DIR, seed=seed, steps=steps, device=device,
+                 n_per_level=n_per_level, workers=workers, command=" ".join(sys.argv))
+    typer.echo(f"saved {out or TINY_MODEL_DIR} (final loss {record['final_loss']:.3f})")

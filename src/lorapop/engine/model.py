@@ -12,6 +12,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 TINY_RANDOM = "tiny-random"
+TINY = "tiny"
+#: The tiny code world's base model, shipped with the package (`lorapop pretrain-tiny` remakes it).
+TINY_DIR = Path(__file__).resolve().parents[1] / "assets" / "tiny"
 
 
 class ModelLoadError(RuntimeError):
@@ -53,8 +56,14 @@ def tiny_random_model(tokenizer: PreTrainedTokenizerBase, seed: int = 0) -> torc
         return AutoModelForCausalLM.from_config(config)
 
 
+def _resolve(name_or_path: str) -> str:
+    return str(TINY_DIR) if name_or_path == TINY else name_or_path
+
+
 def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
-    """A hub id or path; `tiny-random` and `byte` give the built-in byte-level tokenizer."""
+    """A hub id or path; `tiny` is the shipped tiny model's; `tiny-random` and `byte` give the
+    built-in byte-level tokenizer."""
+    name_or_path = _resolve(name_or_path)
     if name_or_path in (TINY_RANDOM, "byte"):
         from lorapop.engine.tiny_tokenizer import byte_tokenizer
 
@@ -83,6 +92,7 @@ def load_base_model(
 
     `random_init` builds the architecture from the config alone, directly on the device.
     """
+    name_or_path = _resolve(name_or_path)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     if name_or_path == TINY_RANDOM:

@@ -149,7 +149,9 @@ class AdapterBank:
 
         self._grouped_ok: dict[torch.dtype, bool] = {}
         for dt in {dtype, torch.bfloat16, next(iter(found))[1].weight.dtype}:
-            self._grouped_ok[dt] = grouped_supported(self.device, dt)
+            # grouped_mm needs 16-byte aligned strides: rows of rank r must span 16 bytes
+            aligned = (rank * torch.empty((), dtype=dt).element_size()) % 16 == 0
+            self._grouped_ok[dt] = aligned and grouped_supported(self.device, dt)
         self._routings: dict[int, Routing] = {}
         self._active: Routing | None = None
         self._version = 0

@@ -1,8 +1,8 @@
 """A small byte-level BPE tokenizer for the tiny model, trained with `tokenizers`.
 
-Byte-level, so any text (a teacher's odd output included) encodes and decodes back exactly;
-BPE merges learnt on generated programs and compact-format prompts keep sequences short for a
-model of a few million parameters. Saved with `save_pretrained` (tokenizer.json plus the
+Byte-level, so any NFC-normalised text (a teacher's odd output included) encodes and decodes
+back exactly; BPE merges learnt on generated programs and compact-format prompts keep sequences
+short for a model of a few million parameters. Saved with `save_pretrained` (tokenizer.json plus the
 transformers config) so `AutoTokenizer.from_pretrained(dir)` gives it back with its bos, eos and
 pad tokens. No post-processor: callers add bos/eos where their format wants them.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from lorapop.tasks import prompts
@@ -21,6 +21,13 @@ from lorapop.tasks.task import Task
 PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
 SPECIAL_TOKENS = (PAD, BOS, EOS)  # ids 0, 1, 2
 _BYTES = 256
+#: Qwen2's pre-tokenizer split. `AutoTokenizer` loads a tokenizer saved next to a Qwen2 config
+#: as `Qwen2Tokenizer`, which rebuilds the pipeline as NFC + this split + ByteLevel; training with
+#: the same pipeline makes that class and tokenizer.json encode every text identically.
+SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 def train_tokenizer(
@@ -30,7 +37,11 @@ def train_tokenizer(
     if vocab_size < _BYTES + len(SPECIAL_TOKENS):
         raise ValueError(f"vocab_size must be >= {_BYTES + len(SPECIAL_TOKENS)}, got {vocab_size}")
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])  # fmt: skip
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -47,13 +58,15 @@ def wrap(tok: Tokenizer) -> PreTrainedTokenizerFast:
     """A transformers tokenizer around `tok` with the special tokens set.
 
     `clean_up_tokenization_spaces=False`: the clean-up rewrites " ," and the like, which would
-    break the exact round trip that program text needs.
+    break the exact round trip that program text needs. `unk_token=EOS` (byte-level BPE never
+    emits it) stops `Qwen2Tokenizer` from adding its default `<|endoftext|>` as a new token.
     """
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=BOS,
         eos_token=EOS,
         pad_token=PAD,
+        unk_token=EOS,
         clean_up_tokenization_spaces=False,
         model_max_length=4096,
     )

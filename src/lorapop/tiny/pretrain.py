@@ -1,0 +1,351 @@
+"""Warm-start the tiny base model: a BPE tokenizer and a small Qwen2 trained on every role.
+
+The corpus is grammar programs of the train split (`generate_tasks(..., split="train")`) with
+six sandbox-verified input/output pairs each. Every training example is a compact-format prompt
+written by the task families themselves (`get_family(t, template="compact")`) and the text the
+family's parser accepts, ended by EOS:
+
+- teacher code_o / code_i: `teacher_prompt(refs)` -> `<program></f><i><input></i>`
+- teacher code_f: `teacher_prompt(refs, base)` -> `<in_1></i><i>...</i><m><message></m>`
+- student code_o / code_i / code_f: `student_prompt(task)` -> output / input / program
+
+The loss covers the completion tokens only. Examples are drawn afresh for each batch (a random
+pair, 0..K references, a random n for code_f) from one `random.Random(seed)`, so a run is a
+function of its arguments: the same seed gives the same loss curve and the same weights on CPU
+(GPU kernels may add float noise). Teachers learn programs of levels 1..`teacher_max_level`
+(short enough to sample on a laptop); students learn all five levels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import random
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+from lorapop.engine.model import resolve_device
+from lorapop.tasks import Task, get_family
+from lorapop.tiny.generator import generate_tasks
+from lorapop.tiny.grammar import LEVELS
+from lorapop.tiny.heldout import fingerprint
+from lorapop.tiny.tokenizer import corpus_texts, save_tokenizer, train_tokenizer
+from lorapop.verify import Sandbox
+
+#: Where the shipped model lives (package data).
+TINY_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "tiny"
+ROLES = (
+    "teacher/code_o", "teacher/code_i", "teacher/code_f",
+    "student/code_o", "student/code_i", "student/code_f",
+)  # fmt: skip
+#: code_f teacher prompts ask for this many inputs (the corpus has 6 pairs per program).
+CODE_F_NS = (4, 6)
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """A Qwen2 shape; the default has about 3.3M parameters with a 2048-token vocabulary."""
+
+    hidden: int = 256
+    layers: int = 4
+    heads: int = 8
+    kv_heads: int = 4
+    intermediate: int = 704
+    max_positions: int = 2048
+
+
+# -- the corpus and its examples --------------------------------------------------------------
+
+
+def build_corpus(
+    n_per_level: int, seed: int, sandbox: Sandbox, levels: Sequence[int] = tuple(LEVELS)
+) -> list[Task]:
+    """code_f tasks (6 verified pairs + message) of the train split, `n_per_level` per level."""
+    tasks: list[Task] = []
+    for level in levels:
+        tasks += generate_tasks(
+            "code_f", n_per_level, level, f"pretrain/{seed}", sandbox=sandbox, batch=256
+        )
+    return tasks
+
+
+def as_type(task: Task, kind: str, k: int = 0, n: int | None = None) -> Task:
+    """The code_o / code_i task of pair `k` of a code_f corpus task, or its first `n` pairs."""
+    if kind == "code_f":
+        n = len(task.inputs) if n is None else n
+        return Task("code_f", task.program, task.inputs[:n], task.outputs[:n], task.message,
+                    meta=task.meta)  # fmt: skip
+    return Task(kind, task.program, (task.inputs[k],), (task.outputs[k],), meta=task.meta)
+
+
+def completion(role: str, task: Task) -> str:
+    """The text the family parses for `role` on `task` (no EOS): the gold answer of a student,
+    the proposal that recreates `task` for a teacher."""
+    who, kind = role.split("/")
+    if who == "student":
+        if kind == "code_o":
+            return f"{task.output}</o>"
+        if kind == "code_i":
+            return f"{task.input}</i>"
+        return f"{task.program}</f>"
+    if kind == "code_f":
+        return "</i><i>".join(task.inputs) + f"</i><m>{task.message}</m>"
+    return f"{task.program}</f><i>{task.input}</i>"
+
+
+def prompt(role: str, task: Task, refs: Sequence[Task]) -> str:
+    """The compact prompt the loop would show for `role` (teachers see `refs`)."""
+    who, kind = role.split("/")
+    if kind == "code_f":
+        fam = get_family("code_f", template="compact", n_inputs=len(task.inputs))
+    else:
+        fam = get_family(kind, template="compact")
+    if who == "student":
+        return fam.student_prompt(task)
+    return fam.teacher_prompt(refs, task if kind == "code_f" else None)
+
+
+class Examples:
+    """Draws (prompt, completion) pairs for all six roles from a corpus with one RNG."""
+
+    def __init__(
+        self, corpus: Sequence[Task], rng: random.Random, max_refs: int = 2,
+        teacher_max_level: int = 3, ref_max_chars: int = 400,
+    ) -> None:  # fmt: skip
+        self.rng, self.max_refs = rng, max_refs
+        self.all = list(corpus)
+        easy = [t for t in corpus if (t.meta.get("difficulty") or 5) <= teacher_max_level]
+        self.teach = easy or self.all
+        if not self.all:
+            raise ValueError("the corpus is empty")
+        short = [t for t in corpus if len(t.program) <= ref_max_chars]
+        self.ref_pool = short or self.all
+        self.seeds = {k: get_family(k, template="compact").seed_tasks()[0] for k in
+                      ("code_o", "code_i")}  # fmt: skip
+
+    def _refs(self, kind: str, n_inputs: int) -> list[Task]:
+        k = self.rng.randint(0, self.max_refs)
+        refs = []
+        for _ in range(k):
+            if self.rng.random() < 0.1 and kind != "code_f":
+                refs.append(self.seeds[kind])  # the loop's buffers start with AZR's seed task
+                continue
+            t = self.rng.choice(self.ref_pool)
+            j = self.rng.randrange(len(t.inputs))
+            refs.append(as_type(t, kind, j, n_inputs))
+        return refs
+
+    def draw(self) -> tuple[str, str, str]:
+        """(role, prompt, completion) of one random example."""
+        role = ROLES[self.rng.randrange(len(ROLES))]
+        who, kind = role.split("/")
+        src = self.rng.choice(self.teach if who == "teacher" else self.all)
+        n = self.rng.choice(CODE_F_NS)
+        task = as_type(src, kind, self.rng.randrange(len(src.inputs)), n)
+        refs = self._refs(kind, n) if who == "teacher" else []
+        return role, prompt(role, task, refs), completion(role, task)
+
+
+def encode(
+    tok: PreTrainedTokenizerFast, pairs: Sequence[tuple[str, str]], max_len: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask, labels), right-padded; labels are -100 outside completions.
+
+    Prompt and completion are tokenized apart, as at sampling time (the prompt alone is
+    encoded and the model continues it). Rows longer than `max_len` are cut at the end.
+    """
+    ps = tok([p for p, _ in pairs], add_special_tokens=False)["input_ids"]
+    cs = tok([c for _, c in pairs], add_special_tokens=False)["input_ids"]
+    rows = [(p + c + [tok.eos_token_id])[:max_len] for p, c in zip(ps, cs, strict=True)]
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), tok.pad_token_id, dtype=torch.long)
+    labels = torch.full((len(rows), width), -100, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (r, p) in enumerate(zip(rows, ps, strict=True)):
+        ids[i, : len(r)] = torch.tensor(r)
+        mask[i, : len(r)] = 1
+        labels[i, len(p) : len(r)] = ids[i, len(p) : len(r)]
+    return ids, mask, labels
+
+
+# -- the model --------------------------------------------------------------------------------
+
+
+def build_model(tok: PreTrainedTokenizerFast, size: ModelSize, seed: int) -> torch.nn.Module:
+    """A Qwen2 with tied embeddings sized to the tokenizer, initialised from `seed`."""
+    config = AutoConfig.for_model(
+        "qwen2",
+        vocab_size=len(tok),
+        hidden_size=size.hidden,
+        intermediate_size=size.intermediate,
+        num_hidden_layers=size.layers,
+        num_attention_heads=size.heads,
+        num_key_value_heads=size.kv_heads,
+        max_position_embeddings=size.max_positions,
+        tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
+    """Linear warm-up, then cosine down to a tenth."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    frac = (step - warmup) / max(1, steps - warmup)
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def train(
+    model: torch.nn.Module,
+    tok: PreTrainedTokenizerFast,
+    examples: Examples,
+    steps: int,
+    device: torch.device,
+    *,
+    batch_size: int = 64,
+    lr: float = 2e-3,
+    warmup: int = 100,
+    max_len: int = 1024,
+    log_every: int = 50,
+    log: Callable[[str], None] | None = None,
+) -> list[float]:
+    """AdamW on the completion-token mean loss; returns the loss of every step."""
+    model.to(device).train()
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    other = [p for n, p in model.named_parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
+        lr=lr, betas=(0.9, 0.95),
+    )  # fmt: skip
+    amp = device.type == "cuda"
+    losses: list[float] = []
+    t0 = time.perf_counter()
+    for step in range(steps):
+        pairs = [examples.draw()[1:] for _ in range(batch_size)]
+        ids, mask, labels = (x.to(device) for x in encode(tok, pairs, max_len))
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, steps, lr, warmup)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
+            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(float(loss.item()))
+        if log and (step % log_every == 0 or step == steps - 1):
+            log(f"step {step:5d}  loss {losses[-1]:.4f}  {time.perf_counter() - t0:6.1f}s")
+    model.eval()
+    return losses
+
+
+# -- the whole recipe ---------------------------------------------------------------------------
+
+
+def pretrain_tiny(
+    out_dir: str | Path,
+    seed: int = 0,
+    steps: int = 3000,
+    device: str = "auto",
+    *,
+    n_per_level: int = 1000,
+    vocab_size: int = 2048,
+    size: ModelSize | None = None,
+    batch_size: int = 64,
+    lr: float = 2e-3,
+    teacher_max_level: int = 3,
+    workers: int = 2,
+    corpus: Sequence[Task] | None = None,
+    command: str | None = None,
+    log: Callable[[str], None] | None = print,
+) -> dict:
+    """Build the corpus, train the tokenizer and the model, save both into `out_dir`.
+
+    `out_dir` gets config.json, model.safetensors, generation_config.json, the tokenizer
+    files and training.json (the record returned: seed, steps, device, final loss, loss curve,
+    corpus fingerprint, versions). `corpus` skips generation (tests); `workers` sizes the
+    sandbox that verifies generated programs; `command` is recorded as given (default: argv).
+    Training on CPU is bit-for-bit reproducible; on GPU, kernels may add float noise.
+    """
+    if steps < 1 or n_per_level < 1 or batch_size < 1:
+        raise ValueError("steps, n_per_level and batch_size must be >= 1")
+    size = size or ModelSize()
+    dev = resolve_device(device)  # ModelLoadError (one line) for cuda without a GPU
+    t0 = time.perf_counter()
+    if corpus is None:
+        with Sandbox(workers=workers, timeout_s=2.0) as sb:
+            corpus = build_corpus(n_per_level, seed, sb)
+    corpus = list(corpus)
+    t_corpus = time.perf_counter() - t0
+    if log:
+        log(f"corpus: {len(corpus)} programs in {t_corpus:.1f}s")
+    texts = list(corpus_texts([as_type(t, k) for t in corpus for k in ("code_o", "code_i")]))
+    texts += list(corpus_texts(corpus))
+    tok = train_tokenizer(texts, vocab_size=vocab_size)
+    model = build_model(tok, size, seed)
+    examples = Examples(corpus, random.Random(f"pretrain/{seed}"), teacher_max_level=teacher_max_level)
+    losses = train(model, tok, examples, steps, dev, batch_size=batch_size, lr=lr, log=log)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.to("cpu").save_pretrained(str(out), safe_serialization=True)
+    save_tokenizer(tok, out)
+    record = {
+        "seed": seed,
+        "steps": steps,
+        "device": str(dev),
+        "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "command": command or " ".join(sys.argv),
+        "batch_size": batch_size,
+        "lr": lr,
+        "n_per_level": n_per_level,
+        "teacher_max_level": teacher_max_level,
+        "vocab_size": len(tok),
+        "size": size.__dict__,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "corpus_programs": len(corpus),
+        "corpus_fingerprint": fingerprint(corpus),
+        "final_loss": sum(losses[-50:]) / len(losses[-50:]),
+        "loss_curve": {str(i): round(x, 4) for i, x in enumerate(losses) if i % 50 == 0},
+        "corpus_s": round(t_corpus, 1),
+        "total_s": round(time.perf_counter() - t0, 1),
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                     "python": platform.python_version()},  # fmt: skip
+    }
+    (out / "training.json").write_text(json.dumps(record, indent=1) + "\n")
+    return record
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m lorapop.tiny.pretrain", description=__doc__)
+    p.add_argument("--out", default=str(TINY_MODEL_DIR))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--n-per-level", type=int, default=1000)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--workers", type=int, default=2)
+    a = p.parse_args(argv)
+    args = sys.argv[1:] if argv is None else list(argv)
+    rec = pretrain_tiny(a.out, a.seed, a.steps, a.device, n_per_level=a.n_per_level,
+                        batch_size=a.batch_size, lr=a.lr, workers=a.workers,
+                        command=" ".join(["python -m lorapop.tiny.pretrain", *args]))  # fmt: skip
+    print(f"saved to {a.out}: final loss {rec['final_loss']:.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

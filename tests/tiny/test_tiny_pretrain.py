@@ -1,0 +1,114 @@
+"""Warm-start training of the tiny base, and the shipped model it produced."""
+
+import random
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+from lorapop.tasks import FormatError, Task, get_family
+from lorapop.tiny import generate_tasks
+from lorapop.tiny.evaluate import proposal_validity
+from lorapop.tiny.pretrain import (
+    ROLES,
+    TINY_MODEL_DIR,
+    Examples,
+    ModelSize,
+    as_type,
+    build_corpus,
+    encode,
+    pretrain_tiny,
+)
+from lorapop.verify import Sandbox
+
+SMALL = ModelSize(hidden=32, layers=1, heads=2, kv_heads=1, intermediate=64, max_positions=1024)
+
+
+@pytest.fixture(scope="module")
+def corpus(tiny_sandbox: Sandbox) -> list[Task]:
+    return build_corpus(3, 0, tiny_sandbox, levels=(1, 2, 3))
+
+
+def _family(kind: str, completion: str):
+    n = max(2, completion.count("</i>"))
+    return get_family(kind, template="compact", **({"n_inputs": n} if kind == "code_f" else {}))
+
+
+def test_every_example_parses_as_its_role_expects(corpus: list[Task]) -> None:
+    ex = Examples(corpus, random.Random(1))
+    seen = set()
+    for _ in range(200):
+        role, prompt, completion = ex.draw()
+        who, kind = role.split("/")
+        fam = _family(kind, completion)
+        if who == "student":
+            parsed = fam.parse_answer(completion)
+        else:
+            parsed = fam.parse_proposal(completion, None)
+        assert not isinstance(parsed, FormatError), (role, completion, parsed)
+        assert prompt.startswith(("propose " if who == "teacher" else "solve ") + kind)
+        seen.add(role)
+    assert seen == set(ROLES)
+
+
+def test_teacher_completions_recreate_their_task(corpus: list[Task], tiny_sandbox) -> None:
+    """A teacher example verifies in the sandbox into the very task it was cut from."""
+    t = corpus[0]
+    for kind in ("code_o", "code_i"):
+        task = as_type(t, kind, 1)
+        fam = get_family(kind, template="compact")
+        text = f"{task.program}</f><i>{task.input}</i>"
+        (v,) = fam.verify([text], tiny_sandbox)
+        assert v.valid and v.task is not None and v.task.output == task.output
+
+
+def test_loss_covers_only_the_completion(corpus: list[Task], tiny_sandbox) -> None:
+    tok = AutoTokenizer.from_pretrained(TINY_MODEL_DIR)
+    pairs = [("solve code_o\n<f>x</f><i>1</i>\n<o>", "2</o>"), ("propose code_o\nnew\n<f>", "y")]
+    ids, mask, labels = encode(tok, pairs, max_len=512)
+    for row, (p, c) in enumerate(pairs):
+        n_p = len(tok(p, add_special_tokens=False)["input_ids"])
+        n_c = len(tok(c, add_special_tokens=False)["input_ids"]) + 1
+        assert (labels[row, :n_p] == -100).all()
+        assert labels[row, n_p : n_p + n_c].tolist() == ids[row, n_p : n_p + n_c].tolist()
+        assert labels[row, n_p + n_c - 1] == tok.eos_token_id
+        assert (labels[row, n_p + n_c :] == -100).all() and mask[row].sum() == n_p + n_c
+
+
+def _run(tmp_path, corpus, seed: int, name: str) -> tuple[dict, dict]:
+    rec = pretrain_tiny(tmp_path / name, seed=seed, steps=3, device="cpu", vocab_size=300,
+                        size=SMALL, batch_size=4, corpus=corpus, log=None)  # fmt: skip
+    return rec, load_file(tmp_path / name / "model.safetensors")
+
+
+def test_pretrain_is_deterministic_under_a_seed(tmp_path, corpus: list[Task]) -> None:
+    a, wa = _run(tmp_path, corpus, 7, "a")
+    b, wb = _run(tmp_path, corpus, 7, "b")
+    c, _ = _run(tmp_path, corpus, 8, "c")
+    assert a["loss_curve"] == b["loss_curve"] and a["final_loss"] == b["final_loss"]
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert a["final_loss"] != c["final_loss"]
+    # the saved directory is a standard transformers model + tokenizer; next to a Qwen2 config
+    # AutoTokenizer builds a Qwen2Tokenizer, which must encode exactly as tokenizer.json does
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "a")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "a")
+    raw = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "a" / "tokenizer.json"))
+    assert model.config.model_type == "qwen2" and model.config.vocab_size == len(tok)
+    text = "solve code_o\n<f>def f(s):\n    return s  + 'é中🙂'</f><i>'x'</i>\n<o> <|eos|>-ish \t\n"
+    assert tok(text)["input_ids"] == raw(text)["input_ids"]
+    assert tok.decode(tok(text)["input_ids"]) == text and tok.eos_token_id == 2
+    assert a["steps"] == 3 and a["seed"] == 7 and a["device"] == "cpu"
+
+
+def test_shipped_model_loads_and_proposes_a_valid_task_of_each_type(tiny_sandbox) -> None:
+    tok = AutoTokenizer.from_pretrained(TINY_MODEL_DIR)
+    model = AutoModelForCausalLM.from_pretrained(TINY_MODEL_DIR, dtype=torch.float32).eval()
+    size = sum(f.stat().st_size for f in TINY_MODEL_DIR.iterdir())
+    assert size <= 20 * 2**20
+    assert model.config.model_type == "qwen2" and model.generation_config.eos_token_id == 2
+    buffer = {k: generate_tasks(k, 4, 1, "shipped-test", sandbox=tiny_sandbox, n_inputs=4)
+              for k in ("code_o", "code_i", "code_f")}  # fmt: skip
+    res = proposal_validity(model, tok, buffer, tiny_sandbox, n=8, seed=0, max_new_tokens=160)
+    for kind, r in res.items():
+        assert r["valid_rate"] > 0, (kind, r)
