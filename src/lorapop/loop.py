@@ -302,11 +302,16 @@ class SelfPlay:
                                     fraction=ev.fraction, parent_fraction=ev.parent_fraction)
             for r in plan:
                 parents = [self.bank.slot_state(self.slot[p]) for p in r.parents]
-                child = evolve.OPERATORS[r.operator](parents, r.seed)
+                entry = {"target": r.target, "parents": list(r.parents), "operator": r.operator,
+                         "seed": r.seed}
+                try:
+                    child = evolve.OPERATORS[r.operator](parents, r.seed)
+                except (ValueError, RuntimeError) as e:  # numerics must not end a long run
+                    child = evolve.OPERATORS["copy"](parents[:1], r.seed)
+                    entry.update(operator="copy", failed=f"{r.operator}: {e}"[:200])
                 self.bank.load_slot(self.slot[r.target], child)
                 self.opt.reset_slot(self.slot[r.target])
-                log.append({"target": r.target, "parents": list(r.parents),
-                            "operator": r.operator, "seed": r.seed})
+                log.append(entry)
             rate_children(self.ratings, plan, ev.child_rating, sigma_scale=ev.sigma_scale)
         return log
 

@@ -178,3 +178,17 @@ def test_bad_hyper_parameters_are_rejected():
         BankOptimizer(bank, lr=[1e-3, 1e-3])
     with pytest.raises(ValueError, match="invalid AdamW"):
         BankOptimizer(bank, lr=-1.0)
+
+
+def test_non_finite_gradient_skips_only_its_slot():
+    bank = make_bank()
+    opt = BankOptimizer(bank, lr=1e-2)
+    before = bank.weights.detach().clone()
+    bank.grads.fill_(0.1)
+    bank.grads[1, 0] = float("inf")
+    bank.grads[2, 3] = float("nan")
+    norms = opt.step()
+    assert torch.equal(bank.weights[1], before[1]) and torch.equal(bank.weights[2], before[2])
+    assert not torch.equal(bank.weights[0], before[0])
+    assert torch.isfinite(bank.weights).all()
+    assert norms[0] > 0

@@ -257,3 +257,10 @@ def test_qr_route_matches_gram_route(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_bad_input_is_a_one_line_error(call_bad, msg: str) -> None:
     with pytest.raises(ValueError, match=msg):
         call_bad(make_state(1))
+
+
+def test_non_finite_parent_is_a_clear_error():
+    parent = {"model.layers.0.mlp.up_proj": {"A": torch.randn(4, 16), "B": torch.randn(24, 4)}}
+    parent["model.layers.0.mlp.up_proj"]["B"][0, 0] = float("nan")
+    with pytest.raises(ValueError, match="non-finite"):
+        evolve.OPERATORS["spectral"]([parent], seed=0)

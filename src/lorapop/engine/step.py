@@ -78,13 +78,15 @@ class BankOptimizer:
         bank.bind_grads_()  # picks up grads that something outside replaced or dropped
         w, g, m, v = bank.weights, bank.grads, self.exp_avg, self.exp_avg_sq
         norms = torch.linalg.vector_norm(g.float(), dim=1)
+        finite = torch.isfinite(norms)  # a non-finite gradient skips its slot's update
         if slots is None:
-            active = norms > 0
+            active = finite & (norms > 0)
         else:
             active = torch.zeros(bank.n_slots, dtype=torch.bool, device=bank.device)
             active[torch.as_tensor(slots, dtype=torch.long, device=bank.device)] = True
+            active &= finite
         on = active.float()
-        clip = torch.clamp(self.max_grad_norm / (norms + 1e-6), max=1.0)
+        clip = torch.clamp(self.max_grad_norm / (norms + 1e-6), max=1.0).nan_to_num_(0.0)
         self.steps += on
         b1, b2 = self.betas
         step = self.steps.clamp(min=1.0)
@@ -97,7 +99,7 @@ class BankOptimizer:
         bc2_sqrt = torch.sqrt(1.0 - b2**step)[:, None]
         for c in range(0, w.shape[1], max(1, _CHUNK // w.shape[0])):
             cols = slice(c, c + max(1, _CHUNK // w.shape[0]))
-            gc = g[:, cols].float() * grad_scale
+            gc = torch.where(active[:, None], g[:, cols].float() * grad_scale, 0.0)
             mc, vc = m[:, cols], v[:, cols]
             mc.mul_(m_keep).add_(gc * (1.0 - b1))
             vc.mul_(v_keep).addcmul_(gc, gc, value=1.0 - b2)

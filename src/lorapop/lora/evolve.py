@@ -156,13 +156,25 @@ def _on_cpu(*xs: Tensor) -> list[Tensor]:
     return [x.to("cpu", torch.float64) for x in xs]
 
 
+def _eigh(g: Tensor) -> tuple[Tensor, Tensor]:
+    """eigh of symmetric PSD matrices, ascending; LAPACK's eigh can fail to converge on
+    matrices with clustered eigenvalues, where the SVD (same factors for PSD) still does."""
+    if not torch.isfinite(g).all():
+        raise ValueError("evolution operator: a parent adapter has non-finite weights")
+    try:
+        return torch.linalg.eigh(g)
+    except torch.linalg.LinAlgError:
+        u, sv, _ = torch.linalg.svd(g)
+        return sv.flip(-1), u.flip(-1)
+
+
 def _half(g: Tensor) -> tuple[Tensor, Tensor]:
     """For a Gram matrix G = X^T X: R with X = Q R, and Y with Q = X Y (0 on X's null space).
 
     From eigh(G) = P L P^T: R = L^1/2 P^T, Y = P L^-1/2; eigenvalues below RTOL^2 of the
     largest (singular values of X below RTOL) count as zero, so rank deficiency is exact.
     """
-    lam, p = torch.linalg.eigh(g)
+    lam, p = _eigh(g)
     keep = (lam > RTOL**2 * lam.amax(-1, keepdim=True)) & (lam > 0)
     root = lam.clamp_min(0).sqrt()
     inv = torch.where(keep, 1 / torch.where(keep, root, 1), 0)
@@ -185,7 +197,7 @@ def _svd(b: Tensor, a: Tensor, r: int) -> tuple[Tensor, Tensor, Tensor]:
     else:  # core C = R_b R_a^T, C^T C = R_a G_b R_a^T = W S^2 W^T: one eigh instead of an SVD
         gb, ga = _on_cpu(b.mT @ b, a @ a.mT)
         ra, ya = _half(ga)
-        lam, w = torch.linalg.eigh(ra @ gb @ ra.mT)
+        lam, w = _eigh(ra @ gb @ ra.mT)
         lam, w = lam.flip(-1), w.flip(-1)
         s = lam.clamp_min(0).sqrt()
         inv = torch.where(s > 0, 1 / torch.where(s > 0, s, 1), 0)
