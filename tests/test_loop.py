@@ -123,3 +123,18 @@ def test_sigkill_mid_step_then_resume_matches_uninterrupted(tmp_path):
     )
     assert resumed.returncode == 0, resumed.stderr
     assert _rows(killed) == _rows(straight)
+
+
+def test_failing_operator_falls_back_to_copy_and_is_logged(tmp_path, monkeypatch):
+    from lorapop.lora import evolve
+
+    def broken(parents, seed):
+        raise ValueError("did not converge")
+
+    monkeypatch.setitem(evolve.OPERATORS, "spectral", broken)
+    sp = SelfPlay(_cfg("evolve.operators={spectral: 1.0}"), tmp_path)
+    try:
+        log = sp.replacement(step=2)
+    finally:
+        sp.close()
+    assert log and all(x["operator"] == "copy" and "did not converge" in x["failed"] for x in log)
