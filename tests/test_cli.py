@@ -71,11 +71,13 @@ def test_eval_run_dir_scores_members_and_baseline(run_dir):
         (["train", TINY, "model.name_or_path=./no/such/model"], "model path not found"),
         (["train", "--resume", "/nonexistent-run"], "config file not found"),
         (["report", "/nonexistent-run"], "no metrics.jsonl"),
+        (["train", TINY, "--out", "EXISTING"], "already holds a run"),
     ],
 )
-def test_errors_are_one_line(tmp_path, args, message):
-    result = run(*args, "--out", tmp_path / "r") if args[0] == "train" and "--resume" not in args \
-        else run(*args)
+def test_errors_are_one_line(tmp_path, run_dir, args, message):
+    args = [str(run_dir) if a == "EXISTING" else a for a in args]
+    needs_out = args[0] == "train" and "--resume" not in args and "--out" not in args
+    result = run(*args, "--out", tmp_path / "r") if needs_out else run(*args)
     assert result.exit_code == 2
     assert message in result.output
     assert len(result.output.strip().splitlines()) == 1

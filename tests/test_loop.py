@@ -19,6 +19,7 @@ from lorapop.report import write_report
 FAST = [
     "tasks.types=[code_o, code_i, code_f]", "tasks.code_f_inputs=4", "tasks.references=1",
     "sampling.teacher_max_new_tokens=12", "sampling.student_max_new_tokens=6",
+    "tasks.proposals_per_type=2",
     "train.micro_batch_size=64", "evolve.every=2", "run.save_every=2", "verify.timeout_s=5",
 ]
 TIMING = ("phase_s", "tokens_per_s")
@@ -45,11 +46,14 @@ def test_population_run_three_steps_and_report(tmp_path):
     for r in rows:
         students = {s for _, s in (tuple(m.values())[:2] for m in r["matchups"])}
         assert students == {"S0", "S1"}  # every student plays every step
-        assert r["programs"]["code_o"]["proposed"] == 2
-    # replacement ran at step 2 and logged who replaced whom
+        assert r["programs"]["code_o"]["proposed"] == 2 * 2  # teachers x proposals_per_type
+    # replacement ran at step 2 only: the weaker half of each pool, children of the other half
+    assert not rows[0]["replacements"] and not rows[2]["replacements"]
     reps = rows[1]["replacements"]
-    assert {x["target"] for x in reps} >= {"T0", "S0"} & {x["target"] for x in reps}
-    assert len(reps) == 2 and all(x["operator"] and x["parents"] for x in reps)
+    assert sorted(x["target"][0] for x in reps) == ["S", "T"]
+    for x in reps:
+        assert x["operator"] and x["parents"] and x["target"] not in x["parents"]
+        assert all(p[0] == x["target"][0] for p in x["parents"])  # parents from its own pool
     assert latest_checkpoint(tmp_path).name == "step_000003"
     page = write_report(tmp_path).read_text()
     assert page.count("<img") == 4 and "Replacement history" in page

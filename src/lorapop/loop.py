@@ -100,6 +100,8 @@ class SelfPlay:
     def __init__(self, cfg: Config, run_dir: str | Path, resume: bool = False) -> None:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
+        if not resume and (self.run_dir / "metrics.jsonl").exists():
+            raise ValueError(f"{self.run_dir} already holds a run: --resume it or pick another --out")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(cfg.seed)
         mc = cfg.model
@@ -131,9 +133,8 @@ class SelfPlay:
         # the baseline has no opponents, hence no ratings
         self.ratings = None if self.single else Ratings(self.teachers, self.students)
         self.families = {
-            t: get_family(t, template=cfg.tasks.template)
-            if t != "code_f" else get_family(t, template=cfg.tasks.template,
-                                             n_inputs=cfg.tasks.code_f_inputs)
+            t: get_family(t, template=cfg.tasks.template,
+                          **({"n_inputs": cfg.tasks.code_f_inputs} if t == "code_f" else {}))
             for t in cfg.tasks.types
         }
         self.buffers = {
