@@ -10,6 +10,9 @@ from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
+
+hf_logging.disable_progress_bar()  # a 3 MB model's "Loading weights" bar is noise in run logs
 
 TINY_RANDOM = "tiny-random"
 TINY = "tiny"
