@@ -11,14 +11,14 @@ uninterrupted one does.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import time
 from collections import defaultdict
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from statistics import fmean
 from typing import Any
 
 import torch
@@ -35,63 +35,20 @@ from lorapop.lora.bank import AdapterBank
 from lorapop.lora.peft_io import export_slot, import_slot
 from lorapop.rl import RewardScheme, student_reward, teacher_reward, trr_advantages
 from lorapop.rl.loss import group_normalizers, policy_loss
+from lorapop.steplog import (
+    Attempt,
+    ProposalSlot,
+    Rollout,
+    StepRecord,
+    correct_rate,
+    solve_rates,
+    step_metrics,
+)
 from lorapop.tasks import get_family
 from lorapop.tasks.buffer import TaskBuffer
-from lorapop.tasks.metrics import Coverage, program_metrics
-from lorapop.tasks.task import Grade, Outcome, Task, Validity
+from lorapop.tasks.metrics import Coverage
+from lorapop.tasks.task import Task
 from lorapop.verify import Sandbox
-
-PHASES = ("matchmaking", "proposal", "verification", "solving", "update", "replacement")
-
-
-@dataclass
-class Rollout:
-    """One sampled completion that the update phase trains on."""
-
-    member: str
-    role: str  # "teacher" | "student"
-    type: str  # task family name
-    prompt_ids: list[int]
-    token_ids: list[int]
-    logprobs: list[float]
-    text: str = ""
-    reward: float = 0.0
-
-
-@dataclass
-class ProposalSlot:
-    """A teacher's proposal of one task of one type, from prompt to validity."""
-
-    teacher: str
-    type: str
-    base: Task | None
-    rollout: Rollout | None = None
-    validity: Validity | None = None
-
-
-@dataclass
-class Attempt:
-    """A student's answer to one task of a match."""
-
-    teacher: str
-    student: str
-    task: Task
-    own: bool  # the task is the teacher's own proposal of this step (not a buffer fill)
-    rollout: Rollout
-    grade: Grade | None = None
-
-
-@dataclass
-class StepRecord:
-    step: int
-    pairs: list[tuple[str, str]] = field(default_factory=list)
-    proposals: list[ProposalSlot] = field(default_factory=list)
-    attempts: list[Attempt] = field(default_factory=list)
-    phase_s: dict[str, float] = field(default_factory=dict)
-    generated_tokens: int = 0
-    generation_s: float = 0.0
-    replacements: list[dict[str, Any]] = field(default_factory=list)
-    grad_norms: dict[str, float] = field(default_factory=dict)
 
 
 class SelfPlay:
@@ -171,22 +128,21 @@ class SelfPlay:
     def step(self) -> dict[str, Any]:
         s = self.step_done + 1
         rec = StepRecord(step=s)
-        timed = _Timer(rec.phase_s)
-        with timed("matchmaking"):
+        with _timed(rec.phase_s, "matchmaking"):
             rec.pairs = self.matchmaking(s)
-        with timed("proposal"):
+        with _timed(rec.phase_s, "proposal"):
             rec.proposals = self.proposal(s, rec)
-        with timed("verification"):
+        with _timed(rec.phase_s, "verification"):
             self.verification(s, rec.proposals)
-        with timed("solving"):
+        with _timed(rec.phase_s, "solving"):
             rec.attempts = self.solving(s, rec)
-        with timed("update"):
+        with _timed(rec.phase_s, "update"):
             self.update(rec)
         if self.cfg.evolve.every and not self.single and s % self.cfg.evolve.every == 0:
-            with timed("replacement"):
+            with _timed(rec.phase_s, "replacement"):
                 rec.replacements = self.replacement(s)
         self.step_done = s
-        row = self.metrics(rec)
+        row = step_metrics(self, rec)
         with open(self.metrics_path, "a") as fh:
             fh.write(json.dumps(row) + "\n")
         return row
@@ -274,13 +230,13 @@ class SelfPlay:
 
     def update(self, rec: StepRecord) -> None:
         """Rewards, TRR++ advantages, one joint policy-gradient step, rating updates."""
-        rates = _solve_rates(rec.attempts)
+        rates = solve_rates(rec.attempts)
         for a in rec.attempts:
             a.rollout.reward = student_reward(a.grade.outcome, self.rewards)
         for p in rec.proposals:
             valid = bool(p.validity and p.validity.valid)
-            rate = rates.get((p.teacher, _task_key(p))) if valid else None
-            p.rollout.reward = teacher_reward(valid, rate, self.rewards)
+            key = p.validity.task.key if valid and p.validity.task else None
+            p.rollout.reward = teacher_reward(valid, rates.get((p.teacher, key)), self.rewards)
         rollouts = [p.rollout for p in rec.proposals] + [a.rollout for a in rec.attempts]
         self._policy_step(rollouts, rec)
         if not self.single:
@@ -288,9 +244,8 @@ class SelfPlay:
             for teacher, student in rec.pairs:
                 answers = [a.grade.outcome for a in rec.attempts
                            if a.teacher == teacher and a.student == student and a.own]
-                rate = _rate(answers)
                 self.ratings.record(teacher, student, match_outcome(
-                    rate, lg.teacher_win_below, lg.student_win_above))
+                    correct_rate(answers), lg.teacher_win_below, lg.student_win_above))
 
     def replacement(self, step: int) -> list[dict[str, Any]]:
         """The weakest members of each sub-population become children of the strongest."""
@@ -379,69 +334,6 @@ class SelfPlay:
                 if task.type in self.buffers:
                     self.buffers[task.type].add(task)
 
-    # ------------------------------------------------------------------ metrics
-    def metrics(self, rec: StepRecord) -> dict[str, Any]:
-        members: dict[str, dict[str, Any]] = {}
-        for name in self.members:
-            props = [p for p in rec.proposals if p.teacher == name]
-            atts = [a for a in rec.attempts if a.student == name]
-            mine = [p.rollout for p in props] + [a.rollout for a in atts]
-            m: dict[str, Any] = {"slot": self.slot[name], "role": _role(name, self)}
-            if props:
-                m["teacher_reward"] = fmean(p.rollout.reward for p in props)
-                m["valid_rate"] = fmean(bool(p.validity and p.validity.valid) for p in props)
-                m["proposal_format_error_rate"] = fmean(
-                    bool(p.validity and p.validity.format_error) for p in props)
-                own = [a for a in rec.attempts if a.teacher == name and a.own]
-                m["task_solve_rate"] = _rate([a.grade.outcome for a in own])
-            if atts:
-                m["student_reward"] = fmean(a.rollout.reward for a in atts)
-                m["solve_rate"] = _rate([a.grade.outcome for a in atts])
-                m["answer_format_error_rate"] = fmean(
-                    a.grade.outcome is Outcome.FORMAT_ERROR for a in atts)
-            if mine:
-                m["response_tokens"] = fmean(len(r.token_ids) for r in mine)
-                m["entropy"] = _entropy_estimate(mine)
-            if not self.single:
-                rating = self.ratings.get(name)
-                m["mu"], m["sigma"] = rating.mu, rating.sigma
-            m["grad_norm"] = rec.grad_norms.get(name)
-            members[name] = m
-        matchups = []
-        for teacher, student in rec.pairs:
-            own = [a for a in rec.attempts if a.teacher == teacher and a.student == student
-                   and a.own]
-            rate = _rate([a.grade.outcome for a in own])
-            matchups.append({"teacher": teacher, "student": student, "answers": len(own),
-                             "solve_rate": rate})
-        programs = {}
-        for t in self.families:
-            valid = [p.validity.task for p in rec.proposals
-                     if p.type == t and p.validity and p.validity.valid and p.validity.task]
-            stats = [program_metrics(task.program) for task in valid]
-            stats = [s for s in stats if s is not None]
-            cov = self.coverage[t].update([task.program for task in valid])
-            programs[t] = {
-                "valid": len(valid),
-                "proposed": sum(p.type == t for p in rec.proposals),
-                "buffer": len(self.buffers[t]),
-                **{k: (fmean(getattr(s, k) for s in stats) if stats else None)
-                   for k in ("ast_depth", "cyclomatic", "loc", "variables")},
-                "coverage": cov.total_distinct,
-                "coverage_new": cov.new,
-                "distinct_in_step": cov.batch_distinct,
-            }
-        return {
-            "step": rec.step,
-            "members": members,
-            "matchups": matchups,
-            "programs": programs,
-            "replacements": rec.replacements,
-            "phase_s": {k: round(v, 4) for k, v in rec.phase_s.items()},
-            "tokens_per_s": rec.generated_tokens / rec.generation_s if rec.generation_s else 0.0,
-            "generated_tokens": rec.generated_tokens,
-        }
-
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> Path:
         def write(d: Path) -> None:
@@ -488,36 +380,17 @@ class SelfPlay:
             torch.cuda.set_rng_state_all(rng["cuda"])
         self.step_done = state["step"]
 
+    def role(self, name: str) -> str:
+        if self.single:
+            return "solo"
+        return "teacher" if name in self.teachers else "student"
+
     def close(self) -> None:
         self.sandbox.close()
 
 
-# ---------------------------------------------------------------------- small helpers
-class _Timer:
-    def __init__(self, into: dict[str, float]) -> None:
-        self.into = into
-
-    def __call__(self, phase: str) -> _Phase:
-        return _Phase(self.into, phase)
-
-
-class _Phase:
-    def __init__(self, into: dict[str, float], phase: str) -> None:
-        self.into, self.phase = into, phase
-
-    def __enter__(self) -> None:
-        self.t0 = time.perf_counter()
-
-    def __exit__(self, *exc: object) -> None:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        self.into[self.phase] = time.perf_counter() - self.t0
-
-
 def _seed(*parts: object) -> int:
     """A stable 63-bit seed from any parts (Python's hash() is salted per process)."""
-    import hashlib
-
     digest = hashlib.sha256(repr(parts).encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
 
@@ -526,31 +399,10 @@ def _rng(seed: int, step: int, phase: str) -> random.Random:
     return random.Random(_seed(seed, step, phase))
 
 
-def _rate(outcomes: list[Outcome]) -> float | None:
-    return fmean(o is Outcome.CORRECT for o in outcomes) if outcomes else None
-
-
-def _task_key(p: ProposalSlot) -> str:
-    return p.validity.task.key if p.validity and p.validity.task else ""
-
-
-def _solve_rates(attempts: list[Attempt]) -> dict[tuple[str, str], float]:
-    """Solve rate of each teacher's own task over all its matched students' answers."""
-    by: dict[tuple[str, str], list[Outcome]] = defaultdict(list)
-    for a in attempts:
-        if a.own:
-            by[(a.teacher, a.task.key)].append(a.grade.outcome)
-    return {k: fmean(o is Outcome.CORRECT for o in v) for k, v in by.items()}
-
-
-def _entropy_estimate(rollouts: list[Rollout]) -> float | None:
-    """Mean negative log-probability of sampled tokens: a Monte Carlo estimate of the policy's
-    per-token entropy that needs no extra forward pass."""
-    lps = [lp for r in rollouts for lp in r.logprobs]
-    return -fmean(lps) if lps else None
-
-
-def _role(name: str, sp: SelfPlay) -> str:
-    if sp.single:
-        return "solo"
-    return "teacher" if name in sp.teachers else "student"
+@contextmanager
+def _timed(into: dict[str, float], phase: str) -> Iterator[None]:
+    t0 = time.perf_counter()
+    yield
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    into[phase] = time.perf_counter() - t0

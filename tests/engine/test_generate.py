@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import replace
 
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounter
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from lorapop.engine.generate import generate
+from lorapop.engine.generate import compile_buckets, generate
 from lorapop.engine.logprobs import sequence_logprobs
 from lorapop.engine.sampling import SamplingParams, row_uniforms, sample
 from lorapop.engine.tiny_tokenizer import byte_tokenizer
@@ -258,3 +260,73 @@ def test_compile_failure_falls_back_to_the_plain_step(setup, tok, monkeypatch):
     with pytest.warns(UserWarning, match="torch.compile of the decode step failed"):
         got = generate(model, bank, tok, PROMPTS, [0, 1, 2, 1, 0], SAMPLED, seed=4, compile=True)
     _same(got, want)
+
+
+def test_compiled_decode_gives_the_eager_tokens(tok):
+    """The real inductor path on CPU: same tokens as eager, logprobs to float rounding."""
+    torch._dynamo.reset()
+    model = tiny_model("qwen2", len(tok), seed=2)
+    bank = AdapterBank(model, n_slots=3, rank=4, alpha=8.0)
+    with torch.no_grad():
+        bank.weights.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(5))
+    slots = [2, 0, 1, 1, 0]
+    want = generate(model, bank, tok, PROMPTS, slots, SAMPLED, seed=6)
+    with warnings.catch_warnings():
+        # a compile failure would only warn and fall back to the eager forward
+        warnings.filterwarnings("error", message="torch.compile of the decode step failed")
+        got = generate(model, bank, tok, PROMPTS, slots, SAMPLED, seed=6, compile=True)
+    assert [g.token_ids for g in got] == [g.token_ids for g in want]
+    for x, y in zip(got, want, strict=True):
+        torch.testing.assert_close(
+            torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5, rtol=0
+        )
+    torch._dynamo.reset()
+
+
+def test_compile_buckets_bound_recompilation(setup, tok, monkeypatch):
+    """One compilation per (batch bucket, length bucket); the step follows the bank's state."""
+    model, bank = setup
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, backend=counter, **kw))
+    want = generate(model, bank, tok, PROMPTS, [0, 1, 2, 1, 0], SAMPLED, seed=2)
+    got = generate(model, bank, tok, PROMPTS, [0, 1, 2, 1, 0], SAMPLED, seed=2, compile=True)
+    _same(got, want)
+    assert counter.frame_count == 1
+    # 6 or 7 rows -> batch bucket 8, prompts of other lengths in the same length bucket
+    generate(model, bank, tok, PROMPTS + ["zz"], [1, 0, 2, 1, 0, 2], SAMPLED, compile=True)
+    generate(model, bank, tok, PROMPTS[:3] * 2 + ["q"], [0] * 7, GREEDY, compile=True)
+    assert counter.frame_count == 1
+    generate(model, bank, tok, PROMPTS[:2], [1, 2], SAMPLED, compile=True)  # batch 2
+    assert counter.frame_count == 2
+    # the compiled step reads the bank's current weights, not those it was traced with
+    with torch.no_grad():
+        saved = bank.weights.clone()
+        bank.weights[1].copy_(bank.weights[0])
+    try:
+        as_zero = generate(model, bank, tok, PROMPTS[:2], [0, 0], SAMPLED, seed=9)
+        _same(
+            generate(model, bank, tok, PROMPTS[:2], [1, 1], SAMPLED, seed=9, compile=True), as_zero
+        )
+    finally:
+        with torch.no_grad():
+            bank.weights.copy_(saved)
+    assert counter.frame_count == 2
+    torch._dynamo.reset()
+
+
+def test_compile_buckets():
+    assert [compile_buckets(b, None, 64)[0] for b in (1, 2, 3, 5, 8, 9, 64, 65)] == [
+        1,
+        2,
+        4,
+        8,
+        8,
+        16,
+        64,
+        128,
+    ]
+    assert compile_buckets(5, 6, 64) == (6, 64)  # never above batch_size
+    sizes = [compile_buckets(1, None, n)[1] for n in (1, 64, 65, 96, 97, 129, 193, 257, 4000)]
+    assert sizes == [64, 64, 96, 96, 128, 192, 256, 384, 4096]

@@ -8,9 +8,16 @@ once per batch, outside the step: the bank fills its per-batch-size index buffer
 so the captured step reads each new batch's routing. Rows must come sorted by slot (the
 bank's grouped kernel then skips its gathers, and that choice is baked into the graph).
 The bank's decode cache (a compute-dtype copy of its weights, read by the graph) is brought
-up to date before every batch. With `compile=True` the step is first compiled with
-torch.compile (fusing the base model's small elementwise kernels), then captured; if
-compilation fails the decoder warns and runs the plain step.
+up to date before every batch.
+
+With `compile=True` the model forward of the step (attention mask, model, LoRA hooks) goes
+through torch.compile, which fuses the base model's small elementwise kernels (RMSNorm,
+rotary, SiLU, residual adds); the sampler stays eager (inductor's scan over a 150k-token
+vocabulary fails on CUDA, and the sampler is a handful of kernels). The whole step, compiled
+part and sampler, is then captured in the graph as before. Shapes are static
+(`dynamic=False`): one compilation per (batch, cache length, bank state), which `generate`
+bounds by rounding both up to a few buckets. If compilation fails the decoder warns and runs
+the plain forward.
 """
 
 from __future__ import annotations
@@ -72,10 +79,10 @@ class Decoder:
         self.bias = torch.tensor([0.0, float("-inf")], dtype=param.dtype, device=dev)
         self.use_graph = cuda_graph and dev.type == "cuda" and steps > 3
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.compiled: Callable[[], None] | None = None
+        self.compiled: Callable[[], torch.Tensor] | None = None
         self._ready = False
         if compile:
-            self.compiled = torch.compile(self._step, dynamic=False)
+            self.compiled = torch.compile(self._logits, dynamic=False)
 
     @torch.no_grad()
     def run(
@@ -97,13 +104,12 @@ class Decoder:
             self.prefill(prompts, u)
             if not self._ready and steps > 1:
                 self._prepare()
-            step = self.compiled or self._step
             n, seen = 1, 0
             while n < steps:
                 if self.graph is not None:
                     self.graph.replay()
                 else:
-                    step()
+                    self._step()
                 n += 1
                 if n % check_every and n < steps:
                     continue
@@ -160,8 +166,8 @@ class Decoder:
         self.kv.pos.fill_(width)
         self.step.fill_(1)
 
-    def _step(self) -> None:
-        """Feed each row's last token, sample the next: fixed shapes, no host sync."""
+    def _logits(self) -> torch.Tensor:
+        """Logits [B, V] of each row's next token (the part of a step that is compiled)."""
         b, t = self.batch, self.kv.pos
         ok = (self.key_ok & (self.arange <= t)).view(b, 1, 1, self.length)
         mask = torch.where(ok, self.bias[0], self.bias[1])  # additive: SDPA needs no conversion
@@ -171,9 +177,15 @@ class Decoder:
             position_ids=(self.pos_off + t).view(b, 1),
             use_cache=False,
         )
+        return out.logits[:, -1]
+
+    def _step(self) -> None:
+        """Feed each row's last token, sample the next: fixed shapes, no host sync."""
+        b = self.batch
+        logits = (self.compiled or self._logits)()
         col = self.step.view(1)
         u = self.u.index_select(1, col).view(b)
-        tok, lp = sample(out.logits[:, -1], u, self.params.temperature, self.params.top_p)
+        tok, lp = sample(logits, u, self.params.temperature, self.params.top_p)
         self.out_tok.index_copy_(1, col, tok.view(b, 1))
         self.out_lp.index_copy_(1, col, lp.view(b, 1))
         self.done |= torch.isin(tok, self.eos)
@@ -187,13 +199,12 @@ class Decoder:
         state = [self.tok, self.done, self.step, self.kv.pos]
         saved = [x.clone() for x in state]
         if self.compiled is not None:
+            self._logits()  # eager first: lazily built bank caches exist before tracing
             try:
                 self.compiled()
             except Exception as e:  # noqa: BLE001 - any compiler failure: run uncompiled
                 warnings.warn(f"torch.compile of the decode step failed: {e}", stacklevel=3)
                 self.compiled = None
-            for x, s in zip(state, saved, strict=True):
-                x.copy_(s)
         if self.use_graph:
             self._capture()
         for x, s in zip(state, saved, strict=True):
@@ -202,7 +213,7 @@ class Decoder:
 
     def _capture(self) -> None:
         """Warm up on a side stream and capture one step (`_prepare` restores the state)."""
-        step = self.compiled or self._step
+        step = self._step
         try:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())

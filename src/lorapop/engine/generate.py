@@ -57,9 +57,11 @@ def generate(
     `bank` may be None (the plain model); `tokenizer` may be None when prompts are ids and
     no stop strings are given (texts are then empty). At most `batch_size` rows decode
     together (default: all). `cuda_graph=False` forces the eager decode step on GPU.
-    `compile=True` runs the decode step through torch.compile before capturing it (faster
-    steps, tens of seconds of compilation at the first call for each batch shape; falls back
-    to the plain step with a warning if compilation fails).
+    `compile=True` runs the decode step's model forward through torch.compile before
+    capturing the step (faster steps; tens of seconds of compilation the first time each
+    shape is seen; falls back to the plain forward with a warning if compilation fails).
+    Shapes are then bucketed to bound recompilation: the batch is rounded up to a power of
+    two (at most `batch_size`), the cache length to 64 or 96 times a power of two.
     """
     params = params or SamplingParams()
     ids = _encode(tokenizer, prompts)
@@ -71,6 +73,8 @@ def generate(
     batch = min(batch_size or len(ids), len(ids))
     steps = params.max_new_tokens
     length = -(-(len(ids[order[0]]) + steps - 1) // 64) * 64
+    if compile:
+        batch, length = compile_buckets(batch, batch_size, length)
     decoder = Decoder(model, bank, batch, length, params, eos, cuda_graph, compile)
     stop_fn = _stop_fn(tokenizer, params.stop, eos) if params.stop else None
     out: list[Generation | None] = [None] * len(ids)
@@ -87,6 +91,21 @@ def generate(
         for j, i in enumerate(chunk):
             out[i] = _finish(tokenizer, ids[i], toks[j].tolist(), lps[j].tolist(), eos, params)
     return [g for g in out if g is not None]
+
+
+def compile_buckets(batch: int, cap: int | None, length: int) -> tuple[int, int]:
+    """(batch, length) rounded up to a few sizes, so compiled steps are reused across calls.
+
+    Batch: the next power of two, at most `cap` (extra rows repeat a real one; decoding is
+    memory-bound, so they cost little). Length: the next 64 * 2^k or 96 * 2^k (at most 1.5x
+    the cache). Up to 4,096 positions and batch 64 that is at most 7 x 14 shapes.
+    """
+    b = 1 << (batch - 1).bit_length()
+    b = min(b, cap) if cap is not None else b
+    size = 64
+    while size < length:
+        size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
+    return b, size
 
 
 def _encode(tokenizer: Any, prompts: Sequence[str | Sequence[int]]) -> list[list[int]]:

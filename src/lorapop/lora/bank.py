@@ -258,9 +258,12 @@ class AdapterBank:
             fused = one_token and x.dim() == 3 and kernel in ("auto", "fused")
             fused = fused and not torch.is_grad_enabled()
             if fused and not (self.dropout > 0 and module.training):
-                share = not torch.compiler.is_compiling()
-                cache = self.decode_cache(dt, check=share)
-                return cache.add_delta(target.name, x, output, routing, self.scaling, share)
+                # while torch.compile traces, version counters can't be read (the decoder
+                # refreshes before each batch); sharing h between q/k/v (gate/up) is a
+                # side effect on the cache that dynamo replays, so it stays on
+                tracing = torch.compiler.is_compiling()
+                cache = self.decode_cache(dt, check=not tracing)
+                return cache.add_delta(target.name, x, output, routing, self.scaling, True)
             if kernel in ("auto", "fused"):
                 grouped = routing.is_sorted and self._grouped_ok.get(dt, False)
                 kernel = "dense" if one_token else "grouped" if grouped else "gather"
