@@ -78,13 +78,11 @@ def _run(cfg, run_dir, resume: bool) -> int:
     from lorapop.progress import RunDisplay, TensorBoardLog
 
     try:
+        tb = TensorBoardLog(str(run_dir / "tensorboard")) if cfg.run.tensorboard else None
         sp = SelfPlay(cfg, run_dir, resume=resume)
-    except (ModelLoadError, FileNotFoundError, ValueError) as e:
+    except (ModelLoadError, FileNotFoundError, ValueError, RuntimeError) as e:
         raise _fail(str(e)) from None
-    hooks = []
-    tb = TensorBoardLog(str(run_dir / "tensorboard")) if cfg.run.tensorboard else None
-    if tb:
-        hooks.append(tb)
+    hooks = [tb] if tb else []
     try:
         with RunDisplay(cfg.train.steps, sp.step_done, enabled=cfg.run.progress) as display:
             hooks.append(display.update)
