@@ -5,8 +5,8 @@ Batch 64, 128-token prompts, 128 new tokens, LoRA rank 32 on all projections, th
 fp32 (master weights, as in self-play) unless a case says bf16. Measures: end-to-end tokens/s
 of `generate` for N = 1, 2, 4, 8, 16 slots (slots mixed in the batch), the decode step alone
 (CUDA graph replay) as a fraction of the memory-bandwidth bound, "before" cases (the "dense"
-decode kernel that casts the bank every step), a bf16 bank, the decode step under
-torch.compile, the base model through our engine and (unless --no-hf) through HF `generate`,
+decode kernel that casts the bank every step), a bf16 bank, the decode step with its model
+forward under torch.compile (sampler eager, whole step in the CUDA graph), the base model through our engine and (unless --no-hf) through HF `generate`,
 PEFT with one adapter and with 8 adapters mixed via `adapter_names=`, and peak GPU memory.
 It also checks that the CUDA-graph path emits the eager path's tokens, the fused decode
 kernel the dense one's, and how far the returned logprobs are from a teacher-forced forward
@@ -15,6 +15,7 @@ Imports only torch / transformers / peft and lorapop.lora / lorapop.engine.
 
     PYTHONPATH=src python benchmarks/generate_multi_adapter.py --out results.json
     PYTHONPATH=src python benchmarks/generate_multi_adapter.py --layers 2 --no-hf  # smoke
+    PYTHONPATH=src python benchmarks/generate_multi_adapter.py --compiled-only --out c.json
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import json
 import platform
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -98,11 +100,12 @@ def decode_step_seconds(model, bank, prompts, slots, params, compile=False) -> t
     with torch.no_grad(), static_kv(model, dec.kv), route(bank, dec.slots):
         dec.prefill(prompts, u)
         dec._prepare()
-        assert dec.graph is not None, "CUDA graph capture failed"
+        assert dec.graph is not None or not dec.use_graph, "CUDA graph capture failed"
         assert not compile or dec.compiled is not None, "torch.compile failed"
         prefill_s, _ = timed(lambda: dec.prefill(prompts, u))
         steps = NEW - 1
-        decode_s, _ = timed(lambda: [dec.graph.replay() for _ in range(steps)])
+        step = dec._step if dec.graph is None else dec.graph.replay  # eager: CPU smoke runs
+        decode_s, _ = timed(lambda: [step() for _ in range(steps)])
     return prefill_s, decode_s / steps
 
 
@@ -133,6 +136,11 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true", help="skip HF generate / PEFT baselines")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile cases")
     ap.add_argument("--quick", action="store_true", help="skip the slow PEFT-mixed baseline")
+    ap.add_argument(
+        "--compiled-only",
+        action="store_true",
+        help="eager decode steps (base, N=1, N=8) as the same-run baseline, then compiled ones",
+    )
     args = ap.parse_args()
     name = torch.cuda.get_device_name()
     result: dict = {
@@ -202,13 +210,10 @@ def main() -> None:
         )
 
     def e2e_case(key, bank, slots, **kw) -> None:
+        kw.setdefault("compile", False)  # generate() compiles by default on CUDA
         generate(model, bank, None, prompts, slots, params, **kw)  # warm-up (and compile)
         s, m = peak_gb(lambda: generate(model, bank, None, prompts, slots, params, **kw))
         record(key, s, m)
-
-    # lorapop engine, base model (no bank)
-    e2e_case("lorapop_base", None, [0] * BATCH)
-    step_case("lorapop_base", None, 0, [0] * BATCH)
 
     banks: dict[tuple[int, torch.dtype], AdapterBank] = {}
 
@@ -230,6 +235,17 @@ def main() -> None:
     def slots_of(n: int) -> list[int]:
         return [i * n // BATCH for i in range(BATCH)]
 
+    if args.compiled_only:
+        run = dict(step=step_case, e2e=e2e_case, record=record, bank_for=bank_for, save=save)
+        compiled_cases(model, prompts, slots_of, checks, **run)
+        bank_for(-1)
+        save()
+        return
+
+    # lorapop engine, base model (no bank)
+    e2e_case("lorapop_base", None, [0] * BATCH)
+    step_case("lorapop_base", None, 0, [0] * BATCH)
+
     sweep = [int(x) for x in args.slots.split(",")]
     for n in sweep[:2]:  # the headline counts first (the run has a time limit)
         bank = bank_for(n)
@@ -241,13 +257,15 @@ def main() -> None:
         bank.decode_kernel = "auto"
         if n == 8:
             greedy = SamplingParams(temperature=0.0, max_new_tokens=16, eos_token_ids=())
-            a = generate(model, bank, None, prompts, slots_of(8), greedy)
-            b = generate(model, bank, None, prompts, slots_of(8), greedy, cuda_graph=False)
+            a = generate(model, bank, None, prompts, slots_of(8), greedy, compile=False)
+            b = generate(
+                model, bank, None, prompts, slots_of(8), greedy, cuda_graph=False, compile=False
+            )
             checks["graph_equals_eager_tokens"] = [x.token_ids for x in a] == [
                 x.token_ids for x in b
             ]
             bank.decode_kernel = "dense"
-            c = generate(model, bank, None, prompts, slots_of(8), greedy)
+            c = generate(model, bank, None, prompts, slots_of(8), greedy, compile=False)
             bank.decode_kernel = "auto"
             same = [x.token_ids == y.token_ids for x, y in zip(a, c, strict=True)]
             checks["fused_vs_dense_rows_same_greedy_tokens"] = sum(same) / len(same)
@@ -294,6 +312,47 @@ def main() -> None:
         hf_baselines(model, ids, cases, record, args.quick)
     save()
     print(json.dumps({k: v for k, v in result.items() if k != "cases"}, indent=1))
+
+
+def compiled_cases(model, prompts, slots_of, checks, step, e2e, record, bank_for, save) -> None:
+    """Eager decode steps as this run's baseline, then the same steps compiled (N=8 first:
+    the run has a time limit), compile counters, and compiled-vs-eager agreement."""
+    from torch._dynamo.utils import counters
+
+    for n in (0, 1, 8):
+        bank = bank_for(n)
+        step(f"lorapop_N{n}" if n else "lorapop_base", bank, n, slots_of(max(n, 1)))
+    for n in (8, 0, 1):
+        bank = bank_for(n)
+        key = f"lorapop_N{n}_compiled" if n else "lorapop_base_compiled"
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                step(key, bank, n, slots_of(max(n, 1)), True)
+            except Exception as e:  # noqa: BLE001 - record (with the decoder's warning) and go on
+                said = [str(w.message)[:3000] for w in caught if "failed" in str(w.message)]
+                record(key, error=f"{type(e).__name__}: {e}"[:500], warnings=said)
+                continue
+        checks[f"{key}_dynamo"] = {
+            "unique_graphs": counters["stats"]["unique_graphs"],
+            "graph_breaks": sum(counters["graph_break"].values()),
+            "break_reasons": list(counters["graph_break"])[:5],
+        }
+        save()
+        if n == 8:  # generate() with a new decoder of the same shapes: no recompilation
+            e2e(f"{key}_e2e", bank, slots_of(8), compile=True)
+            greedy = SamplingParams(temperature=0.0, max_new_tokens=NEW, eos_token_ids=())
+            a = generate(model, bank, None, prompts, slots_of(8), greedy, compile=True)
+            b = generate(model, bank, None, prompts, slots_of(8), greedy, compile=False)
+            # token 0 comes from the (eager) prefill, token 1 from the first decode step
+            pairs = list(zip(a, b, strict=True))
+            same = [x.token_ids[1] == y.token_ids[1] for x, y in pairs]
+            checks["compiled_vs_eager_step1_token_same_rows"] = sum(same) / len(same)
+            lp = [abs(x.logprobs[1] - y.logprobs[1]) for x, y in pairs]
+            checks["compiled_vs_eager_step1_logprob_max_abs"] = max(lp)
+            checks["compiled_vs_eager_step1_logprob_mean_abs"] = sum(lp) / len(lp)
+            checks["unique_graphs_after_e2e"] = counters["stats"]["unique_graphs"]
+            save()
 
 
 def hf_baselines(model, ids, cases, record, quick: bool) -> None:

@@ -280,7 +280,7 @@ class SelfPlay:
         t0 = time.perf_counter()
         gens = generate(self.model, self.bank, self.tokenizer, prompts,
                         [self.slot[m] for m in members], params, seed=seed,
-                        batch_size=sp.batch_size)
+                        batch_size=sp.batch_size, compile=None if sp.compile else False)
         rec.generation_s += time.perf_counter() - t0
         rec.generated_tokens += sum(len(g.token_ids) for g in gens)
         return gens

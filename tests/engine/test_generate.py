@@ -256,7 +256,9 @@ def test_compile_failure_falls_back_to_the_plain_step(setup, tok, monkeypatch):
         return run
 
     monkeypatch.setattr(torch, "compile", broken)
-    want = generate(model, bank, tok, PROMPTS, [0, 1, 2, 1, 0], SAMPLED, seed=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # the default on CPU: no compilation
+        want = generate(model, bank, tok, PROMPTS, [0, 1, 2, 1, 0], SAMPLED, seed=4)
     with pytest.warns(UserWarning, match="torch.compile of the decode step failed"):
         got = generate(model, bank, tok, PROMPTS, [0, 1, 2, 1, 0], SAMPLED, seed=4, compile=True)
     _same(got, want)
@@ -330,3 +332,25 @@ def test_compile_buckets():
     assert compile_buckets(5, 6, 64) == (6, 64)  # never above batch_size
     sizes = [compile_buckets(1, None, n)[1] for n in (1, 64, 65, 96, 97, 129, 193, 257, 4000)]
     assert sizes == [64, 64, 96, 96, 128, 192, 256, 384, 4096]
+
+
+def test_compiled_step_notices_a_bank_attached_later(tok, monkeypatch):
+    """A forward compiled for the plain model must not be reused once LoRA hooks exist."""
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, backend=counter, **kw))
+    model = tiny_model("qwen2", len(tok), seed=4)
+    slots = [1, 0, 1]
+    base = generate(model, None, tok, PROMPTS[:3], slots, GREEDY, compile=True)
+    bank = AdapterBank(model, n_slots=2, rank=4, alpha=8.0)
+    with torch.no_grad():
+        bank.weights.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(7))
+    want = generate(model, bank, tok, PROMPTS[:3], slots, GREEDY)
+    got = generate(model, bank, tok, PROMPTS[:3], slots, GREEDY, compile=True)
+    _same(got, want)
+    assert [g.token_ids for g in got] != [g.token_ids for g in base]
+    assert counter.frame_count == 2
+    bank.detach()  # and back: the plain model's compiled step again
+    _same(generate(model, None, tok, PROMPTS[:3], slots, GREEDY, compile=True), base)
+    torch._dynamo.reset()

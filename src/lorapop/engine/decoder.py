@@ -40,6 +40,21 @@ def route(bank: Any, slots: torch.Tensor) -> contextlib.AbstractContextManager[A
     return contextlib.nullcontext() if bank is None else bank.route(slots)
 
 
+def _compile(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """torch.compile with static shapes, guarding on forward hooks being present.
+
+    By default dynamo does not guard on empty hook dicts, so a forward compiled before an
+    AdapterBank was attached would later run without the bank's LoRA hooks.
+    """
+    compiled = torch.compile(fn, dynamic=False)
+
+    def run() -> torch.Tensor:
+        with torch._dynamo.config.patch(skip_nnmodule_hook_guards=False):
+            return compiled()
+
+    return run
+
+
 class Decoder:
     """Static buffers, KV cache and (optionally) the CUDA graph for one batch size and length."""
 
@@ -82,7 +97,7 @@ class Decoder:
         self.compiled: Callable[[], torch.Tensor] | None = None
         self._ready = False
         if compile:
-            self.compiled = torch.compile(self._logits, dynamic=False)
+            self.compiled = _compile(self._logits)
 
     @torch.no_grad()
     def run(
