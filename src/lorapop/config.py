@@ -109,9 +109,10 @@ class SamplingConfig(Section):
     batch_size: int = Field(64, ge=1)
     ignore_eos: bool = False
     """Always generate max_new_tokens (fixed lengths for benchmarks)."""
-    compile: bool = True
-    """On CUDA, torch.compile the decode step (~1.25x faster decode; tens of seconds of
-    compilation per new batch/length bucket). Never used on CPU."""
+    compile: bool = False
+    """On CUDA, torch.compile the decode step: ~1.25x faster decode steps, but ~45 s of
+    compilation per new batch/length bucket and padding to buckets; in the 7B 4v4 step it was
+    slower overall and peaked 22 GB higher (benchmarks/README.md). Never used on CPU."""
 
 
 class TrainConfig(Section):

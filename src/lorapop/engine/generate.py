@@ -49,7 +49,7 @@ def generate(
     seed: int = 0,
     batch_size: int | None = None,
     cuda_graph: bool = True,
-    compile: bool | None = None,
+    compile: bool | None = False,
 ) -> list[Generation]:
     """Sample one completion per prompt, prompt i under adapter slot `slot_ids[i]`.
 
@@ -57,9 +57,11 @@ def generate(
     `bank` may be None (the plain model); `tokenizer` may be None when prompts are ids and
     no stop strings are given (texts are then empty). At most `batch_size` rows decode
     together (default: all). `cuda_graph=False` forces the eager decode step on GPU.
-    `compile=True` (the default on CUDA; None: CUDA only) runs the decode step's model
-    forward through torch.compile before capturing the step: ~1.25x faster steps at 7B, for
-    ~45 s of compilation the first time a shape is seen in a process. It falls back to the
+    `compile=True` (None: on CUDA only; default off) runs the decode step's model forward
+    through torch.compile before capturing the step: ~1.25x faster decode steps at 7B, for
+    ~45 s of compilation the first time a shape is seen in a process. Off by default: in a
+    self-play step the padding to shape buckets ate the gain and raised peak memory
+    (benchmarks/README.md). It falls back to the
     plain forward with a warning if compilation fails. Shapes are then bucketed to bound
     recompilation: the batch is rounded up to a power of two (at most `batch_size`), the
     cache length to 64 or 96 times a power of two.
