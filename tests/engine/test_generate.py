@@ -8,34 +8,17 @@ from dataclasses import replace
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounter
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from lorapop.engine.generate import compile_buckets, generate
 from lorapop.engine.logprobs import sequence_logprobs
 from lorapop.engine.sampling import SamplingParams, row_uniforms, sample
 from lorapop.engine.tiny_tokenizer import byte_tokenizer
 from lorapop.lora.bank import AdapterBank
+from tiny_models import ARCHS, tiny_model
 
-ARCHS = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}
 PROMPTS = ["def f(x):", "a", "assert f(3) ==", "hello world, this is long", "xy"]
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12, eos_token_ids=())
 SAMPLED = SamplingParams(temperature=1.0, max_new_tokens=12, eos_token_ids=())
-
-
-def tiny_model(arch: str, vocab: int, seed: int = 0) -> torch.nn.Module:
-    config_cls, model_cls = ARCHS[arch]
-    config = config_cls(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    return model_cls(config).eval().requires_grad_(False)
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +29,7 @@ def tok():
 @pytest.fixture(scope="module", params=sorted(ARCHS))
 def setup(request, tok):
     """A tiny model with a 3-slot bank whose slots differ from each other and the base."""
-    model = tiny_model(request.param, len(tok))
+    model = tiny_model(request.param, len(tok)).requires_grad_(False)
     bank = AdapterBank(model, n_slots=3, rank=4, alpha=8.0)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -165,7 +148,7 @@ def test_eos_stops_rows_individually(setup, tok):
 
 
 def test_tokenizer_eos_is_the_default(tok):
-    model = tiny_model("qwen2", len(tok))
+    model = tiny_model("qwen2", len(tok)).requires_grad_(False)
     params = SamplingParams(temperature=0.0, max_new_tokens=6)
     free = generate(model, None, tok, ["zz"], [0], replace(params, eos_token_ids=()))
     # make the first greedy token the tokenizer's EOS by swapping the two output rows
@@ -227,7 +210,7 @@ def test_token_id_prompts_and_restored_attention(setup, tok):
 
 def test_generation_sees_slot_changes_between_calls(tok):
     """The decode cache must follow the bank: modify a slot, generate again."""
-    model = tiny_model("qwen2", len(tok))
+    model = tiny_model("qwen2", len(tok)).requires_grad_(False)
     bank = AdapterBank(model, n_slots=2, rank=4, alpha=8.0)
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():
@@ -267,7 +250,7 @@ def test_compile_failure_falls_back_to_the_plain_step(setup, tok, monkeypatch):
 def test_compiled_decode_gives_the_eager_tokens(tok):
     """The real inductor path on CPU: same tokens as eager, logprobs to float rounding."""
     torch._dynamo.reset()
-    model = tiny_model("qwen2", len(tok), seed=2)
+    model = tiny_model("qwen2", len(tok), seed=2).requires_grad_(False)
     bank = AdapterBank(model, n_slots=3, rank=4, alpha=8.0)
     with torch.no_grad():
         bank.weights.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(5))
@@ -340,7 +323,7 @@ def test_compiled_step_notices_a_bank_attached_later(tok, monkeypatch):
     counter = CompileCounter()
     real_compile = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, backend=counter, **kw))
-    model = tiny_model("qwen2", len(tok), seed=4)
+    model = tiny_model("qwen2", len(tok), seed=4).requires_grad_(False)
     slots = [1, 0, 1]
     base = generate(model, None, tok, PROMPTS[:3], slots, GREEDY, compile=True)
     bank = AdapterBank(model, n_slots=2, rank=4, alpha=8.0)

@@ -5,33 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 from peft import PeftModel
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from lorapop.engine.step import BankOptimizer
 from lorapop.lora import AdapterBank
 from lorapop.lora.peft_io import export_slot
-
-VOCAB = 96
-ARCHS = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}
-
-
-def tiny_model(arch: str = "qwen2") -> torch.nn.Module:
-    config_cls, model_cls = ARCHS[arch]
-    config = config_cls(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    return model_cls(config).train()
+from tiny_models import ARCHS, VOCAB, tiny_model
 
 
 def make_bank(arch: str = "qwen2", n: int = 3) -> AdapterBank:
-    bank = AdapterBank(tiny_model(arch), n_slots=n, rank=4, alpha=8, seed=7)
+    bank = AdapterBank(tiny_model(arch).train(), n_slots=n, rank=4, alpha=8, seed=7)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for t in bank.targets.values():
@@ -80,7 +62,7 @@ def test_joint_training_equals_each_adapter_alone(arch, tmp_path):
     assert all(n[2] < CLIP[2] for n in norms)
 
     for s in range(3):
-        peft = PeftModel.from_pretrained(tiny_model(arch), starts[s], is_trainable=True).train()
+        peft = PeftModel.from_pretrained(tiny_model(arch).train(), starts[s], is_trainable=True).train()
         params = [p for p in peft.parameters() if p.requires_grad]
         ref_opt = torch.optim.AdamW(params, lr=LRS[s], betas=(0.9, 0.99), weight_decay=0.1)
         rows = [b for b, x in enumerate(SLOTS) if x == s]
