@@ -6,7 +6,7 @@ import ast
 from collections.abc import Callable, Sequence
 
 from lorapop.tasks import prompts
-from lorapop.tasks.compare import MATCH
+from lorapop.tasks.compare import MATCH, judge
 from lorapop.tasks.family import Runner
 from lorapop.tasks.parsing import (
     MAX_TEXT_CHARS,
@@ -18,6 +18,7 @@ from lorapop.tasks.parsing import (
     python_expr,
     strip_fence,
     tag_blocks,
+    value_names,
 )
 from lorapop.tasks.prompts import Caps, check_template
 from lorapop.tasks.task import FormatError, Grade, Outcome, Proposal, Task, Validity
@@ -237,3 +238,28 @@ class ProgramInputFamily(CodeFamily):
                 task = Task(self.name, p.program, p.inputs, (v.output,), proposer=who[i], step=step)
                 out.append(Validity(True, task=task))
         return out
+
+    def check(self, tasks: Sequence[Task], texts: Sequence[str], runner: Runner) -> list[Grade]:
+        """Each answer is decided here (`_grade_or_job`) or becomes a sandbox job whose output, a
+        value's repr, is judged against the gold in this process."""
+        if len(tasks) != len(texts):
+            raise ValueError("check: tasks and texts differ in length")
+        answers = [self.parse_answer(t) for t in texts]
+        names = [value_names(t.program) for t in tasks]
+        decided: dict[int, Grade] = {}
+        jobs: dict[int, Job] = {}
+        for i, (task, a) in enumerate(zip(tasks, answers, strict=True)):
+            if not isinstance(a, FormatError):
+                outcome = self._grade_or_job(task, a, names[i])
+                (jobs if isinstance(outcome, Job) else decided)[i] = outcome
+
+        def grade(i: int, output: str) -> Grade:
+            answer = answers[i]
+            assert isinstance(answer, str)
+            return graded(answer, judge(output, tasks[i].output, names[i]))
+
+        return self._run_checks(answers, jobs, runner, grade, decided)
+
+    def _grade_or_job(self, task: Task, answer: str, names: frozenset[str]) -> Grade | Job:
+        """A parsed answer: its grade when decidable here, else the job computing its value."""
+        raise NotImplementedError

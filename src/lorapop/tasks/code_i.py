@@ -9,14 +9,11 @@ or helpers, no user-made types), so no code of the student's runs at all.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from lorapop.tasks import prompts
-from lorapop.tasks.code import ProgramInputFamily, graded
+from lorapop.tasks.code import ProgramInputFamily
 from lorapop.tasks.code_o import NOT_A_VALUE
-from lorapop.tasks.compare import VALUE_PRELUDE, judge
-from lorapop.tasks.family import Runner
-from lorapop.tasks.parsing import call_args, is_value_args, value_names
+from lorapop.tasks.compare import VALUE_PRELUDE
+from lorapop.tasks.parsing import call_args, is_value_args
 from lorapop.tasks.task import FormatError, Grade, Outcome, Task
 from lorapop.verify import Job
 
@@ -34,24 +31,7 @@ class CodeI(ProgramInputFamily):
         args = call_args(body)
         return args if args is not None else FormatError("answer is not an argument list")
 
-    def check(self, tasks: Sequence[Task], texts: Sequence[str], runner: Runner) -> list[Grade]:
-        if len(tasks) != len(texts):
-            raise ValueError("check: tasks and texts differ in length")
-        answers = [self.parse_answer(t) for t in texts]
-        decided: dict[int, Grade] = {}
-        jobs: dict[int, Job] = {}
-        names = [value_names(t.program) for t in tasks]
-        for i, (task, a) in enumerate(zip(tasks, answers, strict=True)):
-            if isinstance(a, FormatError):
-                continue
-            if not is_value_args(a, names[i]):
-                decided[i] = Grade(Outcome.FORMAT_ERROR, a, f"format: {NOT_A_VALUE}")
-            else:
-                jobs[i] = Job(task.program + VALUE_PRELUDE, f"f({a})", entry="f")
-
-        def grade(i: int, output: str) -> Grade:
-            answer = answers[i]
-            assert isinstance(answer, str)
-            return graded(answer, judge(output, tasks[i].output, names[i]))
-
-        return self._run_checks(answers, jobs, runner, grade, decided)
+    def _grade_or_job(self, task: Task, answer: str, names: frozenset[str]) -> Grade | Job:
+        if not is_value_args(answer, names):
+            return Grade(Outcome.FORMAT_ERROR, answer, f"format: {NOT_A_VALUE}")
+        return Job(task.program + VALUE_PRELUDE, f"f({answer})", entry="f")

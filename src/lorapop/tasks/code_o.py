@@ -11,13 +11,10 @@ repr, which is compared here, so the gold never enters the sandbox.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from lorapop.tasks import prompts
 from lorapop.tasks.code import ProgramInputFamily, graded
 from lorapop.tasks.compare import VALUE_PRELUDE, judge, plain
-from lorapop.tasks.family import Runner
-from lorapop.tasks.parsing import is_value, python_expr, value_names
+from lorapop.tasks.parsing import is_value, python_expr
 from lorapop.tasks.task import FormatError, Grade, Outcome, Task
 from lorapop.verify import Job
 
@@ -37,26 +34,10 @@ class CodeO(ProgramInputFamily):
         expr = python_expr(body)
         return expr if expr is not None else FormatError("answer is not a Python expression")
 
-    def check(self, tasks: Sequence[Task], texts: Sequence[str], runner: Runner) -> list[Grade]:
-        if len(tasks) != len(texts):
-            raise ValueError("check: tasks and texts differ in length")
-        answers = [self.parse_answer(t) for t in texts]
-        decided: dict[int, Grade] = {}
-        jobs: dict[int, Job] = {}
-        names = [value_names(t.program) for t in tasks]
-        for i, (task, a) in enumerate(zip(tasks, answers, strict=True)):
-            if isinstance(a, FormatError):
-                continue
-            if not is_value(a, names[i]):
-                decided[i] = Grade(Outcome.FORMAT_ERROR, a, f"format: {NOT_A_VALUE}")
-            elif plain(a)[0]:
-                decided[i] = graded(a, judge(a, task.output, names[i]))
-            else:  # the program's classes may be needed: only the value's repr comes back
-                jobs[i] = Job(task.program + VALUE_PRELUDE, a, entry=None)
-
-        def grade(i: int, output: str) -> Grade:
-            answer = answers[i]
-            assert isinstance(answer, str)
-            return graded(answer, judge(output, tasks[i].output, names[i]))
-
-        return self._run_checks(answers, jobs, runner, grade, decided)
+    def _grade_or_job(self, task: Task, answer: str, names: frozenset[str]) -> Grade | Job:
+        if not is_value(answer, names):
+            return Grade(Outcome.FORMAT_ERROR, answer, f"format: {NOT_A_VALUE}")
+        if plain(answer)[0]:
+            return graded(answer, judge(answer, task.output, names))
+        # the program's classes may be needed: only the value's repr comes back
+        return Job(task.program + VALUE_PRELUDE, answer, entry=None)
