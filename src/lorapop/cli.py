@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import TYPE_CHECKING
+
 import typer
+
+if TYPE_CHECKING:
+    from lorapop.config import Config
 
 app = typer.Typer(
     help="lorapop: population-based self-play RL of LLMs on LoRA adapters (PopuLoRA).",
@@ -71,8 +77,9 @@ def _fail(message: str) -> typer.Exit:
     return typer.Exit(2)
 
 
-def _run(cfg, run_dir, resume: bool) -> int:
-    """Train one run with the live display (and TensorBoard when asked); return steps done."""
+def _run(cfg: Config, run_dir: Path, resume: bool) -> int:
+    """Train one run with the live display (and TensorBoard when asked); return steps done.
+    Ctrl-C stops it; `--resume` continues from the last checkpoint (`run.save_every`)."""
     from lorapop.engine.model import ModelLoadError
     from lorapop.loop import SelfPlay
     from lorapop.progress import RunDisplay, TensorBoardLog
@@ -114,7 +121,6 @@ def train(
     With `run.with_baseline=true` the single-agent baseline trains next, in RUN_DIR/baseline,
     with the same per-adapter compute.
     """
-    from pathlib import Path
 
     from lorapop.config import ConfigError, load_config
     from lorapop.report import write_report
@@ -169,7 +175,6 @@ def export(
 ) -> None:
     """Copy one member of the last checkpoint out as a standard PEFT LoRA adapter directory."""
     import shutil
-    from pathlib import Path
 
     from lorapop.checkpoint import latest_checkpoint
 
@@ -214,7 +219,6 @@ def evaluate(
     base: bool = typer.Option(True, help="Also score the base model without adapters."),
 ) -> None:
     """Greedy pass@1 of every member on the paper's code and math benchmarks, in shared batches."""
-    from pathlib import Path
 
     from lorapop.checkpoint import latest_checkpoint
     from lorapop.evals import EvalError, run_eval
@@ -247,7 +251,6 @@ def evaluate(
 
 def _eval_tiny(target: str, out: str | None, device: str, workers: int, base: str | None) -> None:
     import json
-    from pathlib import Path
 
     from lorapop.evals import EvalError
     from lorapop.tiny.evaluate import evaluate_run, markdown
