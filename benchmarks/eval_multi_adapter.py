@@ -32,23 +32,9 @@ from lorapop.engine.sampling import SamplingParams
 from lorapop.evals import codecheck, data, prompts
 from lorapop.evals.pool import Pool
 from lorapop.lora.bank import AdapterBank
+from qwen7b import build_qwen7b
 
 RESULTS = Path(__file__).parent / "results"
-
-
-def build_7b(layers: int) -> torch.nn.Module:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(hidden_size=3584, num_hidden_layers=layers, num_attention_heads=28,
-                         num_key_value_heads=4, intermediate_size=18944, vocab_size=152064,
-                         max_position_embeddings=32768, tie_word_embeddings=False)  # fmt: skip
-    torch.manual_seed(0)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device("cuda"):
-        model = Qwen2ForCausalLM(config)
-    torch.set_default_dtype(previous)
-    return model.eval().requires_grad_(False)
 
 
 def sync() -> None:
@@ -93,7 +79,7 @@ def main() -> None:
         device = "cpu (tiny-random)"
     else:
         tok = None
-        model = build_7b(args.layers)
+        model = build_qwen7b(args.layers).requires_grad_(False)
         g = torch.Generator().manual_seed(0)
         lens = ([math.ceil(len(prompts.render(p, "azr", None)) / args.chars_per_token)
                  for p in probs] or [args.prompt_len] * args.problems)  # fmt: skip

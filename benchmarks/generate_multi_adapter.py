@@ -32,7 +32,6 @@ from pathlib import Path
 import peft
 import torch
 import transformers
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from lorapop.engine.decoder import Decoder, route
 from lorapop.engine.generate import generate
@@ -40,29 +39,10 @@ from lorapop.engine.kvcache import static_kv
 from lorapop.engine.logprobs import sequence_logprobs
 from lorapop.engine.sampling import SamplingParams, row_uniforms
 from lorapop.lora.bank import DEFAULT_TARGETS, AdapterBank
+from qwen7b import build_qwen7b
 
 BATCH, PROMPT, NEW, RANK = 64, 128, 128, 32
 NOMINAL_TBPS = {"H200": 4.8, "H100": 3.35}  # HBM bandwidth of the SXM parts, TB/s
-
-
-def build_model(layers: int) -> Qwen2ForCausalLM:
-    config = Qwen2Config(
-        hidden_size=3584,
-        num_hidden_layers=layers,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        intermediate_size=18944,
-        vocab_size=152064,
-        max_position_embeddings=32768,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device("cuda"):
-        model = Qwen2ForCausalLM(config)
-    torch.set_default_dtype(previous)
-    return model.eval().requires_grad_(False)
 
 
 def timed(fn: Callable[[], object]) -> tuple[float, object]:
@@ -166,7 +146,7 @@ def main() -> None:
     peak = nominal or result["bandwidth_tbps"]["measured_copy"]
     print(json.dumps(result, indent=1), flush=True)
 
-    model = build_model(args.layers)
+    model = build_qwen7b(args.layers).requires_grad_(False)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(100, 150000, (BATCH, PROMPT), generator=g)
     prompts = ids.tolist()

@@ -23,38 +23,14 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from lorapop.engine.step import BankOptimizer
 from lorapop.lora import DEFAULT_TARGETS, AdapterBank
 from lorapop.lora.routing import Routing, grouped_probe, lora_delta
+from qwen7b import ARCH, build_qwen7b
 
-QWEN25_7B = dict(
-    vocab_size=152064,
-    hidden_size=3584,
-    intermediate_size=18944,
-    num_hidden_layers=28,
-    num_attention_heads=28,
-    num_key_value_heads=4,
-    max_position_embeddings=32768,
-    rope_theta=1_000_000.0,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-)
+QWEN25_7B = ARCH
 RANK, ALPHA = 32, 64
-
-
-def build_model(layers: int) -> Qwen2ForCausalLM:
-    config = Qwen2Config(**{**QWEN25_7B, "num_hidden_layers": layers})
-    config._attn_implementation = "sdpa"
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device("cuda"):
-            model = Qwen2ForCausalLM(config)
-    finally:
-        torch.set_default_dtype(default)
-    return model.train()
 
 
 def timed(fn: Callable[[], None], warmup: int, iters: int) -> dict:
@@ -249,7 +225,7 @@ def main() -> None:
 
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    model = build_model(args.layers)
+    model = build_qwen7b(args.layers).train()
     print(f"model built in {time.perf_counter() - t0:.1f}s", flush=True)
     vocab = QWEN25_7B["vocab_size"]
     ids = torch.randint(0, vocab, (args.rows, args.seq), device="cuda")
