@@ -80,6 +80,7 @@ def _fail(message: str) -> typer.Exit:
 def _run(cfg: Config, run_dir: Path, resume: bool) -> int:
     """Train one run with the live display (and TensorBoard when asked); return steps done.
     Ctrl-C stops it; `--resume` continues from the last checkpoint (`run.save_every`)."""
+    from lorapop.checkpoint import latest_checkpoint
     from lorapop.engine.model import ModelLoadError
     from lorapop.loop import SelfPlay
     from lorapop.progress import RunDisplay, TensorBoardLog
@@ -94,6 +95,13 @@ def _run(cfg: Config, run_dir: Path, resume: bool) -> int:
         with RunDisplay(cfg.train.steps, sp.step_done, enabled=cfg.run.progress) as display:
             hooks.append(display.update)
             sp.run(on_step=lambda row: [h(row) for h in hooks])
+    except KeyboardInterrupt:
+        last = latest_checkpoint(run_dir)
+        where = f"its checkpoint of step {last.name.split('_')[-1].lstrip('0') or 0}" if last \
+            else "the start (no checkpoint yet)"
+        typer.echo(f"interrupted in step {sp.step_done + 1}; `lorapop train --resume {run_dir}` "
+                   f"continues from {where}", err=True)
+        raise typer.Exit(130) from None
     finally:
         sp.close()
         if tb:
