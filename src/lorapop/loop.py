@@ -33,14 +33,13 @@ from lorapop.league import Ratings, match, match_outcome, plan_replacement, rate
 from lorapop.lora import evolve
 from lorapop.lora.bank import AdapterBank
 from lorapop.lora.peft_io import export_slot, import_slot
-from lorapop.rl import RewardScheme, student_reward, teacher_reward, trr_advantages
+from lorapop.rl import RewardScheme, solve_rate, student_reward, teacher_reward, trr_advantages
 from lorapop.rl.loss import group_normalizers, policy_loss
 from lorapop.steplog import (
     Attempt,
     ProposalSlot,
     Rollout,
     StepRecord,
-    correct_rate,
     solve_rates,
     step_metrics,
 )
@@ -245,7 +244,7 @@ class SelfPlay:
                 answers = [a.grade.outcome for a in rec.attempts
                            if a.teacher == teacher and a.student == student and a.own]
                 self.ratings.record(teacher, student, match_outcome(
-                    correct_rate(answers), lg.teacher_win_below, lg.student_win_above))
+                    solve_rate(answers), lg.teacher_win_below, lg.student_win_above))
 
     def replacement(self, step: int) -> list[dict[str, Any]]:
         """The weakest members of each sub-population become children of the strongest."""

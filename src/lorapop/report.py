@@ -127,7 +127,7 @@ def summarize(rows: list[dict], last: int = 5) -> dict[str, float | None]:
         "solve_rate": mean([m.get("solve_rate") for m in members]),
     }
     for key in PROGRAM_METRICS:
-        out[key] = mean([v for r in tail for v in [dict(_program_series([r], key)).get(r["step"])]])
+        out[key] = mean([v for _, v in _program_series(tail, key)])
     cov = _program_series(rows, "coverage")
     out["coverage"] = cov[-1][1] if cov else None
     return out

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from statistics import fmean
 from typing import TYPE_CHECKING, Any
 
+from lorapop.rl import solve_rate
 from lorapop.tasks.metrics import program_metrics
 from lorapop.tasks.task import Grade, Outcome, Task, Validity
 
@@ -77,10 +78,10 @@ def step_metrics(sp: SelfPlay, rec: StepRecord) -> dict[str, Any]:
             m["proposal_format_error_rate"] = fmean(
                 bool(p.validity and p.validity.format_error) for p in props)
             own = [a for a in rec.attempts if a.teacher == name and a.own]
-            m["task_solve_rate"] = correct_rate([a.grade.outcome for a in own])
+            m["task_solve_rate"] = solve_rate([a.grade.outcome for a in own])
         if atts:
             m["student_reward"] = fmean(a.rollout.reward for a in atts)
-            m["solve_rate"] = correct_rate([a.grade.outcome for a in atts])
+            m["solve_rate"] = solve_rate([a.grade.outcome for a in atts])
             m["answer_format_error_rate"] = fmean(
                 a.grade.outcome is Outcome.FORMAT_ERROR for a in atts)
         if mine:
@@ -95,7 +96,7 @@ def step_metrics(sp: SelfPlay, rec: StepRecord) -> dict[str, Any]:
     for teacher, student in rec.pairs:
         own = [a for a in rec.attempts if a.teacher == teacher and a.student == student
                and a.own]
-        rate = correct_rate([a.grade.outcome for a in own])
+        rate = solve_rate([a.grade.outcome for a in own])
         matchups.append({"teacher": teacher, "student": student, "answers": len(own),
                          "solve_rate": rate})
     programs = {}
@@ -127,17 +128,13 @@ def step_metrics(sp: SelfPlay, rec: StepRecord) -> dict[str, Any]:
     }
 
 
-def correct_rate(outcomes: list[Outcome]) -> float | None:
-    return fmean(o is Outcome.CORRECT for o in outcomes) if outcomes else None
-
-
 def solve_rates(attempts: list[Attempt]) -> dict[tuple[str, str], float]:
     """Solve rate of each teacher's own task (by task key) over all its matched students' answers."""
     by: dict[tuple[str, str], list[Outcome]] = {}
     for a in attempts:
         if a.own:
             by.setdefault((a.teacher, a.task.key), []).append(a.grade.outcome)
-    return {k: fmean(o is Outcome.CORRECT for o in v) for k, v in by.items()}
+    return {k: solve_rate(v) for k, v in by.items()}
 
 
 def _entropy_estimate(rollouts: list[Rollout]) -> float | None:

@@ -83,7 +83,9 @@ def _run_members(path: Path) -> dict[Path, tuple[str, str]] | None:
     return found
 
 
-def _load(base: str, members: list[Member], device: str, dtype: str, seed: int):  # noqa: ANN202
+def load_population(base: str, members: list[Member], device: str, dtype: str, seed: int):  # noqa: ANN202
+    """(tokenizer, model, bank or None): the base with one bank slot per member (the members'
+    PEFT adapters imported; a member without one keeps an all-zero slot)."""
     from lorapop.engine.model import ModelLoadError, load_base_model, load_tokenizer
 
     try:
@@ -167,7 +169,7 @@ def run_eval(
         problems = {b: data.load(b, data_dir, (sources or {}).get(b), limit) for b in benches}
     except data.DataError as e:
         raise EvalError(str(e)) from None
-    tok, model, bank = _load(base, members, device, dtype, seed)
+    tok, model, bank = load_population(base, members, device, dtype, seed)
     tmpl = prompts.resolve(template, tok)
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
     result: dict[str, Any] = {

@@ -212,7 +212,7 @@ def evaluate_run(
     (default: the adapters' `base_model_name_or_path`, else the shipped tiny model) is a row
     named "base". Raises `lorapop.evals.EvalError` (one line) on a bad target.
     """
-    from lorapop.evals.runner import EvalError, Member, _load, find_members
+    from lorapop.evals.runner import EvalError, Member, find_members, load_population
     from lorapop.tiny.pretrain import TINY_MODEL_DIR
 
     path = Path(target)
@@ -225,7 +225,7 @@ def evaluate_run(
     base = base_model or named or str(TINY_MODEL_DIR)
     if include_base or not members:
         members = [*members, Member("base", None, "base")]
-    tok, model, bank = _load(base, members, device, dtype, seed)
+    tok, model, bank = load_population(base, members, device, dtype, seed)
     tok.padding_side = "left"
     slots = {m.name: i for i, m in enumerate(members)} if bank is not None else None
     with Sandbox(workers=workers, timeout_s=2.0) as sb:

@@ -33,7 +33,7 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from lorapop.engine.model import resolve_device
+from lorapop.engine.model import TINY_DIR, resolve_device
 from lorapop.tasks import Task, get_family
 from lorapop.tiny.generator import generate_tasks
 from lorapop.tiny.grammar import LEVELS
@@ -42,7 +42,7 @@ from lorapop.tiny.tokenizer import corpus_texts, save_tokenizer, train_tokenizer
 from lorapop.verify import Sandbox
 
 #: Where the shipped model lives (package data).
-TINY_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "tiny"
+TINY_MODEL_DIR = TINY_DIR  # where the shipped model lives (model name `tiny`)
 ROLES = (
     "teacher/code_o", "teacher/code_i", "teacher/code_f",
     "student/code_o", "student/code_i", "student/code_f",
