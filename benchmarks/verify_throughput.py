@@ -6,6 +6,10 @@ Compares, in one run and with the same concurrency (`--workers`):
   fresh_process     (a) a new `python` process per program
   pool_exec         (b) long-lived ProcessPoolExecutor workers that exec each program, no
                     isolation (AZR's way: one submitted future per program)
+  fork_floor        what a process per program costs at least here: long-lived lean workers
+                    (`python -S`, nothing imported) compile each program, then fork a bare child
+                    that execs it and pipes its repr back; no isolation, checks, server or
+                    policy modules
 All four must produce the same outputs. Writes benchmarks/results/verify_throughput.json, with
 the load average before and after (the machine is shared: every row of one run sees the same
 contention, so compare ratios) and, per sandbox row, the CPU cost per job of the caller, the fork
@@ -17,6 +21,7 @@ servers and their children (from getrusage and /proc/PID/stat), which does not d
 from __future__ import annotations
 
 import argparse
+import ast
 import datetime as dt
 import json
 import os
@@ -72,6 +77,56 @@ def pool_exec(progs: list[tuple[str, str]], workers: int) -> tuple[list[str], fl
         futures = [ex.submit(_exec, p, e) for p, e in progs]
         out = [f.result(timeout=10) for f in futures]
         return out, time.perf_counter() - t0
+
+
+#: A lean `python -S` worker for fork_floor: nothing imported that a fork would have to copy.
+_FORK_WORKER = """
+import os, sys
+progs = eval(sys.stdin.readline())
+sys.stdout.write("ready\\n"); sys.stdout.flush()
+sys.stdin.readline()
+out = []
+for program, expr in progs:
+    code, expr_code = compile(program, "<p>", "exec"), compile(expr, "<e>", "eval")
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        ns = {"__name__": "__main__"}
+        exec(code, ns)
+        os.write(w, repr(eval(expr_code, ns)).encode())
+        os._exit(0)
+    os.close(w)
+    out.append(os.read(r, 1 << 16).decode())
+    os.close(r)
+    os.waitpid(pid, 0)
+sys.stdout.write(repr(out) + "\\n")
+"""
+
+
+def fork_floor(progs: list[tuple[str, str]], workers: int) -> tuple[list[str], float]:
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-S", "-c", _FORK_WORKER],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        for _ in range(workers)
+    ]
+    for i, p in enumerate(procs):  # our own programs, as a literal
+        p.stdin.write(repr(progs[i::workers]) + "\n")  # type: ignore[union-attr]
+        p.stdin.flush()  # type: ignore[union-attr]
+        p.stdout.readline()  # type: ignore[union-attr]
+    t0 = time.perf_counter()
+    for p in procs:
+        p.stdin.write("go\n")  # type: ignore[union-attr]
+        p.stdin.flush()  # type: ignore[union-attr]
+    parts = [ast.literal_eval(p.stdout.readline()) for p in procs]  # type: ignore[union-attr]
+    seconds = time.perf_counter() - t0
+    for p in procs:
+        p.wait()
+    out = [""] * len(progs)
+    for i, part in enumerate(parts):
+        out[i::workers] = part
+    return out, seconds
 
 
 def _cpu(servers: list[int]) -> tuple[float, float, float, int, int]:
@@ -138,6 +193,10 @@ def main() -> None:
     record("pool_exec", seconds, out)
     cpu["pool_exec"] = {"total_ms": round(1000 * (used() - c0) / args.n, 3)}  # with its start
     c0 = used()
+    out, seconds = fork_floor(progs, args.workers)
+    record("fork_floor", seconds, out)
+    cpu["fork_floor"] = {"total_ms": round(1000 * (used() - c0) / args.n, 3)}
+    c0 = used()
     t0 = time.perf_counter()
     out = fresh_process(progs, args.workers)
     record("fresh_process", time.perf_counter() - t0, out)
@@ -166,6 +225,9 @@ def main() -> None:
             "sandbox_det_vs_fresh_process": round(speed["sandbox_det"] / speed["fresh_process"], 2),
             "pool_exec_vs_sandbox": round(speed["pool_exec"] / speed["sandbox"], 2),
             "pool_exec_vs_sandbox_det": round(speed["pool_exec"] / speed["sandbox_det"], 2),
+            "fork_floor_vs_fresh_process": round(speed["fork_floor"] / speed["fresh_process"], 2),
+            "pool_exec_vs_fork_floor": round(speed["pool_exec"] / speed["fork_floor"], 2),
+            "sandbox_vs_fork_floor": round(speed["sandbox"] / speed["fork_floor"], 2),
         },
         "targets": {"sandbox_vs_fresh_process": ">= 10", "pool_exec_vs_sandbox": "<= 3"},
     }

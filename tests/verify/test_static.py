@@ -1,7 +1,7 @@
 import pytest
 
 from lorapop.verify import Job, Status
-from lorapop.verify.static import check
+from lorapop.verify.static import check, compile_job
 
 OK = "def f(x):\n    return x\n"
 
@@ -62,3 +62,18 @@ def test_syntax_no_entry_and_sizes():
 def test_static_verdicts_do_not_reach_the_servers(sandbox):
     (v,) = sandbox.run([Job("import subprocess\n" + OK, "f(1)")])
     assert v.status is Status.BANNED and v.duration == 0.0 and v.output is None
+
+
+def test_compile_job_compiles_as_a_script_would():
+    """No future flags leak from lorapop's own modules, asserts stay, compile-time errors
+    the parser lets through are syntax errors, and the rules still apply."""
+    program, expr = compile_job("def f(x: undefined_name):\n    assert x\n    return x", "f(0)")
+    with pytest.raises(NameError):  # annotations evaluated eagerly: no `annotations` future
+        exec(program, {})
+    ns: dict = {}
+    exec(compile_job("def f(x):\n    assert x, 'no'\n    return x", "f(0)")[0], ns)
+    with pytest.raises(AssertionError):
+        ns["f"](0)
+    assert compile_job("def f():\n    pass\nreturn 1", "f()")[0] is Status.SYNTAX_ERROR
+    assert compile_job("import random\n" + OK, "f(1)")[0] is Status.BANNED
+    assert compile_job("def g(x):\n    return x", "g(1)")[0] is Status.NO_ENTRY

@@ -3,7 +3,15 @@
 import pytest
 
 from lorapop.verify import Job
-from lorapop.verify.wire import decode_job, decode_result, encode_job, encode_result
+from lorapop.verify.static import compile_job
+from lorapop.verify.wire import (
+    decode_job,
+    decode_result,
+    encode_frame,
+    encode_job,
+    encode_result,
+    split_frames,
+)
 
 
 @pytest.mark.parametrize(
@@ -22,8 +30,21 @@ def test_result_round_trip(fields):
 
 
 def test_job_round_trip():
-    program, expr = "def f(s):\n    return s  # é \udcff\n", "f('\\n12\\n')"
-    assert decode_job(encode_job(program, expr, 3)) == (program, expr, 3)
+    code = compile_job("def f(s):\n    return s + 'é'\n", "f('\\n12\\n')")
+    program, expr, cpu = decode_job(encode_job(*code, 3))
+    assert (program, expr, cpu) == (*code, 3)
+    ns: dict = {}
+    exec(program, ns)
+    assert eval(expr, ns) == "\n12\né"
+
+
+def test_frames_split_only_when_complete():
+    buf = bytearray(encode_frame(b"7 2.5", b"a\nb") + encode_frame(b"8 1.0", b""))
+    whole = bytes(buf)
+    assert split_frames(buf) == [([b"7", b"2.5"], b"a\nb"), ([b"8", b"1.0"], b"")] and not buf
+    part = bytearray(whole[:-4])
+    assert split_frames(part) == [([b"7", b"2.5"], b"a\nb")]
+    assert bytes(part) == whole[len(encode_frame(b"7 2.5", b"a\nb")) : -4]
 
 
 @pytest.mark.parametrize(

@@ -1,10 +1,11 @@
-"""What a forked job process does: confine itself, wait for its job, run it, report one JSON line.
+"""What a forked job process does: confine itself, wait for its job, run it, report one result.
 
 Runs inside the fork server, after `fork()`. The server forks children ahead of time: each one
 confines itself (process group, fds, working dir, rlimits, uid) with no job yet, then blocks
-reading its single job from fd 4, so a job starts with a pipe write instead of a fork. A failure
-to confine reports `crashed` without running the job. The result is JSON text (never a pickle)
-written to fd 3 (`lorapop.verify.wire`); the server trusts only its shape, and reads at most a capped amount.
+reading its single job (code objects compiled by the caller) from fd 4, so a job starts with a
+pipe write instead of a fork. A failure to confine reports `crashed` without running the job.
+The result is length-prefixed text (never a pickle) written to fd 3 (`lorapop.verify.wire`);
+the server reads at most a capped amount and the caller trusts only its shape.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import sys
 import time
 import types
 from dataclasses import dataclass
+from types import CodeType
 from typing import NoReturn
 
 from lorapop.verify.wire import decode_job, encode_result
@@ -76,6 +78,8 @@ class Prepared:
     devnull: int
     streams: tuple[io.StringIO, _CappedText, _CappedText]  # each child mutates its own copy
     importer: tuple[object, ...]  # the server's import state, which children unbind
+    main: types.ModuleType  # the job's __main__, already in sys.modules
+    server_main: object  # the server's own __main__, kept alive
 
 
 def prepare(limits: Limits, hidden: tuple[str, ...]) -> Prepared:
@@ -100,7 +104,14 @@ def prepare(limits: Limits, hidden: tuple[str, ...]) -> Prepared:
     cap = limits.max_stdout_chars
     streams = (io.StringIO(""), _CappedText(cap), _CappedText(cap))
     importer = (sys.meta_path, sys.path_hooks, sys.path_importer_cache, sys.path)
-    return Prepared(limits, tuple(rlimits), os.open(os.devnull, os.O_RDWR), streams, importer)
+    # A real module as __main__ (as `python prog.py` has), so dataclasses, pickle and
+    # `if __name__ == "__main__"` behave as in plain execution. Made here, not per child: making
+    # it and swapping sys.modules["__main__"] in a child costs ~30 page faults.
+    main = types.ModuleType("__main__")
+    main.__dict__["__builtins__"] = builtins
+    server_main, sys.modules["__main__"] = sys.modules.get("__main__"), main
+    devnull = os.open(os.devnull, os.O_RDWR)
+    return Prepared(limits, tuple(rlimits), devnull, streams, importer, main, server_main)
 
 
 def _confine(prep: Prepared, workdir: str, uid: int | None, gid: int | None) -> None:
@@ -131,54 +142,37 @@ def _describe(e: BaseException) -> str:
 
 
 def execute(
-    program: str, expr: str, max_output_chars: int, register_main: bool = False
-) -> dict[str, object]:
-    """Run `program` then `expr` in a fresh namespace; return the verdict fields (no duration)."""
-    # A real module as __main__ (as `python prog.py` has), so dataclasses, pickle and
-    # `if __name__ == "__main__"` behave as in plain execution. In a child it replaces the
-    # server's __main__; in-process callers keep theirs.
-    main = types.ModuleType("__main__")
-    ns = main.__dict__
-    ns["__builtins__"] = builtins
-    if register_main:
-        sys.modules["__main__"] = main
+    program: CodeType, expr: CodeType, ns: dict, max_output_chars: int
+) -> tuple[str, str | None, str | None]:
+    """Run `program` then `expr` in the namespace `ns`: (status, output repr, error)."""
     try:
-        code = compile(program, "<program>", "exec")
-        expr_code = compile(expr, "<expr>", "eval")
-    except SyntaxError as e:
-        return {"status": "syntax_error", "output": None, "error": _describe(e)}
+        exec(program, ns)
+        value = eval(expr, ns)
     except MemoryError:
-        return {"status": "memory", "output": None, "error": "MemoryError while compiling"}
+        return "memory", None, "MemoryError"
     except BaseException as e:
-        return {"status": "syntax_error", "output": None, "error": _describe(e)}
-    try:
-        exec(code, ns)
-        value = eval(expr_code, ns)
-    except MemoryError:
-        return {"status": "memory", "output": None, "error": "MemoryError"}
-    except BaseException as e:
-        return {"status": "runtime_error", "output": None, "error": _describe(e)}
+        return "runtime_error", None, _describe(e)
     try:
         _dumps(value)
     except MemoryError:
-        return {"status": "memory", "output": None, "error": "MemoryError while pickling"}
+        return "memory", None, "MemoryError while pickling"
     except BaseException as e:
-        return {"status": "unpicklable", "output": None, "error": _describe(e)}
+        return "unpicklable", None, _describe(e)
     try:
         text = _repr(value)
     except MemoryError:
-        return {"status": "memory", "output": None, "error": "MemoryError in repr"}
+        return "memory", None, "MemoryError in repr"
     except BaseException as e:
-        return {"status": "runtime_error", "output": None, "error": "repr: " + _describe(e)}
+        return "runtime_error", None, "repr: " + _describe(e)
     if _type(text) is not _str:
-        return {"status": "runtime_error", "output": None, "error": "repr: not a str"}
+        return "runtime_error", None, "repr: not a str"
     if _len(text) > max_output_chars:
-        return {
-            "status": "output_too_large",
-            "output": None,
-            "error": f"repr has {len(text)} characters (cap {max_output_chars})",
-        }
-    return {"status": "ok", "output": text, "error": None}
+        return (
+            "output_too_large",
+            None,
+            f"repr has {_len(text)} characters (cap {max_output_chars})",
+        )
+    return "ok", text, None
 
 
 def cpu_limit(timeout_s: float) -> int:
@@ -196,7 +190,7 @@ def _limit_cpu(seconds: int) -> None:
     resource.setrlimit(resource.RLIMIT_CPU, (soft, new_hard))
 
 
-def _read_job() -> tuple[str, str, int] | None:
+def _read_job() -> tuple[CodeType, CodeType, int] | None:
     """(program, expr, cpu seconds) the server writes to fd 4, then EOF; None when closed."""
     parts = []
     while chunk := os.read(JOB_FD, 1 << 16):
@@ -235,9 +229,8 @@ def run_child(
             data = encode_result("crashed", None, failure, 0.0)
         else:
             t0 = time.perf_counter()
-            res = execute(program, expr, prep.limits.max_output_chars, True)
-            duration = time.perf_counter() - t0
-            data = encode_result(res["status"], res["output"], res["error"], duration)  # type: ignore[arg-type]
+            res = execute(program, expr, prep.main.__dict__, prep.limits.max_output_chars)
+            data = encode_result(*res, time.perf_counter() - t0)
         view = memoryview(data)
         while view:
             view = view[os.write(RESULT_FD, view) :]

@@ -21,8 +21,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from lorapop.verify import static
+from lorapop.verify.child import cpu_limit
 from lorapop.verify.policy import Policy, resolve
 from lorapop.verify.verdict import Job, Status, Verdict
+from lorapop.verify.wire import decode_result, encode_frame, encode_job, split_frames
 
 log = logging.getLogger(__name__)
 _warned: set[str] = set()
@@ -58,30 +60,36 @@ class _Server:
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.stdin, self.fd = self.proc.stdin, self.proc.stdout.fileno()
         self.buf = bytearray()
-        hello = self.read_lines(timeout=60.0)
-        if not hello or "hello" not in hello[0]:
-            self.kill()
-            raise RuntimeError("the sandbox fork server did not start")
-        self.info: dict = hello[0]["hello"]
-        self.backlog: list[dict] = hello[1:]
+        self.info: dict = self._hello(timeout=60.0)
 
-    def read_lines(self, timeout: float) -> list[dict] | None:
-        """Lines available within `timeout` ([] if none); None when the server has gone."""
+    def _hello(self, timeout: float) -> dict:
+        """The server's first line, `{"hello": {...}}`: what isolation it achieved."""
+        deadline = time.monotonic() + timeout
         sel = selectors.DefaultSelector()
         sel.register(self.fd, selectors.EVENT_READ)
-        ready = sel.select(timeout)
-        sel.close()
-        return self.read() if ready else []
+        try:
+            while b"\n" not in self.buf:
+                left = deadline - time.monotonic()
+                chunk = os.read(self.fd, 1 << 16) if left > 0 and sel.select(left) else b""
+                if not chunk:
+                    self.kill()
+                    raise RuntimeError("the sandbox fork server did not start")
+                self.buf += chunk
+        finally:
+            sel.close()
+        end = self.buf.index(b"\n")
+        line = bytes(self.buf[:end])
+        del self.buf[: end + 1]
+        return json.loads(line)["hello"]
 
-    def read(self) -> list[dict] | None:
-        """The complete lines of one read (call when readable); None at EOF."""
+    def read(self) -> list[tuple[int, bytes]] | None:
+        """The complete (request id, result bytes) frames of one read (call when readable);
+        None at EOF."""
         chunk = os.read(self.fd, 1 << 20)
         if not chunk:
             return None
         self.buf += chunk
-        *lines, rest = self.buf.split(b"\n")
-        self.buf = bytearray(rest)
-        return [json.loads(line) for line in lines if line.strip()]
+        return [(int(head[0]), body) for head, body in split_frames(self.buf)]
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -100,20 +108,14 @@ class _Server:
         self.proc.stdout.close()  # type: ignore[union-attr]
 
 
-def _parse(res: dict) -> Verdict:
-    try:
-        status = Status(res["status"])
-    except (KeyError, ValueError):
+def _parse(data: bytes) -> Verdict:
+    """A child's result bytes (hostile: a job can write its own) as a verdict."""
+    res = decode_result(data)
+    if res is None:
         return Verdict(Status.CRASHED, None, "malformed result from the sandbox", 0.0)
-    output = res.get("output") if status is Status.OK else None
-    error = res.get("error")
-    duration = res.get("duration", 0.0)
-    return Verdict(
-        status,
-        output if isinstance(output, str) else None,
-        error if isinstance(error, str) else None,
-        float(duration) if isinstance(duration, int | float) else 0.0,
-    )
+    status = Status(res["status"])
+    output = res["output"] if status is Status.OK else None
+    return Verdict(status, output, res["error"], res["duration"])  # type: ignore[arg-type]
 
 
 def _combine(a: Verdict, b: Verdict, seeds: tuple[int, int]) -> Verdict:
@@ -219,22 +221,25 @@ class Sandbox:
         with self._lock:
             verdicts: list[Verdict | None] = [None] * len(jobs)
             batches: dict[int, dict[int, int]] = {0: {}, 1: {}}  # server -> request id -> job
-            payloads: dict[int, list[dict]] = {0: [], 1: []}
+            payloads: dict[int, list[tuple[int, bytes]]] = {0: [], 1: []}  # (id, frame)
+            stall = 0.0
             pol = self.policy
             for i, job in enumerate(jobs):
-                bad = static.check(job.program, job.expr, job.entry, pol.banned, pol.ban_input)
-                if bad is not None:
-                    verdicts[i] = Verdict(bad[0], None, bad[1], 0.0)
+                code = static.compile_job(
+                    job.program, job.expr, job.entry, pol.banned, pol.ban_input
+                )
+                if isinstance(code[0], Status):
+                    verdicts[i] = Verdict(code[0], None, code[1], 0.0)  # type: ignore[arg-type]
                     continue
+                limit = job.timeout_s or self.timeout_s
+                stall = max(stall, limit)
+                data = encode_job(*code, cpu_limit(limit))  # type: ignore[arg-type]
                 for s in (0, 1) if job.deterministic else (0,):
                     self._next_id += 1
                     batches[s][self._next_id] = i
-                    limit = job.timeout_s or self.timeout_s
-                    payloads[s].append(
-                        {"id": self._next_id, "program": job.program, "expr": job.expr,
-                         "timeout_s": limit}
-                    )  # fmt: skip
-            results = self._exchange(payloads)
+                    head = b"%d %s" % (self._next_id, repr(limit).encode())
+                    payloads[s].append((self._next_id, encode_frame(head, data)))
+            results = self._exchange(payloads, stall + 15.0)
             runs: dict[int, list[Verdict]] = {}
             for s in (0, 1):
                 for rid, i in batches[s].items():
@@ -243,24 +248,24 @@ class Sandbox:
                 verdicts[i] = vs[0] if len(vs) == 1 else _combine(vs[0], vs[1], self.hash_seeds)
             return [v for v in verdicts if v is not None]
 
-    def _exchange(self, payloads: dict[int, list[dict]]) -> dict[int, dict[int, Verdict]]:
-        """Send each server its requests (from a thread) and collect all answers."""
+    def _exchange(
+        self, payloads: dict[int, list[tuple[int, bytes]]], stall: float
+    ) -> dict[int, dict[int, Verdict]]:
+        """Send each server its request frames (from a thread) and collect all answers; a
+        server silent for `stall` seconds is killed and its jobs crashed."""
         out: dict[int, dict[int, Verdict]] = {0: {}, 1: {}}
         active = [s for s in (0, 1) if payloads[s]]
         servers = {s: self._server(s) for s in active}
-        waiting = {s: {p["id"] for p in payloads[s]} for s in active}
+        waiting = {s: {rid for rid, _ in payloads[s]} for s in active}
         writers = []
         for s in active:
-            data = "".join(json.dumps(p) + "\n" for p in payloads[s]).encode()
+            data = b"".join(frame for _, frame in payloads[s])
             t = threading.Thread(target=_write, args=(servers[s].stdin, data), daemon=True)
             t.start()
             writers.append(t)
-        stall = max((p["timeout_s"] for s in active for p in payloads[s]), default=0.0) + 15.0
         last = {s: time.monotonic() for s in active}
         sel = selectors.DefaultSelector()
         for s in active:
-            self._absorb(servers[s].backlog, waiting[s], out[s])
-            servers[s].backlog = []
             sel.register(servers[s].fd, selectors.EVENT_READ, s)
         while any(waiting.values()):
             ready = {key.data for key, _ in sel.select(timeout=1.0)}
@@ -285,12 +290,13 @@ class Sandbox:
         return out
 
     @staticmethod
-    def _absorb(lines: list[dict], waiting: set[int], out: dict[int, Verdict]) -> None:
-        for res in lines:
-            rid = res.get("id")
+    def _absorb(
+        frames: list[tuple[int, bytes]], waiting: set[int], out: dict[int, Verdict]
+    ) -> None:
+        for rid, data in frames:
             if rid in waiting:
                 waiting.discard(rid)
-                out[rid] = _parse(res)
+                out[rid] = _parse(data)
 
     def close(self) -> None:
         """Stop the fork servers (their running children are killed)."""

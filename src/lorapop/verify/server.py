@@ -13,10 +13,12 @@ mount namespace with private tmpfs over the world-writable dirs (/tmp, /var/tmp,
 to its own unprivileged uid (one per live child, idle or running: workers + max(workers, SPARE)
 uids), so a job cannot signal its siblings or the children waiting for the next jobs.
 
-Protocol (JSON lines): stdin `{"id", "program", "expr", "timeout_s"}` (timeout_s optional: the
-config's default); stdout first `{"hello": {...}}`, then one `{"id", "status", "output", "error",
-"duration"}` per job, in completion order. EOF on stdin shuts the server down (children are
-killed).
+Protocol (`lorapop.verify.wire`): stdin carries frames `<id> <wall-clock limit s>` + the job's
+bytes for the child, which the server passes on unread; stdout carries first one JSON line
+`{"hello": {...}}`, then one frame `<id>` + result bytes per job, in completion order: the
+child's own bytes when it exited normally (the caller checks their shape), else the server's
+verdict (timeout, flood, killed by a signal, no result). EOF on stdin shuts the server down
+(children are killed).
 """
 
 from __future__ import annotations
@@ -34,8 +36,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from lorapop.verify.child import Limits, Prepared, cpu_limit, prepare, run_child
-from lorapop.verify.wire import decode_result, encode_job
+from lorapop.verify.child import Limits, Prepared, prepare, run_child
+from lorapop.verify.wire import encode_frame, encode_result, split_frames
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWNET = 0x40000000
@@ -70,6 +72,43 @@ def _mount(source: str, target: str, fstype: str | None, flags: int, data: str |
         raise OSError(err, f"mount {target}: {os.strerror(err)}")
 
 
+def _forget_ctypes() -> None:
+    """Drop ctypes from sys.modules (the server keeps what it bound): jobs cannot import it."""
+    for name in [m for m in sys.modules if m.split(".")[0] in ("ctypes", "_ctypes")]:
+        del sys.modules[name]
+
+
+def _plain_fork():
+    """libc's fork() without CPython's at-fork work, or `os.fork` where ctypes cannot do it.
+
+    `os.fork` re-initialises the interpreter's locks and thread states and runs the at-fork
+    hooks (`random` reseeds itself: `statistics` imports it): ~65 page faults and a third of a
+    bare child's cost. None of it is needed here: the server never starts a thread, so no lock
+    can be held by a thread that the child lacks. (A side effect: `random` in a benchmark job
+    starts from the same state in every child, which only makes jobs more reproducible.)
+    PyDLL keeps the GIL held across the call.
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.PyDLL(None, use_errno=True)
+        fork, get_errno = libc.fork, ctypes.get_errno
+        fork.restype, fork.argtypes = ctypes.c_int, []
+    except (ImportError, OSError, AttributeError):
+        return os.fork
+    finally:
+        _forget_ctypes()
+
+    def plain_fork() -> int:
+        pid = fork()
+        if pid < 0:
+            err = get_errno()
+            raise OSError(err, os.strerror(err))
+        return pid
+
+    return plain_fork
+
+
 def _enter_namespaces() -> dict[str, object]:
     """Network + mount namespaces for this server and its children; report what worked."""
     info: dict[str, object] = {"net_isolated": False, "fs_isolated": False, "notes": []}
@@ -89,8 +128,7 @@ def _enter_namespaces() -> dict[str, object]:
         info["fs_isolated"] = True
     except OSError as e:
         notes.append(f"no private /tmp ({e})")
-    for name in [m for m in sys.modules if m.split(".")[0] in ("ctypes", "_ctypes")]:
-        del sys.modules[name]
+    _forget_ctypes()
     return info
 
 
@@ -119,7 +157,7 @@ class _Child:
     job_fd: int | None  # write end of the job pipe, until the job is sent
     slot: int  # index of its uid
     workdir: str
-    job_id: object = None
+    job_id: bytes = b""
     limit: float = 0.0  # the job's wall-clock limit, seconds
     start: float = 0.0
     deadline: float = float("inf")
@@ -131,8 +169,9 @@ class _Child:
 class Server:
     def __init__(self, cfg: Config, prep: Prepared) -> None:
         self.cfg, self.prep = cfg, prep
+        self.fork = _plain_fork()
         self.sel = selectors.DefaultSelector()
-        self.pending: deque[dict[str, object]] = deque()
+        self.pending: deque[tuple[bytes, float, bytes]] = deque()  # (id, limit, job bytes)
         self.idle: list[_Child] = []  # forked and confined, waiting for a job
         self.running: dict[int, _Child] = {}  # pid -> child
         self.spare = max(cfg.workers, SPARE)  # idle children after a refill
@@ -156,7 +195,7 @@ class Server:
             os.chown(workdir, uid, self.cfg.gid)
         res_r, res_w = os.pipe()
         job_r, job_w = os.pipe()
-        pid = os.fork()
+        pid = self.fork()
         if pid == 0:  # child
             try:
                 run_child((res_w, job_r), self.prep, workdir, uid, self.cfg.gid)
@@ -168,10 +207,8 @@ class Server:
             os.setpgid(pid, pid)
         self.idle.append(_Child(pid, res_r, job_w, slot, workdir))
 
-    def _start(self, job: dict[str, object]) -> None:
-        """Hand `job` to an idle child; a child that died idle is replaced (never reused)."""
-        limit = float(job.get("timeout_s") or self.cfg.limits.timeout_s)  # type: ignore[arg-type]
-        data = encode_job(str(job["program"]), str(job["expr"]), cpu_limit(limit))
+    def _start(self, job_id: bytes, limit: float, data: bytes) -> None:
+        """Hand a job to an idle child; a child that died idle is replaced (never reused)."""
         for _ in range(3):
             if not self.idle:
                 self._fork()
@@ -186,18 +223,11 @@ class Server:
             except OSError:
                 self._discard(child)
         else:
-            self._send(
-                {
-                    "id": job["id"],
-                    "status": "crashed",
-                    "output": None,
-                    "error": "sandbox children die before their job",
-                    "duration": 0.0,
-                }
-            )
+            why = "sandbox children die before their job"
+            self._send(job_id, encode_result("crashed", None, why, 0.0))
             return
         now = time.monotonic()
-        child.job_id, child.start, child.limit = job["id"], now, limit
+        child.job_id, child.start, child.limit = job_id, now, limit
         child.deadline = now + limit
         self.running[child.pid] = child
         os.set_blocking(child.fd, False)  # type: ignore[arg-type]
@@ -259,38 +289,40 @@ class Server:
             run.pidfd = None
         del self.running[run.pid]
         self._release(run)
-        wall = time.monotonic() - run.start
-        res = self._verdict(run, wait_status, timed_out)
-        res.setdefault("duration", wall)
-        res["id"] = run.job_id
-        self._send(res)
+        verdict = self._verdict(run, wait_status, timed_out)
+        if verdict is None:  # exited normally with a result: pass the child's bytes on
+            self._send(run.job_id, bytes(run.data))
+        else:
+            self._send(run.job_id, encode_result(*verdict, time.monotonic() - run.start))
 
-    def _verdict(self, run: _Child, wait_status: int | None, timed_out: bool) -> dict:
+    def _verdict(
+        self, run: _Child, wait_status: int | None, timed_out: bool
+    ) -> tuple[str, None, str] | None:
+        """The server's (status, output, error) for a child without a result of its own."""
         limit = run.limit
         if timed_out:
-            return {"status": "timeout", "output": None, "error": f"exceeded {limit:g} s"}
+            return "timeout", None, f"exceeded {limit:g} s"
         if run.flooded:
-            return {"status": "output_too_large", "output": None, "error": "result flood"}
+            return "output_too_large", None, "result flood"
         sig = (
             os.WTERMSIG(wait_status)
             if wait_status is not None and os.WIFSIGNALED(wait_status)
             else None
         )
         if sig == signal.SIGXCPU:
-            return {"status": "timeout", "output": None, "error": f"CPU time over {limit:g} s"}
-        res = decode_result(bytes(run.data))
-        if res is not None and sig is None:
-            return res
+            return "timeout", None, f"CPU time over {limit:g} s"
         if sig is not None:
             name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else sig
-            return {"status": "crashed", "output": None, "error": f"killed by signal {name}"}
+            return "crashed", None, f"killed by signal {name}"
+        if run.data:
+            return None
         code = os.WEXITSTATUS(wait_status) if wait_status is not None else None
-        return {"status": "crashed", "output": None, "error": f"exited ({code}) without a result"}
+        return "crashed", None, f"exited ({code}) without a result"
 
     # --- io -------------------------------------------------------------------------------
-    def _send(self, obj: dict) -> None:
+    def _send(self, job_id: bytes, result: bytes) -> None:
         if not self.closing:
-            self.outbuf.append((json.dumps(obj) + "\n").encode())
+            self.outbuf.append(encode_frame(job_id, result))
 
     def _flush(self) -> None:
         """Write the verdicts of one loop turn at once: one wake-up of the caller, not many."""
@@ -304,9 +336,8 @@ class Server:
         if not chunk:
             return False
         self.inbuf += chunk
-        *lines, rest = self.inbuf.split(b"\n")
-        self.inbuf = bytearray(rest)
-        self.pending.extend(json.loads(line) for line in lines if line.strip())
+        for (job_id, limit), data in split_frames(self.inbuf):
+            self.pending.append((job_id, float(limit), data))
         return True
 
     def _read_child(self, run: _Child) -> bool:
@@ -341,7 +372,7 @@ class Server:
         open_stdin = True
         while open_stdin or self.running or self.pending:
             while self.pending and len(self.running) < workers and not self.closing:
-                self._start(self.pending.popleft())
+                self._start(*self.pending.popleft())
             if open_stdin and len(self.idle) < workers:
                 # Refill in a burst: after each fork the server's own next writes copy pages
                 # it shares with the children, and forks in a row share that cost.
@@ -398,7 +429,8 @@ def main() -> None:
     gc.collect()
     gc.freeze()  # keep pre-imported objects out of the collector: fewer copy-on-write faults
     server = Server(cfg, prep)
-    server._send({"hello": info, "pid": os.getpid(), "hash_seed": os.environ.get("PYTHONHASHSEED")})
+    hello = {"hello": info, "pid": os.getpid(), "hash_seed": os.environ.get("PYTHONHASHSEED")}
+    server.outbuf.append((json.dumps(hello) + "\n").encode())
     server._flush()
     try:
         server.serve()

@@ -1,6 +1,7 @@
 """Static checks run in the caller before any process is started.
 
-They only parse and walk the AST (never compile or run), so they are safe on hostile text.
+They parse and walk the AST and compile it (`compile_job`), which runs nothing, so they are safe
+on hostile text; the code objects go to the sandbox's child, which then needs no compiler.
 Banned names are matched as dotted paths resolved through import aliases: `import os as o;
 o.environ` is `os.environ` (banned), while `import randomize` or `numpy.random` are not `random`
 (AZR matches substrings and gets both wrong). Dynamic tricks (`__import__(name_var)`) cannot be
@@ -11,6 +12,7 @@ AZR's validity rules.
 from __future__ import annotations
 
 import ast
+from types import CodeType
 
 from lorapop.verify.verdict import Status
 
@@ -133,6 +135,39 @@ def check(
 ) -> tuple[Status, str] | None:
     """Return `(status, reason)` when the job is statically invalid, else None. With no
     `banned` names and `ban_input` off only parsing and the entry are checked."""
+    trees = _parse(program, expr)
+    return trees if isinstance(trees, tuple) else _rules(trees, entry, banned, ban_input)
+
+
+def compile_job(
+    program: str,
+    expr: str,
+    entry: str | None = "f",
+    banned: tuple[str, ...] = BANNED,
+    ban_input: bool = True,
+) -> tuple[CodeType, CodeType] | tuple[Status, str]:
+    """The code objects of a statically valid job (`check`'s rules), or `(status, reason)`.
+
+    Compiled as `python prog.py` would: no future flags of this module, asserts kept. Errors
+    the parser lets through (`return` outside a function, bad `nonlocal`) are syntax errors."""
+    trees = _parse(program, expr)
+    if isinstance(trees, tuple):
+        return trees
+    bad = _rules(trees, entry, banned, ban_input)
+    if bad is not None:
+        return bad
+    try:
+        return (
+            compile(trees[0], "<program>", "exec", dont_inherit=True, optimize=0),
+            compile(trees[1], "<expr>", "eval", dont_inherit=True, optimize=0),
+        )
+    except SyntaxError as e:
+        return Status.SYNTAX_ERROR, f"{type(e).__name__}: {e.msg} (line {e.lineno})"
+    except (ValueError, RecursionError, MemoryError) as e:
+        return Status.SYNTAX_ERROR, f"{type(e).__name__}: {e}"
+
+
+def _parse(program: str, expr: str) -> list[ast.AST] | tuple[Status, str]:
     if not isinstance(program, str) or not isinstance(expr, str):
         return Status.SYNTAX_ERROR, "program and expr must be strings"
     if len(program) + len(expr) > MAX_SOURCE_CHARS:
@@ -146,6 +181,12 @@ def check(
             return Status.SYNTAX_ERROR, f"{where}: {type(e).__name__}: {e.msg} (line {e.lineno})"
         except (ValueError, RecursionError, MemoryError) as e:  # null bytes, absurd nesting
             return Status.SYNTAX_ERROR, f"{type(e).__name__}: {e}"
+    return trees
+
+
+def _rules(
+    trees: list[ast.AST], entry: str | None, banned: tuple[str, ...], ban_input: bool
+) -> tuple[Status, str] | None:
     prog_tree = trees[0]
     assert isinstance(prog_tree, ast.Module)
     if entry is not None and not _defines(prog_tree, entry):
