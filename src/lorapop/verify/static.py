@@ -53,10 +53,10 @@ def _callee(func: ast.expr, aliases: dict[str, str]) -> str | None:
     return _dotted(func, aliases)
 
 
-def _aliases(tree: ast.AST) -> dict[str, str]:
+def _aliases(nodes: list[ast.AST]) -> dict[str, str]:
     """Names bound by imports anywhere in the program -> the dotted path they stand for."""
     out: dict[str, str] = {}
-    for node in ast.walk(tree):
+    for node in nodes:
         if isinstance(node, ast.Import):
             for a in node.names:
                 if a.asname:
@@ -71,10 +71,10 @@ def _aliases(tree: ast.AST) -> dict[str, str]:
     return out
 
 
-def _uses(tree: ast.AST, aliases: dict[str, str]) -> list[str]:
-    """Every dotted name the tree imports or references (including `__import__("x")`)."""
+def _uses(nodes: list[ast.AST], aliases: dict[str, str]) -> list[str]:
+    """Every dotted name the nodes import or reference (including `__import__("x")`)."""
     used: list[str] = []
-    for node in ast.walk(tree):
+    for node in nodes:
         if isinstance(node, ast.Import):
             used += [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
@@ -119,10 +119,10 @@ def _defines(tree: ast.Module, name: str) -> bool:
     return False
 
 
-def _calls_input(tree: ast.AST) -> bool:
+def _calls_input(nodes: list[ast.AST]) -> bool:
     return any(
         isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "input"
-        for n in ast.walk(tree)
+        for n in nodes
     )
 
 
@@ -193,12 +193,13 @@ def _rules(
         return Status.NO_ENTRY, f"program does not define {entry!r}"
     if not banned and not ban_input:
         return None
-    aliases = _aliases(prog_tree)
-    for tree in trees:
-        for dotted in _uses(tree, aliases):
+    walks = [list(ast.walk(tree)) for tree in trees]  # walked once, read three times
+    aliases = _aliases(walks[0])
+    for nodes in walks:
+        for dotted in _uses(nodes, aliases):
             hit = _star_banned(dotted, banned) if dotted.endswith(".*") else _banned(dotted, banned)
             if hit:
                 return Status.BANNED, f"banned: {hit}"
-        if ban_input and _calls_input(tree):
+        if ban_input and _calls_input(nodes):
             return Status.BANNED, "banned: input()"
     return None
