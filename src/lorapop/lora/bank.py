@@ -260,10 +260,11 @@ class AdapterBank:
             if fused and not (self.dropout > 0 and module.training):
                 # while torch.compile traces, version counters can't be read (the decoder
                 # refreshes before each batch); sharing h between q/k/v (gate/up) is a
-                # side effect on the cache that dynamo replays, so it stays on
+                # side effect on the cache that dynamo replays, so it stays on; compiled,
+                # each group's deltas come from one GEMM and the adds fuse downstream
                 tracing = torch.compiler.is_compiling()
                 cache = self.decode_cache(dt, check=not tracing)
-                return cache.add_delta(target.name, x, output, routing, self.scaling, True)
+                return cache.add_delta(target.name, x, output, routing, True, tracing)
             if kernel in ("auto", "fused"):
                 grouped = routing.is_sorted and self._grouped_ok.get(dt, False)
                 kernel = "dense" if one_token else "grouped" if grouped else "gather"
@@ -282,7 +283,7 @@ class AdapterBank:
         """
         cache = self._caches.get(dtype)
         if cache is None:
-            cache = DecodeCache(self._shared_input_groups(), dtype)
+            cache = DecodeCache(self._shared_input_groups(), dtype, self.scaling)
             self._caches[dtype] = cache
             check = True
         if check and cache.stamp != self._stamp():

@@ -18,8 +18,12 @@ Three kernels compute the LoRA delta `scaling * B[s] @ A[s] @ x` for every row a
 `DecodeCache` serves one-token rows without grad (decoding): a compute-dtype copy of the bank
 laid out for two plain GEMMs per projection, `h = x @ A_all^T` ([B, N*r], masked to each row's
 slot) and `out + h @ B_all` (one addmm), where projections that read the same input (q/k/v,
-gate/up) share one A GEMM. That is 3 small kernels per projection instead of ~7, and no cast
-of the fp32 master weights on every step.
+gate/up) share one A GEMM, and the LoRA scaling is folded into the cached B. With one slot
+there is no mask; with several, on CUDA with Triton, the shrink GEMM and the mask are one
+split-K kernel (`triton_shrink`), elsewhere mm then a multiply by a 0/1 mask. That is 11
+small kernels per layer (4 shrinks, 7 expands) instead of ~50, and no cast of the fp32 master
+weights on every step; under torch.compile (`fuse_add`) q/k/v and gate/up each get their
+deltas from one GEMM, and the adds fuse into the kernels that read the outputs: 8 per layer.
 """
 
 from __future__ import annotations
@@ -29,7 +33,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from lorapop.lora import triton_shrink
+
 KERNELS = ("grouped", "gather", "dense")
+# Widest input the Triton shrink takes: at 18944 (7B's down_proj) cuBLAS was faster (H200).
+TRITON_MAX_WIDTH = 8192
 
 
 def _grouped_mm_fn():
@@ -208,12 +216,14 @@ def _dense(x: Tensor, a: Tensor, b: Tensor, routing: Routing, scaling: float) ->
 
 @dataclass
 class _Group:
-    """Projections reading one input: their A's stacked, and the last input's h (shared)."""
+    """Projections reading one input: their A's and B's stacked, and the last input's h."""
 
     a: Tensor  # [G*N*r, in]: rows (member, slot, rank)
+    b: Tensor  # [G, N*r, out] if all outs are equal, else block-diagonal [G*N*r, sum of outs]
     size: int
-    x: Tensor | None = None  # the input whose h is held for the other members
+    x: Tensor | None = None  # the input whose h (and delta) is held for the other members
     h: Tensor | None = None
+    d: Tensor | None = None  # every member's delta from one GEMM (`fuse_add`)
     uses: int = 0
 
 
@@ -221,53 +231,86 @@ class _Group:
 class _Member:
     group: _Group
     index: int  # position in the group: rows/columns [index*N*r, (index+1)*N*r)
-    b: Tensor  # [N*r, out]: rows (slot, rank)
+    b: Tensor  # [N*r, out]: rows (slot, rank); a view of the group's B
+    cols: slice  # this member's columns of the group's delta
 
 
 class DecodeCache:
     """Compute-dtype copy of the bank for one-token rows without grad (see module docstring).
 
     `groups` lists, per shared input, the (name, A [N, r, in], B [N, out, r]) of its
-    projections. Buffers are allocated once and refreshed in place (`refresh_`), so CUDA
-    graphs captured on them stay valid after the weights change.
+    projections; `scaling` (alpha / r) is folded into the cached B. Buffers are allocated
+    once and refreshed in place (`refresh_`), so CUDA graphs captured on them stay valid
+    after the weights change. `fused_shrink=False` keeps the shrink on mm + mask even where
+    the Triton kernel could run (for comparison).
     """
 
     def __init__(
         self,
         groups: list[list[tuple[str, Tensor, Tensor]]],
         dtype: torch.dtype,
+        scaling: float = 1.0,
     ) -> None:
         self.dtype = dtype
+        self.scaling = float(scaling)
+        self.fused_shrink = True
         self.members: dict[str, _Member] = {}
         self.sources: list[tuple[_Member, Tensor, Tensor]] = []
         for group in groups:
             n, r, width = group[0][1].shape
-            a = torch.empty(len(group) * n * r, width, dtype=dtype, device=group[0][1].device)
-            g = _Group(a, len(group))
+            dev = group[0][1].device
+            a = torch.empty(len(group) * n * r, width, dtype=dtype, device=dev)
+            outs = [b_src.shape[1] for _, _, b_src in group]
+            if len(set(outs)) == 1:
+                b_all = torch.empty(len(group), n * r, outs[0], dtype=dtype, device=dev)
+            else:  # zeros off the diagonal blocks: one GEMM gives every member's delta
+                b_all = torch.zeros(len(group) * n * r, sum(outs), dtype=dtype, device=dev)
+            g = _Group(a, b_all, len(group))
+            off = 0
             for i, (name, a_src, b_src) in enumerate(group):
-                b = torch.empty(n * r, b_src.shape[1], dtype=dtype, device=b_src.device)
-                self.members[name] = _Member(g, i, b)
+                out = outs[i]
+                if b_all.dim() == 3:
+                    b, cols = b_all[i], slice(0, out)
+                else:
+                    b, cols = (
+                        b_all[i * n * r : (i + 1) * n * r, off : off + out],
+                        slice(off, off + out),
+                    )
+                off += out
+                self.members[name] = _Member(g, i, b, cols)
                 self.sources.append((self.members[name], a_src, b_src))
         self.n_slots, self.rank = n, r
         self.stamp = -1
+        self._counters: dict[tuple[int, int, int], Tensor] = {}
 
     @torch.no_grad()
     def refresh_(self, stamp: int) -> None:
-        """Copy (and cast) the bank's current A and B into the cache."""
+        """Copy (and cast) the bank's current A and scaling * B into the cache."""
         nr = self.n_slots * self.rank
         for m, a_src, b_src in self.sources:
             m.group.a[m.index * nr : (m.index + 1) * nr].view(a_src.shape).copy_(a_src)
-            m.b.view(b_src.shape[0], self.rank, b_src.shape[1]).copy_(b_src.transpose(1, 2))
-            m.group.x = m.group.h = None
+            b_t = b_src.transpose(1, 2)
+            b_t = b_t * self.scaling if self.scaling != 1.0 else b_t  # one rounding to dtype
+            m.b.unflatten(0, (b_src.shape[0], self.rank)).copy_(b_t)
+            m.group.x = m.group.h = m.group.d = None
         self.stamp = stamp
 
     def add_delta(
-        self, name: str, x: Tensor, out: Tensor, routing: Routing, scaling: float, share: bool
+        self,
+        name: str,
+        x: Tensor,
+        out: Tensor,
+        routing: Routing,
+        share: bool,
+        fuse_add: bool = False,
     ) -> Tensor:
         """out + scaling * B[s] A[s] x for one-token rows x [B, 1, in] (out: the base output).
 
         `share`: reuse the h that a projection of the same group computed from this very
-        `x` (off while tracing for torch.compile, where the held state would not replay).
+        `x`. `fuse_add` (under torch.compile): the group's first member computes every
+        member's delta in one GEMM (a batched one, or one over the block-diagonal B), and
+        each member returns `out + delta`, an add the compiler fuses into what reads `out`;
+        otherwise each member runs its own addmm (eager: the add is in the GEMM).
         """
         rows = x.shape[0]
         if rows != routing.ids.numel():
@@ -278,27 +321,55 @@ class DecodeCache:
         m = self.members[name]
         g, nr = m.group, self.n_slots * self.rank
         if share and g.x is x:
-            h = g.h
+            h, d = g.h, g.d
             g.uses += 1
             if g.uses == g.size:
-                g.x = g.h = None
+                g.x = g.h = g.d = None
         else:
             x2 = x.reshape(rows, x.shape[-1]).to(self.dtype)
             tiles = g.size if share else 1
             a = g.a if share else g.a[m.index * nr : (m.index + 1) * nr]
-            h = torch.mm(x2, a.t())
-            h.mul_(routing.col_mask(self.rank, tiles, self.dtype, scaling))
+            h = self.shrink(x2, a, routing, tiles)
+            d = self._group_delta(h, g) if fuse_add and share else None
             if share and g.size > 1:
-                g.x, g.h, g.uses = x, h, 1
+                g.x, g.h, g.d, g.uses = x, h, d, 1
         assert h is not None
+        out2 = out.reshape(rows, out.shape[-1])
+        if d is not None:
+            dm = d[m.index] if d.dim() == 3 else d[:, m.cols]
+            return (out2 + dm.to(out2.dtype)).view(out.shape)
         if share:
             h = h[:, m.index * nr : (m.index + 1) * nr]
-        out2 = out.reshape(rows, out.shape[-1])
         if out2.dtype == self.dtype:
             y = torch.addmm(out2, h, m.b)
         else:
             y = out2 + torch.mm(h, m.b).to(out2.dtype)
         return y.view(out.shape)
+
+    def _group_delta(self, h: Tensor, g: _Group) -> Tensor:
+        """Every member's delta from the group's h: [G, B, out] or [B, sum of outs]."""
+        if g.b.dim() == 2:
+            return torch.mm(h, g.b)
+        if g.size == 1:
+            return torch.mm(h, g.b[0])
+        return torch.bmm(h.view(h.shape[0], g.size, -1).transpose(0, 1), g.b)
+
+    def shrink(self, x: Tensor, a: Tensor, routing: Routing, tiles: int) -> Tensor:
+        """h = x @ a^T [B, tiles*N*r], zero outside each row's own slot's columns.
+
+        One slot: every row uses slot 0, so there is nothing to mask.
+        """
+        if self.fused_shrink and triton_shrink.available(x) and x.shape[1] <= TRITON_MAX_WIDTH:
+            key = (x.shape[0], a.shape[0], x.shape[1])
+            cnt = self._counters.get(key)
+            if cnt is None:
+                cnt = triton_shrink.counters(*key, device=x.device)
+                self._counters[key] = cnt
+            return triton_shrink.shrink(x, a, routing.ids, self.rank, self.n_slots, cnt)
+        h = torch.mm(x, a.t())
+        if self.n_slots > 1:
+            h.mul_(routing.col_mask(self.rank, tiles, self.dtype, 1.0))
+        return h
 
 
 def grouped_probe(device: torch.device, dtype: torch.dtype) -> str | None:
