@@ -18,12 +18,12 @@ Three kernels compute the LoRA delta `scaling * B[s] @ A[s] @ x` for every row a
 `DecodeCache` serves one-token rows without grad (decoding): a compute-dtype copy of the bank
 laid out for two plain GEMMs per projection, `h = x @ A_all^T` ([B, N*r], masked to each row's
 slot) and `out + h @ B_all` (one addmm), where projections that read the same input (q/k/v,
-gate/up) share one A GEMM, and the LoRA scaling is folded into the cached B. With one slot
-there is no mask; with several, on CUDA with Triton, the shrink GEMM and the mask are one
-split-K kernel (`triton_shrink`), elsewhere mm then a multiply by a 0/1 mask. That is 11
-small kernels per layer (4 shrinks, 7 expands) instead of ~50, and no cast of the fp32 master
-weights on every step; under torch.compile (`fuse_add`) q/k/v and gate/up each get their
-deltas from one GEMM, and the adds fuse into the kernels that read the outputs: 8 per layer.
+gate/up) share one A GEMM, and the LoRA scaling is folded into the cached B, so the mask is
+0/1 and with one slot there is none. That is 11-15 small kernels per layer (4 shrinks, their
+masks, 7 expands) instead of ~50, and no cast of the fp32 master weights on every step; under
+torch.compile (`fuse_add`) q/k/v and gate/up each get their deltas from one GEMM, and the adds
+fuse into the kernels that read the outputs. At decode sizes each of these kernels costs a
+launch (5-10 us on an H100/H200) more than its bytes, so fewer kernels is what counts.
 """
 
 from __future__ import annotations
@@ -33,11 +33,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from lorapop.lora import triton_shrink
-
 KERNELS = ("grouped", "gather", "dense")
-# Widest input the Triton shrink takes: at 18944 (7B's down_proj) cuBLAS was faster (H200).
-TRITON_MAX_WIDTH = 8192
 
 
 def _grouped_mm_fn():
@@ -241,8 +237,7 @@ class DecodeCache:
     `groups` lists, per shared input, the (name, A [N, r, in], B [N, out, r]) of its
     projections; `scaling` (alpha / r) is folded into the cached B. Buffers are allocated
     once and refreshed in place (`refresh_`), so CUDA graphs captured on them stay valid
-    after the weights change. `fused_shrink=False` keeps the shrink on mm + mask even where
-    the Triton kernel could run (for comparison).
+    after the weights change.
     """
 
     def __init__(
@@ -253,7 +248,6 @@ class DecodeCache:
     ) -> None:
         self.dtype = dtype
         self.scaling = float(scaling)
-        self.fused_shrink = True
         self.members: dict[str, _Member] = {}
         self.sources: list[tuple[_Member, Tensor, Tensor]] = []
         for group in groups:
@@ -281,7 +275,6 @@ class DecodeCache:
                 self.sources.append((self.members[name], a_src, b_src))
         self.n_slots, self.rank = n, r
         self.stamp = -1
-        self._counters: dict[tuple[int, int, int], Tensor] = {}
 
     @torch.no_grad()
     def refresh_(self, stamp: int) -> None:
@@ -359,13 +352,6 @@ class DecodeCache:
 
         One slot: every row uses slot 0, so there is nothing to mask.
         """
-        if self.fused_shrink and triton_shrink.available(x) and x.shape[1] <= TRITON_MAX_WIDTH:
-            key = (x.shape[0], a.shape[0], x.shape[1])
-            cnt = self._counters.get(key)
-            if cnt is None:
-                cnt = triton_shrink.counters(*key, device=x.device)
-                self._counters[key] = cnt
-            return triton_shrink.shrink(x, a, routing.ids, self.rank, self.n_slots, cnt)
         h = torch.mm(x, a.t())
         if self.n_slots > 1:
             h.mul_(routing.col_mask(self.rank, tiles, self.dtype, 1.0))
