@@ -82,9 +82,10 @@ def _plain_fork():
     """libc's fork() without CPython's at-fork work, or `os.fork` where ctypes cannot do it.
 
     `os.fork` re-initialises the interpreter's locks and thread states and runs the at-fork
-    hooks (`random` reseeds itself: `statistics` imports it): ~65 page faults and a third of a
-    bare child's cost. None of it is needed here: the server never starts a thread, so no lock
-    can be held by a thread that the child lacks. (A side effect: `random` in a benchmark job
+    hooks (`random` reseeds itself: `statistics` imports it): 65 of a bare child's 106 page
+    faults; in a job's child, where much of it touches pages the job writes anyway, it was 5-7%
+    of the child's CPU (`benchmarks/verify_throughput.py`). None of it is needed here: the
+    server never starts a thread, so no lock can be held by a thread that the child lacks. (A side effect: `random` in a benchmark job
     starts from the same state in every child, which only makes jobs more reproducible.)
     PyDLL keeps the GIL held across the call.
     """
