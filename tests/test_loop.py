@@ -34,13 +34,17 @@ def _rows(run_dir):
     return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
 
 
-def test_population_run_three_steps_and_report(tmp_path):
-    sp = SelfPlay(_cfg(), tmp_path)
+def _run(cfg, run_dir, steps: int) -> list[dict]:
+    sp = SelfPlay(cfg, run_dir)
     try:
-        sp.run(3)
+        sp.run(steps)
     finally:
         sp.close()
-    rows = _rows(tmp_path)
+    return _rows(run_dir)
+
+
+def test_population_run_three_steps_and_report(tmp_path):
+    rows = _run(_cfg(), tmp_path, 3)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert set(rows[0]["members"]) == {"T0", "T1", "S0", "S1"}
     for r in rows:
@@ -80,12 +84,7 @@ def test_replacement_writes_children_into_slots(tmp_path):
 
 
 def test_single_agent_baseline_three_steps(tmp_path):
-    sp = SelfPlay(_cfg("league.mode=single"), tmp_path)
-    try:
-        sp.run(3)
-    finally:
-        sp.close()
-    rows = _rows(tmp_path)
+    rows = _run(_cfg("league.mode=single"), tmp_path, 3)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert set(rows[0]["members"]) == {"A0"}
     assert rows[0]["matchups"][0] == {**rows[0]["matchups"][0], "teacher": "A0", "student": "A0"}
@@ -96,11 +95,7 @@ def test_single_agent_baseline_three_steps(tmp_path):
 def test_sigkill_mid_step_then_resume_matches_uninterrupted(tmp_path):
     steps = 4
     straight = tmp_path / "straight"
-    sp = SelfPlay(_cfg(), straight)
-    try:
-        sp.run(steps)
-    finally:
-        sp.close()
+    _run(_cfg(), straight, steps)
 
     killed = tmp_path / "killed"
     cfg_path = tmp_path / "cfg.yaml"

@@ -38,25 +38,46 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return getattr(torch, dtype)
 
 
-def tiny_random_model(tokenizer: PreTrainedTokenizerBase, seed: int = 0) -> torch.nn.Module:
-    """A ~1M-parameter Qwen2 with random weights sized to the tokenizer."""
+def random_qwen2(
+    tokenizer: PreTrainedTokenizerBase,
+    seed: int,
+    *,
+    hidden: int,
+    intermediate: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    max_positions: int,
+    dtype: torch.dtype | None = None,
+) -> torch.nn.Module:
+    """A Qwen2 with tied embeddings sized to the tokenizer, initialised from `seed` (the
+    global RNG is left as it was)."""
     config = AutoConfig.for_model(
         "qwen2",
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
+    extra = {} if dtype is None else {"dtype": dtype}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return AutoModelForCausalLM.from_config(config)
+        return AutoModelForCausalLM.from_config(config, **extra)
+
+
+def tiny_random_model(tokenizer: PreTrainedTokenizerBase, seed: int = 0) -> torch.nn.Module:
+    """A ~1M-parameter Qwen2 with random weights sized to the tokenizer."""
+    return random_qwen2(
+        tokenizer, seed, hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2,
+        max_positions=2048,
+    )  # fmt: skip
 
 
 def _resolve(name_or_path: str) -> str:

@@ -57,7 +57,7 @@ class Routing:
     is_sorted: bool  # rows already in slot order: the grouped kernel skips its gathers (T > 1)
     _ends_by_len: dict[int, Tensor] = field(default_factory=dict)
     _masks: dict[tuple[int, torch.dtype, float], Tensor] = field(default_factory=dict)
-    _cols: dict[tuple[int, int, torch.dtype, float], Tensor] = field(default_factory=dict)
+    _cols: dict[tuple[int, int, torch.dtype], Tensor] = field(default_factory=dict)
 
     @classmethod
     def empty(cls, batch: int, n_slots: int, device: torch.device) -> Routing:
@@ -112,21 +112,21 @@ class Routing:
         full = (self.mask * scale).to(dtype)[:, :, None].expand(n, rows, tokens)
         return full.reshape(n, rows * tokens, 1)
 
-    def col_mask(self, rank: int, tiles: int, dtype: torch.dtype, scale: float) -> Tensor:
-        """[B, tiles*N*rank] = scale on the row's own slot's rank columns, else 0 (cached).
+    def col_mask(self, rank: int, tiles: int, dtype: torch.dtype) -> Tensor:
+        """[B, tiles*N*rank] = 1 on the row's own slot's rank columns, else 0 (cached).
 
         Columns are ordered (tile, slot, rank), matching `DecodeCache`'s rows of A.
         """
-        key = (rank, tiles, dtype, scale)
+        key = (rank, tiles, dtype)
         cols = self._cols.get(key)
         if cols is None:
             cols = self._col_mask(*key).clone()  # own memory: refilled in place by fill_
             self._cols[key] = cols
         return cols
 
-    def _col_mask(self, rank: int, tiles: int, dtype: torch.dtype, scale: float) -> Tensor:
+    def _col_mask(self, rank: int, tiles: int, dtype: torch.dtype) -> Tensor:
         n, rows = self.mask.shape
-        per_row = (self.mask.t() * scale).to(dtype)[:, None, :, None]
+        per_row = self.mask.t().to(dtype)[:, None, :, None]
         return per_row.expand(rows, tiles, n, rank).reshape(rows, tiles * n * rank)
 
     def clone(self) -> Routing:
@@ -354,7 +354,7 @@ class DecodeCache:
         """
         h = torch.mm(x, a.t())
         if self.n_slots > 1:
-            h.mul_(routing.col_mask(self.rank, tiles, self.dtype, 1.0))
+            h.mul_(routing.col_mask(self.rank, tiles, self.dtype))
         return h
 
 

@@ -179,6 +179,14 @@ def split_pairs(task: Task) -> tuple[list[tuple[str, str]], list[tuple[str, str]
     return pairs[0::2], pairs[1::2]
 
 
+def proposer_per_text(proposers: Sequence[str | None] | None, n: int) -> list[str | None]:
+    """`verify`'s proposers, one per text (None when not given); ValueError on a mismatch."""
+    who = list(proposers) if proposers is not None else [None] * n
+    if len(who) != n:
+        raise ValueError("verify: proposers and texts differ in length")
+    return who
+
+
 def unique(items: Sequence[str]) -> bool:
     return len(set(items)) == len(items)
 
@@ -205,9 +213,7 @@ class ProgramInputFamily(CodeFamily):
         proposers: Sequence[str | None] | None = None,
         step: int | None = None,
     ) -> list[Validity]:
-        who = list(proposers) if proposers is not None else [None] * len(texts)
-        if len(who) != len(texts):
-            raise ValueError("verify: proposers and texts differ in length")
+        who = proposer_per_text(proposers, len(texts))
         parsed = [self.parse_proposal(t) for t in texts]
         early = {
             i: Validity(False, problem)

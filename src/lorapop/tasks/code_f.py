@@ -19,6 +19,7 @@ from lorapop.tasks.code import (
     IDENTITY,
     CodeFamily,
     graded,
+    proposer_per_text,
     reason_of,
     split_pairs,
     unique,
@@ -105,9 +106,7 @@ class CodeF(CodeFamily):
     ) -> list[Validity]:
         if bases is None or len(bases) != len(texts):
             raise ValueError("code_f verify needs one base task per text")
-        who = list(proposers) if proposers is not None else [None] * len(texts)
-        if len(who) != len(texts):
-            raise ValueError("verify: proposers and texts differ in length")
+        who = proposer_per_text(proposers, len(texts))
         parsed = [self.parse_proposal(t, b) for t, b in zip(texts, bases, strict=True)]
         jobs: list[Job] = []
         spans: dict[int, tuple[int, int]] = {}

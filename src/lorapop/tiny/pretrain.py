@@ -31,9 +31,9 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
-from lorapop.engine.model import TINY_DIR, resolve_device
+from lorapop.engine.model import TINY_DIR, random_qwen2, resolve_device
 from lorapop.tasks import Task, get_family
 from lorapop.tiny.generator import generate_tasks
 from lorapop.tiny.grammar import LEVELS
@@ -182,23 +182,11 @@ def encode(
 
 def build_model(tok: PreTrainedTokenizerFast, size: ModelSize, seed: int) -> torch.nn.Module:
     """A Qwen2 with tied embeddings sized to the tokenizer, initialised from `seed`."""
-    config = AutoConfig.for_model(
-        "qwen2",
-        vocab_size=len(tok),
-        hidden_size=size.hidden,
-        intermediate_size=size.intermediate,
-        num_hidden_layers=size.layers,
-        num_attention_heads=size.heads,
-        num_key_value_heads=size.kv_heads,
-        max_position_embeddings=size.max_positions,
-        tie_word_embeddings=True,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return random_qwen2(
+        tok, seed, hidden=size.hidden, intermediate=size.intermediate, layers=size.layers,
+        heads=size.heads, kv_heads=size.kv_heads, max_positions=size.max_positions,
+        dtype=torch.float32,
+    )  # fmt: skip
 
 
 def lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
