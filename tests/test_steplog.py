@@ -17,7 +17,7 @@ from lorapop.steplog import (
 from lorapop.tasks.metrics import CoverageStep
 from lorapop.tasks.task import Grade, Outcome, Task, Validity
 
-TASK = Task("code_o", "def f(a):\n    return a + 1", ("1",), ("2",), proposer="T0", step=1)
+TASK = Task("code_o", "def f(a):\n    return a + 1", ("1",), ("2",), teacher="T0", step=1)
 
 
 def rollout(member, role, n_tokens, logprob=-0.5):

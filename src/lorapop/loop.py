@@ -151,7 +151,7 @@ class SelfPlay:
                 verdicts = fam.verify(
                     [proposals[i].rollout.text for i in mine], self.parts.sandbox,
                     bases=[proposals[i].base for i in mine],
-                    proposers=[proposals[i].teacher for i in mine], step=step,
+                    teachers=[proposals[i].teacher for i in mine], step=step,
                 )
                 for i, v in zip(mine, verdicts, strict=True):
                     validities[i] = v
