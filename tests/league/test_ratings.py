@@ -122,6 +122,19 @@ def test_bad_input_gets_clear_errors():
         r.set("s0", 25.0, 0.0)
 
 
-def test_library_default_params():
-    p = TrueSkillParams()
-    assert (p.mu, p.sigma, p.beta) == (trueskill.MU, trueskill.SIGMA, trueskill.BETA)
+@pytest.mark.parametrize("params", [None, TrueSkillParams(beta=1.0, draw_probability=0.3)])
+def test_matches_update_as_the_library_does(params):
+    """Teacher wins, student wins and draws move both ratings as trueskill.rate_1vs1 does in
+    the same environment (the library's defaults when no params are given)."""
+    r = Ratings(["t0"], ["s0"], params)
+    env = params.env() if params else trueskill.TrueSkill()
+    t, s = env.create_rating(), env.create_rating()
+    for result in (MatchResult.TEACHER, MatchResult.STUDENT, MatchResult.DRAW):
+        r.record("t0", "s0", result)
+        if result is MatchResult.STUDENT:
+            s, t = trueskill.rate_1vs1(s, t, env=env)
+        else:
+            t, s = trueskill.rate_1vs1(t, s, drawn=result is MatchResult.DRAW, env=env)
+        for name, want in (("t0", t), ("s0", s)):
+            got = r.get(name)
+            assert (got.mu, got.sigma) == pytest.approx((want.mu, want.sigma), rel=1e-12)
