@@ -51,7 +51,7 @@ from lorapop.steplog import (
     Verification,
     step_metrics,
 )
-from lorapop.tasks.task import Task, Validity
+from lorapop.tasks.task import Grade, Task, Validity
 
 
 class SelfPlay:
@@ -143,7 +143,7 @@ class SelfPlay:
     def verification(self, step: int, proposals: list[Proposal]) -> Verification:
         """The sandbox judges every proposal; valid tasks enter their type's buffer and its
         coverage count."""
-        validities: list[Validity] = [Validity(False)] * len(proposals)
+        validity: dict[int, Validity] = {}  # proposal index -> its verdict
         coverage = {}
         for t, fam in self.parts.families.items():
             mine = [i for i, p in enumerate(proposals) if p.type == t]
@@ -153,13 +153,12 @@ class SelfPlay:
                     bases=[proposals[i].base for i in mine],
                     teachers=[proposals[i].teacher for i in mine], step=step,
                 )
-                for i, v in zip(mine, verdicts, strict=True):
-                    validities[i] = v
-            tasks = [v.task for i in mine if (v := validities[i]).valid and v.task is not None]
+                validity.update(zip(mine, verdicts, strict=True))
+            tasks = [v.task for i in mine if (v := validity[i]).valid and v.task is not None]
             for task in tasks:
                 self.parts.buffers[t].add(task)
             coverage[t] = self.parts.coverage[t].update(task.program for task in tasks)
-        return Verification(validities, coverage,
+        return Verification([validity[i] for i in range(len(proposals))], coverage,
                             {t: len(b) for t, b in self.parts.buffers.items()})
 
     def solving(self, step: int, pairs: list[tuple[str, str]], proposals: list[Proposal],
@@ -187,17 +186,16 @@ class SelfPlay:
         gens = self._generate(prompts, [student for _, student, _, _ in asks],
                               self.cfg.sampling.student_max_new_tokens,
                               derive_seed(self.cfg.seed, step, "solving"), clock)
-        grades = [None] * len(asks)
+        grade: dict[int, Grade] = {}  # answer index -> its grade
         for t, fam in self.parts.families.items():
             mine = [i for i, (_, _, task, _) in enumerate(asks) if task.type == t]
             if mine:
-                graded = fam.check([asks[i][2] for i in mine], [gens[i].text for i in mine],
-                                   self.parts.sandbox)
-                for i, grade in zip(mine, graded, strict=True):
-                    grades[i] = grade
+                grade.update(zip(mine, fam.check([asks[i][2] for i in mine],
+                                                 [gens[i].text for i in mine],
+                                                 self.parts.sandbox), strict=True))
         return [Attempt(teacher, student, task, own,
-                        _rollout(student, "student", task.type, g), grade)
-                for (teacher, student, task, own), g, grade in zip(asks, gens, grades, strict=True)]
+                        _rollout(student, "student", task.type, g), grade[i])
+                for i, ((teacher, student, task, own), g) in enumerate(zip(asks, gens, strict=True))]
 
     def update(self, pairs: list[tuple[str, str]], proposals: list[Proposal],
                validities: list[Validity], attempts: list[Attempt]) -> Update:
