@@ -1,6 +1,12 @@
 import pytest
 
-from lorapop.rl.rewards import RewardScheme, solve_rate, student_reward, teacher_reward
+from lorapop.rl.rewards import (
+    RewardScheme,
+    solve_rate,
+    solve_rates,
+    student_reward,
+    teacher_reward,
+)
 from lorapop.tasks.task import Outcome
 
 
@@ -33,6 +39,12 @@ def test_solve_rate_counts_format_errors_as_unsolved():
     answers = [Outcome.CORRECT, Outcome.WRONG, Outcome.FORMAT_ERROR, Outcome.CORRECT]
     assert solve_rate(answers) == 0.5
     assert solve_rate([]) is None
+
+
+def test_solve_rates_per_key():
+    c, w = Outcome.CORRECT, Outcome.WRONG
+    answers = [(("T0", "k1"), c), (("T1", "k1"), w), (("T0", "k1"), w), (("T0", "k2"), c)]
+    assert solve_rates(answers) == {("T0", "k1"): 0.5, ("T1", "k1"): 0.0, ("T0", "k2"): 1.0}
 
 
 def test_single_agent_teacher_is_rewarded_from_its_own_answers():
