@@ -34,6 +34,8 @@ from lorapop.verify import Sandbox
 
 @dataclass
 class Parts:
+    """Everything the loop works on; the fields a checkpoint holds are the training state."""
+
     cfg: Config
     tokenizer: Any
     model: torch.nn.Module
@@ -57,6 +59,7 @@ class Parts:
         return self.ratings is None
 
     def role(self, name: str) -> str:
+        """"teacher" or "student"; "solo" for the baseline's A0, which plays both."""
         if self.single:
             return "solo"
         return "teacher" if name in self.teachers else "student"
