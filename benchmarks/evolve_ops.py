@@ -3,7 +3,7 @@
 Random bf16 factors stand in for trained adapters (the cost does not depend on the values).
 Imports only torch and lorapop.lora.evolve, so it runs on a machine without our other deps.
 
-    python benchmarks/evolve_ops.py                          # cuda, 28 layers, both routes
+    python benchmarks/evolve_ops.py                          # cuda, 28 layers
     python benchmarks/evolve_ops.py --device cpu --layers 2 --threads 1  # quick CPU check
 """
 
@@ -97,7 +97,6 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--linalg", default="gram,qr", help="comma list of routes: gram, qr")
     ap.add_argument("--ops", default="", help="comma list of operators (default: all)")
     ap.add_argument("--out", default="", help="JSON path (default benchmarks/results/evolve_<device>_l<layers>.json)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
@@ -110,18 +109,14 @@ def main() -> None:
     n_params = sum(t.numel() for f in parents[0].values() for t in f.values())
     names = [n for n in args.ops.split(",") if n] or list(evolve.OPERATORS)
     results: dict[str, dict] = {}
-    for route in [r for r in args.linalg.split(",") if r]:
-        evolve.LINALG = route
-        for name in names:
-            if route != "gram" and name in ("copy", "layer_select", "noise", "layer_noise"):
-                continue  # no SVD: the route does not matter
-            op = evolve.OPERATORS[name]
-            n = evolve.INFO[name].n_parents
-            row = time_op(op, parents[:n], args.device, args.repeats)
-            results[f"{name}/{route}"] = row
-            print(f"{name:>13} {route:>4}  median {row['median_s']:.4f} s  min {row['min_s']:.4f} s"
-                  + (f"  peak +{row['peak_extra_gib']:.2f} GiB" if "peak_extra_gib" in row else ""),
-                  flush=True)
+    for name in names:
+        op = evolve.OPERATORS[name]
+        n = evolve.INFO[name].n_parents
+        row = time_op(op, parents[:n], args.device, args.repeats)
+        results[name] = row
+        print(f"{name:>13}  median {row['median_s']:.4f} s  min {row['min_s']:.4f} s"
+              + (f"  peak +{row['peak_extra_gib']:.2f} GiB" if "peak_extra_gib" in row else ""),
+              flush=True)
 
     dev_name = (torch.cuda.get_device_name(args.device) if args.device.startswith("cuda")
                 else cpu_name())

@@ -49,9 +49,10 @@ def one_run(seed: int, mode: str, run_dir: Path, heldout: Path, overrides: list[
         while sp.step_done < cfg.train.steps and time.perf_counter() - t0 < deadline:
             sp.step()
         train_s = time.perf_counter() - t0
-        solvers = sp.students  # A0 in the baseline
-        result = evaluate_tiny(sp.model, sp.tokenizer, load_jsonl(heldout), sp.sandbox,
-                               bank=sp.bank, slots={m: sp.slot[m] for m in solvers})
+        p = sp.parts
+        solvers = p.students  # A0 in the baseline
+        result = evaluate_tiny(p.model, p.tokenizer, load_jsonl(heldout), p.sandbox,
+                               bank=p.bank, slots={m: p.slot[m] for m in solvers})
     finally:
         sp.close()
     rows = read_metrics(run_dir)

@@ -48,9 +48,7 @@ def test_export_member_as_peft_dir(run_dir, tmp_path):
 
 
 def test_eval_run_dir_scores_members_and_baseline(run_dir):
-    data = Path(__file__).parents[2] / "shared" / "data"
-    if not data.is_dir():
-        pytest.skip(f"benchmark data not found at {data}")
+    data = Path(__file__).parent / "fixtures" / "data"  # two hand-written gsm8k-format problems
     result = run("eval", run_dir, "--bench", "gsm8k", "--data-dir", data, "--limit", 2,
                  "--max-new-tokens", 4)
     assert result.exit_code == 0, result.output

@@ -1,5 +1,6 @@
 import pytest
 
+from lorapop import config
 from lorapop.config import Config, ConfigError, dump_config, load_config
 
 
@@ -24,11 +25,22 @@ def test_yaml_and_overrides(tmp_path):
         ("league.pfsp=fancy", "bad value for 'league.pfsp'"),
         ("tasks.types=[code_x]", "bad value for 'tasks.types.0'"),
         ("norank", "not of the form key.path=value"),
+        ("evolve.operators={spectrall: 1.0}", "bad value for 'evolve.operators': Value error, "
+         "unknown operator 'spectrall'; known: spectral,"),
+        ("evolve.operators={copy: 0.0}", "bad value for 'evolve.operators'"),
+        ("evolve.operators={copy: -1.0, mean: 2.0}", "weights must be >= 0"),
+        ("train.clip_eps=0.2", "unknown key 'train.clip_eps'"),
     ],
 )
 def test_bad_keys_and_values_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("[", r"\[")):
         load_config(None, [override])
+
+
+def test_operator_names_are_the_evolve_operators():
+    from lorapop.lora.evolve import OPERATORS
+
+    assert set(config.OPERATORS) == set(OPERATORS)
 
 
 def test_missing_file_is_one_line():

@@ -66,16 +66,16 @@ def test_population_run_three_steps_and_report(tmp_path):
 def test_replacement_writes_children_into_slots(tmp_path):
     sp = SelfPlay(_cfg("evolve.operators={copy: 1.0}"), tmp_path)
     try:
-        for i in sp.slot.values():  # make members distinguishable
-            sp.bank.reset_slot(i, seed=i)
-            state = sp.bank.slot_state(i)
+        for i in sp.parts.slot.values():  # make members distinguishable
+            sp.parts.bank.reset_slot(i, seed=i)
+            state = sp.parts.bank.slot_state(i)
             for m in state.values():
                 m["B"].normal_(generator=torch.Generator().manual_seed(i))
-            sp.bank.load_slot(i, state)
+            sp.parts.bank.load_slot(i, state)
         log = sp.replacement(step=2)
         for rep in log:
-            child = sp.bank.slot_state(sp.slot[rep["target"]])
-            parent = sp.bank.slot_state(sp.slot[rep["parents"][0]])
+            child = sp.parts.bank.slot_state(sp.parts.slot[rep["target"]])
+            parent = sp.parts.bank.slot_state(sp.parts.slot[rep["parents"][0]])
             for k in child:
                 assert torch.equal(child[k]["B"], parent[k]["B"])
             assert rep["target"] not in rep["parents"]

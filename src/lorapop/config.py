@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class Section(BaseModel):
@@ -61,6 +61,13 @@ class LeagueConfig(Section):
         return self
 
 
+OPERATORS = (
+    "spectral", "layer_noise", "mask", "noise", "dare", "layer_select", "subspace_mix",
+    "extrapolate", "copy", "mean",
+)
+"""Names of `lorapop.lora.evolve.OPERATORS` (a test keeps the two equal; config imports no torch)."""
+
+
 class EvolveConfig(Section):
     every: int = Field(10, ge=0)
     """Replacement period in steps; 0 turns evolution off."""
@@ -75,6 +82,16 @@ class EvolveConfig(Section):
     child_rating: Literal["reset", "inherit"] = "inherit"
     sigma_scale: float = Field(2.0, ge=1.0)
     """With `inherit`, a child's sigma is its parents' largest sigma times this (capped at the prior)."""
+
+    @field_validator("operators")
+    @classmethod
+    def _known_operators(cls, ops: dict[str, float]) -> dict[str, float]:
+        unknown = sorted(set(ops) - set(OPERATORS))
+        if unknown:
+            raise ValueError(f"unknown operator {unknown[0]!r}; known: {', '.join(OPERATORS)}")
+        if any(not w >= 0 for w in ops.values()) or not sum(ops.values()) > 0:
+            raise ValueError("weights must be >= 0 with a positive sum")
+        return ops
 
 
 class TasksConfig(Section):
@@ -121,7 +138,6 @@ class TrainConfig(Section):
     betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
-    clip_eps: float = Field(0.2, gt=0)
     micro_batch_size: int = Field(16, ge=1)
     teacher_reward: Literal["zero", "azr", "inverse"] = "zero"
     """Valid task with solve rate s: zero = 0 if s in {0,1} else 1-s (PopuLoRA); azr = -0.5 if

@@ -1,115 +1,145 @@
-"""What one self-play step leaves behind: its records, and the metrics.jsonl row made of them."""
+"""What one self-play step leaves behind: its records, and the metrics.jsonl row made of them.
+
+Each phase of the loop returns frozen records; `StepRecord` gathers them and `step_metrics`
+turns it, with a read-only summary of the league, into one JSON row. Nothing here changes
+training state, so logging a step (or not) never changes the run.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from statistics import fmean
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from lorapop.league import Role
 from lorapop.rl import solve_rate
-from lorapop.tasks.metrics import program_metrics
+from lorapop.tasks.metrics import CoverageStep, program_metrics
 from lorapop.tasks.task import Grade, Outcome, Task, Validity
 
-if TYPE_CHECKING:
-    from lorapop.loop import SelfPlay
 
-
-@dataclass
+@dataclass(frozen=True)
 class Rollout:
     """One sampled completion that the update phase trains on."""
 
     member: str
-    role: str  # "teacher" | "student"
+    role: Role  # the role the member played in this completion
     type: str  # task family name
     prompt_ids: list[int]
     token_ids: list[int]
-    logprobs: list[float]
+    logprobs: list[float]  # the sampler's, per generated token
     text: str = ""
-    reward: float = 0.0
 
 
-@dataclass
-class ProposalSlot:
-    """A teacher's proposal of one task of one type, from prompt to validity."""
+@dataclass(frozen=True)
+class Proposal:
+    """A teacher's generated proposal of one task of one type (`base`: code_f's program)."""
 
     teacher: str
     type: str
     base: Task | None
-    rollout: Rollout | None = None
-    validity: Validity | None = None
+    rollout: Rollout
 
 
-@dataclass
+@dataclass(frozen=True)
+class Verification:
+    """The sandbox's judgement of a step's proposals, and what the valid ones added."""
+
+    validities: list[Validity]  # one per proposal, in order
+    coverage: dict[str, CoverageStep]  # per task type: distinct program shapes
+    buffer_sizes: dict[str, int]  # per task type, after the valid tasks were added
+
+
+@dataclass(frozen=True)
 class Attempt:
-    """A student's answer to one task of a match."""
+    """A student's graded answer to one task of a match."""
 
     teacher: str
     student: str
     task: Task
     own: bool  # the task is the teacher's own proposal of this step (not a buffer fill)
     rollout: Rollout
-    grade: Grade | None = None
+    grade: Grade
 
 
-@dataclass
+@dataclass(frozen=True)
+class Update:
+    """What the update phase computed: rewards (aligned with proposals and attempts), the
+    per-member policy-gradient loss and gradient norm before clipping."""
+
+    teacher_rewards: list[float]
+    student_rewards: list[float]
+    losses: dict[str, float]  # member -> its loss (members without trained tokens absent)
+    grad_norms: dict[str, float]  # member -> norm; empty when nothing was trained
+
+
+@dataclass(frozen=True)
 class StepRecord:
     step: int
-    pairs: list[tuple[str, str]] = field(default_factory=list)
-    proposals: list[ProposalSlot] = field(default_factory=list)
-    attempts: list[Attempt] = field(default_factory=list)
-    phase_s: dict[str, float] = field(default_factory=dict)
-    generated_tokens: int = 0
-    generation_s: float = 0.0
-    replacements: list[dict[str, Any]] = field(default_factory=list)
-    grad_norms: dict[str, float] = field(default_factory=dict)
+    pairs: list[tuple[str, str]]
+    proposals: list[Proposal]
+    verification: Verification
+    attempts: list[Attempt]
+    update: Update
+    replacements: list[dict[str, Any]]
+    phase_s: dict[str, float]
+    generated_tokens: int
+    generation_s: float
 
 
-def step_metrics(sp: SelfPlay, rec: StepRecord) -> dict[str, Any]:
+@dataclass(frozen=True)
+class MemberInfo:
+    """A league member as the metrics row shows it, read after the step's replacement."""
+
+    slot: int
+    role: str  # "teacher" | "student", or "solo" for the single-agent baseline's A0
+    mu: float | None = None  # rating (None: the baseline has no ratings)
+    sigma: float | None = None
+
+
+def step_metrics(rec: StepRecord, league: dict[str, MemberInfo]) -> dict[str, Any]:
     """The metrics.jsonl row of one step: per member, per matchup, per task type."""
+    valid = [v.valid for v in rec.verification.validities]
     members: dict[str, dict[str, Any]] = {}
-    for name in sp.members:
-        props = [p for p in rec.proposals if p.teacher == name]
-        atts = [a for a in rec.attempts if a.student == name]
-        mine = [p.rollout for p in props] + [a.rollout for a in atts]
-        m: dict[str, Any] = {"slot": sp.slot[name], "role": sp.role(name)}
+    for name, info in league.items():
+        props = [i for i, p in enumerate(rec.proposals) if p.teacher == name]
+        atts = [i for i, a in enumerate(rec.attempts) if a.student == name]
+        mine = [rec.proposals[i].rollout for i in props] + [rec.attempts[i].rollout for i in atts]
+        m: dict[str, Any] = {"slot": info.slot, "role": info.role}
         if props:
-            m["teacher_reward"] = fmean(p.rollout.reward for p in props)
-            m["valid_rate"] = fmean(bool(p.validity and p.validity.valid) for p in props)
+            m["teacher_reward"] = fmean(rec.update.teacher_rewards[i] for i in props)
+            m["valid_rate"] = fmean(valid[i] for i in props)
             m["proposal_format_error_rate"] = fmean(
-                bool(p.validity and p.validity.format_error) for p in props)
-            own = [a for a in rec.attempts if a.teacher == name and a.own]
-            m["task_solve_rate"] = solve_rate([a.grade.outcome for a in own])
+                rec.verification.validities[i].format_error for i in props)
+            m["task_solve_rate"] = solve_rate(
+                a.grade.outcome for a in rec.attempts if a.teacher == name and a.own)
         if atts:
-            m["student_reward"] = fmean(a.rollout.reward for a in atts)
-            m["solve_rate"] = solve_rate([a.grade.outcome for a in atts])
+            m["student_reward"] = fmean(rec.update.student_rewards[i] for i in atts)
+            m["solve_rate"] = solve_rate(rec.attempts[i].grade.outcome for i in atts)
             m["answer_format_error_rate"] = fmean(
-                a.grade.outcome is Outcome.FORMAT_ERROR for a in atts)
+                rec.attempts[i].grade.outcome is Outcome.FORMAT_ERROR for i in atts)
         if mine:
             m["response_tokens"] = fmean(len(r.token_ids) for r in mine)
             m["entropy"] = _entropy_estimate(mine)
-        if not sp.single:
-            rating = sp.ratings.get(name)
-            m["mu"], m["sigma"] = rating.mu, rating.sigma
-        m["grad_norm"] = rec.grad_norms.get(name)
+        if info.mu is not None:
+            m["mu"], m["sigma"] = info.mu, info.sigma
+        m["grad_norm"] = rec.update.grad_norms.get(name)
+        m["loss"] = rec.update.losses.get(name)
         members[name] = m
     matchups = []
     for teacher, student in rec.pairs:
         own = [a for a in rec.attempts if a.teacher == teacher and a.student == student
                and a.own]
-        rate = solve_rate([a.grade.outcome for a in own])
         matchups.append({"teacher": teacher, "student": student, "answers": len(own),
-                         "solve_rate": rate})
+                         "solve_rate": solve_rate(a.grade.outcome for a in own)})
     programs = {}
-    for t in sp.families:
-        valid = [p.validity.task for p in rec.proposals
-                 if p.type == t and p.validity and p.validity.valid and p.validity.task]
-        stats = [program_metrics(task.program) for task in valid]
-        stats = [s for s in stats if s is not None]
-        cov = sp.coverage[t].update([task.program for task in valid])
+    for t, cov in rec.verification.coverage.items():
+        tasks = [v.task for p, v in zip(rec.proposals, rec.verification.validities, strict=True)
+                 if p.type == t and v.valid and v.task is not None]
+        stats = [s for s in (program_metrics(task.program) for task in tasks) if s is not None]
         programs[t] = {
-            "valid": len(valid),
+            "valid": len(tasks),
             "proposed": sum(p.type == t for p in rec.proposals),
-            "buffer": len(sp.buffers[t]),
+            "buffer": rec.verification.buffer_sizes[t],
             **{k: (fmean(getattr(s, k) for s in stats) if stats else None)
                for k in ("ast_depth", "cyclomatic", "loc", "variables")},
             "coverage": cov.total_distinct,
@@ -126,15 +156,6 @@ def step_metrics(sp: SelfPlay, rec: StepRecord) -> dict[str, Any]:
         "tokens_per_s": rec.generated_tokens / rec.generation_s if rec.generation_s else 0.0,
         "generated_tokens": rec.generated_tokens,
     }
-
-
-def solve_rates(attempts: list[Attempt]) -> dict[tuple[str, str], float]:
-    """Solve rate of each teacher's own task (by task key) over all its matched students' answers."""
-    by: dict[tuple[str, str], list[Outcome]] = {}
-    for a in attempts:
-        if a.own:
-            by.setdefault((a.teacher, a.task.key), []).append(a.grade.outcome)
-    return {k: solve_rate(v) for k, v in by.items()}
 
 
 def _entropy_estimate(rollouts: list[Rollout]) -> float | None:

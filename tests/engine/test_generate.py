@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounter
 
+from lorapop.engine.byte_tokenizer import byte_tokenizer
 from lorapop.engine.generate import compile_buckets, generate
 from lorapop.engine.logprobs import sequence_logprobs
 from lorapop.engine.sampling import SamplingParams, row_uniforms, sample
-from lorapop.engine.tiny_tokenizer import byte_tokenizer
 from lorapop.lora.bank import AdapterBank
 from tiny_models import ARCHS, tiny_model
 

@@ -4,7 +4,7 @@ from statistics import NormalDist
 import pytest
 import trueskill
 
-from lorapop.league.ratings import Outcome, Ratings, TrueSkillParams, match_outcome
+from lorapop.league.ratings import MatchResult, Ratings, TrueSkillParams, match_result
 
 
 def league() -> Ratings:
@@ -14,34 +14,34 @@ def league() -> Ratings:
 @pytest.mark.parametrize(
     ("rate", "expected"),
     [
-        (0.0, Outcome.TEACHER),
-        (0.3999, Outcome.TEACHER),
-        (0.4, Outcome.DRAW),
-        (0.5, Outcome.DRAW),
-        (0.6, Outcome.DRAW),
-        (0.6001, Outcome.STUDENT),
-        (1.0, Outcome.STUDENT),
-        (None, Outcome.STUDENT),  # no valid task: the student wins
+        (0.0, MatchResult.TEACHER),
+        (0.3999, MatchResult.TEACHER),
+        (0.4, MatchResult.DRAW),
+        (0.5, MatchResult.DRAW),
+        (0.6, MatchResult.DRAW),
+        (0.6001, MatchResult.STUDENT),
+        (1.0, MatchResult.STUDENT),
+        (None, MatchResult.STUDENT),  # no valid task: the student wins
     ],
 )
 def test_outcome_rule_at_thresholds(rate, expected):
-    assert match_outcome(rate) is expected
+    assert match_result(rate) is expected
 
 
 def test_outcome_thresholds_are_configurable_and_checked():
-    assert match_outcome(0.25, low=0.2, high=0.3) is Outcome.DRAW
-    assert match_outcome(0.35, low=0.2, high=0.3) is Outcome.STUDENT
+    assert match_result(0.25, low=0.2, high=0.3) is MatchResult.DRAW
+    assert match_result(0.35, low=0.2, high=0.3) is MatchResult.STUDENT
     with pytest.raises(ValueError, match="low <= high"):
-        match_outcome(0.5, low=0.7, high=0.3)
+        match_result(0.5, low=0.7, high=0.3)
     with pytest.raises(ValueError, match="solve rate"):
-        match_outcome(1.5)
+        match_result(1.5)
     with pytest.raises(ValueError, match="solve rate"):
-        match_outcome(float("nan"))
+        match_result(float("nan"))
 
 
 def test_teacher_win_moves_teacher_up_and_student_down():
     r = league()
-    r.record("t0", "s0", Outcome.TEACHER)
+    r.record("t0", "s0", MatchResult.TEACHER)
     prior = r.params
     assert r.get("t0").mu > prior.mu > r.get("s0").mu
     assert r.get("t0").sigma < prior.sigma and r.get("s0").sigma < prior.sigma
@@ -50,7 +50,7 @@ def test_teacher_win_moves_teacher_up_and_student_down():
 
 def test_student_win_moves_student_up_and_teacher_down():
     r = league()
-    r.record("t0", "s0", Outcome.STUDENT)
+    r.record("t0", "s0", MatchResult.STUDENT)
     assert r.get("s0").mu > r.params.mu > r.get("t0").mu
     # the update is the library's, with the student as the winner
     env = TrueSkillParams().env()
@@ -62,10 +62,10 @@ def test_draw_moves_ratings_toward_each_other():
     r = league()
     r.set("t0", 30.0, 4.0)
     r.set("s0", 20.0, 4.0)
-    r.record("t0", "s0", Outcome.DRAW)
+    r.record("t0", "s0", MatchResult.DRAW)
     assert 20.0 < r.get("s0").mu < r.get("t0").mu < 30.0
     # an even draw leaves the means but shrinks the uncertainty
-    r.record("t1", "s1", Outcome.DRAW)
+    r.record("t1", "s1", MatchResult.DRAW)
     assert r.get("t1").mu == pytest.approx(r.params.mu)
     assert r.get("t1").sigma < r.params.sigma
 
@@ -94,8 +94,8 @@ def test_conservative_rating_and_ranking_per_pool():
 
 def test_round_trip_through_json_keeps_ratings_and_params():
     r = Ratings(["t0"], ["s0", "s1"], TrueSkillParams(mu=10.0, sigma=3.0, beta=1.5))
-    r.record("t0", "s0", Outcome.TEACHER)
-    r.record("t0", "s1", Outcome.DRAW)
+    r.record("t0", "s0", MatchResult.TEACHER)
+    r.record("t0", "s1", MatchResult.DRAW)
     back = Ratings.from_dict(json.loads(json.dumps(r.to_dict())))
     assert back.params == r.params
     for name in ("t0", "s0", "s1"):
@@ -103,8 +103,8 @@ def test_round_trip_through_json_keeps_ratings_and_params():
         assert back.get(name).sigma == r.get(name).sigma
         assert back.role(name) == r.role(name)
     # the restored league keeps evolving exactly like the original
-    r.record("t0", "s1", Outcome.STUDENT)
-    back.record("t0", "s1", Outcome.STUDENT)
+    r.record("t0", "s1", MatchResult.STUDENT)
+    back.record("t0", "s1", MatchResult.STUDENT)
     assert back.get("s1").mu == r.get("s1").mu
 
 
@@ -117,11 +117,24 @@ def test_bad_input_gets_clear_errors():
     with pytest.raises(KeyError, match="unknown league member"):
         r.get("nobody")
     with pytest.raises(ValueError, match="teacher vs student"):
-        r.record("s0", "t0", Outcome.DRAW)
+        r.record("s0", "t0", MatchResult.DRAW)
     with pytest.raises(ValueError, match="sigma > 0"):
         r.set("s0", 25.0, 0.0)
 
 
-def test_library_default_params():
-    p = TrueSkillParams()
-    assert (p.mu, p.sigma, p.beta) == (trueskill.MU, trueskill.SIGMA, trueskill.BETA)
+@pytest.mark.parametrize("params", [None, TrueSkillParams(beta=1.0, draw_probability=0.3)])
+def test_matches_update_as_the_library_does(params):
+    """Teacher wins, student wins and draws move both ratings as trueskill.rate_1vs1 does in
+    the same environment (the library's defaults when no params are given)."""
+    r = Ratings(["t0"], ["s0"], params)
+    env = params.env() if params else trueskill.TrueSkill()
+    t, s = env.create_rating(), env.create_rating()
+    for result in (MatchResult.TEACHER, MatchResult.STUDENT, MatchResult.DRAW):
+        r.record("t0", "s0", result)
+        if result is MatchResult.STUDENT:
+            s, t = trueskill.rate_1vs1(s, t, env=env)
+        else:
+            t, s = trueskill.rate_1vs1(t, s, drawn=result is MatchResult.DRAW, env=env)
+        for name, want in (("t0", t), ("s0", s)):
+            got = r.get(name)
+            assert (got.mu, got.sigma) == pytest.approx((want.mu, want.sigma), rel=1e-12)

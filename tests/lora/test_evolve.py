@@ -237,13 +237,15 @@ def test_dare_is_unbiased_when_the_mean_fits_rank_r() -> None:
     assert (avg - want).norm() < 0.15 * want.norm()
 
 
-def test_qr_route_matches_gram_route(monkeypatch: pytest.MonkeyPatch) -> None:
-    p1, p2 = make_state(1), make_state(2)
-    gram = [evolve.mean([p1, p2], 0), evolve.mask([p1], 0, n=1)]
-    monkeypatch.setattr(evolve, "LINALG", "qr")
-    qr = [evolve.mean([p1, p2], 0), evolve.mask([p1], 0, n=1)]
-    for g, q in zip(gram, qr, strict=True):
-        assert close_dw(q, g)
+def test_low_rank_svd_matches_the_dense_svd() -> None:
+    g = torch.Generator().manual_seed(0)
+    b, a = torch.randn(3, 12, 4, generator=g), torch.randn(3, 4, 10, generator=g)
+    b[2, :, 3] = 0  # one rank-deficient module
+    u, s, vh = evolve._svd(b, a, 4)
+    dense = torch.linalg.svdvals(b @ a)[:, :4]
+    assert torch.allclose(s, dense * (dense > 1e-5), atol=1e-4)
+    assert torch.allclose(u @ torch.diag_embed(s) @ vh, b @ a, atol=1e-4)
+    assert s[2, 3] == 0 and torch.all(u[2, :, 3] == 0) and torch.all(vh[2, 3] == 0)
 
 
 @pytest.mark.parametrize("call_bad,msg", [

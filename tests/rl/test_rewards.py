@@ -1,13 +1,20 @@
 import pytest
 
-from lorapop.rl.rewards import Answer, RewardScheme, solve_rate, student_reward, teacher_reward
+from lorapop.rl.rewards import (
+    RewardScheme,
+    solve_rate,
+    solve_rates,
+    student_reward,
+    teacher_reward,
+)
+from lorapop.tasks.task import Outcome
 
 
 def test_student_rewards():
-    assert student_reward(Answer.CORRECT) == 1.0
-    assert student_reward(Answer.WRONG) == -0.5
-    assert student_reward(Answer.FORMAT_ERROR) == -1.0
-    assert student_reward(Answer.WRONG, RewardScheme(wrong=0.0)) == 0.0
+    assert student_reward(Outcome.CORRECT) == 1.0
+    assert student_reward(Outcome.WRONG) == -0.5
+    assert student_reward(Outcome.FORMAT_ERROR) == -1.0
+    assert student_reward(Outcome.WRONG, RewardScheme(wrong=0.0)) == 0.0
 
 
 @pytest.mark.parametrize(
@@ -29,13 +36,19 @@ def test_teacher_reward_table(valid, rate, zero, azr, inverse):
 
 
 def test_solve_rate_counts_format_errors_as_unsolved():
-    answers = [Answer.CORRECT, Answer.WRONG, Answer.FORMAT_ERROR, Answer.CORRECT]
+    answers = [Outcome.CORRECT, Outcome.WRONG, Outcome.FORMAT_ERROR, Outcome.CORRECT]
     assert solve_rate(answers) == 0.5
     assert solve_rate([]) is None
 
 
+def test_solve_rates_per_key():
+    c, w = Outcome.CORRECT, Outcome.WRONG
+    answers = [(("T0", "k1"), c), (("T1", "k1"), w), (("T0", "k1"), w), (("T0", "k2"), c)]
+    assert solve_rates(answers) == {("T0", "k1"): 0.5, ("T1", "k1"): 0.0, ("T0", "k2"): 1.0}
+
+
 def test_single_agent_teacher_is_rewarded_from_its_own_answers():
-    own = [Answer.CORRECT, Answer.WRONG, Answer.WRONG, Answer.WRONG]
+    own = [Outcome.CORRECT, Outcome.WRONG, Outcome.WRONG, Outcome.WRONG]
     assert teacher_reward(True, solve_rate(own)) == pytest.approx(0.75)
 
 

@@ -8,7 +8,7 @@ from lorapop.tasks import Task, TaskBuffer, get_family
 
 def task(k: int, type: str = "code_o") -> Task:
     return Task(
-        type, f"def f(a):\n    return a + {k}", (str(k),), (str(2 * k),), proposer="t0", step=k
+        type, f"def f(a):\n    return a + {k}", (str(k),), (str(2 * k),), teacher="t0", step=k
     )
 
 
@@ -23,7 +23,7 @@ def test_dedup_identical_program_and_inputs():
     buf = TaskBuffer("code_o")
     assert buf.add(task(1))
     # same program and input, other provenance and trailing whitespace: a duplicate
-    dup = Task("code_o", task(1).program + "\n  \n", (" 1 ",), ("2",), proposer="t9", step=99)
+    dup = Task("code_o", task(1).program + "\n  \n", (" 1 ",), ("2",), teacher="t9", step=99)
     assert not buf.add(dup)
     assert buf.add(Task("code_o", task(1).program, ("5",), ("10",)))  # another input: new
     assert len(buf) == 2
@@ -109,6 +109,8 @@ def test_load_names_the_bad_line(tmp_path):
 def test_task_json_validation():
     t = task(3)
     assert Task.from_json(json.loads(t.dumps())) == t
+    old = {k: v for k, v in t.to_json().items() if k != "teacher"} | {"proposer": "t0"}
+    assert Task.from_json(old) == t  # buffers saved before `proposer` was named `teacher`
     for bad in [
         [],
         {"type": "code_o", "program": "x", "inputs": ["1"], "outputs": []},

@@ -26,7 +26,7 @@ def fam():
 
 @pytest.fixture(scope="module")
 def task(fam, sandbox):
-    [v] = fam.verify([proposal()], sandbox, bases=[BASE], proposers=["t1"], step=2)
+    [v] = fam.verify([proposal()], sandbox, bases=[BASE], teachers=["t1"], step=2)
     assert v.valid, v.reason
     return v.task
 
@@ -34,7 +34,7 @@ def task(fam, sandbox):
 def test_verify_runs_every_input(task):
     assert task.type == "code_f" and task.program == BASE.program
     assert task.inputs == tuple(INPUTS) and task.message == "reverse, then shout"
-    assert task.outputs[3] == "'ZYX'" and (task.proposer, task.step) == ("t1", 2)
+    assert task.outputs[3] == "'ZYX'" and (task.teacher, task.step) == ("t1", 2)
 
 
 def test_verify_rejections(fam, sandbox):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from lorapop.tasks import Outcome, Proposal, Task, get_family
+from lorapop.tasks import Draft, Outcome, Task, get_family
 from lorapop.tasks.task import FormatError
 
 REV = "def f(xs):\n    return sorted(xs)[::-1]"
@@ -62,10 +62,10 @@ def test_unknown_template_is_a_clear_error():
 
 
 def test_parse_good_and_azr_fallbacks(fam):
-    assert fam.parse_proposal(proposal(REV, "[3, 1, 2]")) == Proposal(REV, ("[3, 1, 2]",))
+    assert fam.parse_proposal(proposal(REV, "[3, 1, 2]")) == Draft(REV, ("[3, 1, 2]",))
     # no <answer> tags: blocks anywhere in the text (AZR's fallback)
     bare = f"```python\n{REV}\n```\n```input\n[1]\n```"
-    assert fam.parse_proposal(bare) == Proposal(REV, ("[1]",))
+    assert fam.parse_proposal(bare) == Draft(REV, ("[1]",))
     # `# Input:` line instead of an input block
     hashed = f"<answer>```python\n{REV}\n```\n# Input: [2, 1]</answer>"
     assert fam.parse_proposal(hashed).inputs == ("[2, 1]",)
@@ -81,9 +81,9 @@ def test_parse_takes_first_blocks_of_the_last_answer(fam):
         + proposal(REV, "[1, 2]")
         + proposal(REV, "[9]")[len("<think>plan</think>\n") :]
     )
-    assert fam.parse_proposal(text) == Proposal(REV, ("[9]",))
+    assert fam.parse_proposal(text) == Draft(REV, ("[9]",))
     two = f"<answer>```python\n{REV}\n```\n```python\nx = 1\n```\n```input\n[1]\n```\n```input\n[2]\n```</answer>"
-    assert fam.parse_proposal(two) == Proposal(REV, ("[1]",))
+    assert fam.parse_proposal(two) == Draft(REV, ("[1]",))
 
 
 @pytest.mark.parametrize(
@@ -103,8 +103,8 @@ def test_parse_malformed_gives_format_error(fam, text):
 
 
 def test_compact_parse(compact):
-    assert compact.parse_proposal(f"{REV}</f><i>[3, 1, 2]</i>") == Proposal(REV, ("[3, 1, 2]",))
-    assert compact.parse_proposal(f"<f>{REV}</f><i>[1]") == Proposal(REV, ("[1]",))
+    assert compact.parse_proposal(f"{REV}</f><i>[3, 1, 2]</i>") == Draft(REV, ("[3, 1, 2]",))
+    assert compact.parse_proposal(f"<f>{REV}</f><i>[1]") == Draft(REV, ("[1]",))
     assert isinstance(compact.parse_proposal(f"{REV}"), FormatError)  # unclosed <f> eats all
 
 
@@ -126,9 +126,9 @@ def test_verify_valid_and_invalid_in_one_batch(fam, sandbox):
         ),
         proposal("import os\ndef f(a):\n    return os.environ", "0"),
     ]
-    v = fam.verify(texts, sandbox, proposers=["t3"] * len(texts), step=7)
+    v = fam.verify(texts, sandbox, teachers=["t3"] * len(texts), step=7)
     assert [x.valid for x in v] == [True] + [False] * 8
-    assert v[0].task == Task("code_o", REV, ("[3, 1, 2]",), ("[3, 2, 1]",), proposer="t3", step=7)
+    assert v[0].task == Task("code_o", REV, ("[3, 1, 2]",), ("[3, 2, 1]",), teacher="t3", step=7)
     assert v[1].format_error and v[1].reason.startswith("format:")
     assert v[2].reason.startswith("runtime_error") and "ZeroDivisionError" in v[2].reason
     assert v[3].reason.startswith("nondeterministic")

@@ -7,10 +7,10 @@ import pytest
 
 from lorapop.tasks import (
     FAMILIES,
+    Draft,
     FormatError,
     Grade,
     Outcome,
-    Proposal,
     Task,
     TaskBuffer,
     TaskFamily,
@@ -36,11 +36,11 @@ class Sums:
     def teacher_prompt(self, references: Sequence[Task], base: Task | None = None) -> str:
         return "Propose a sum like " + "; ".join(t.input for t in references)
 
-    def parse_proposal(self, text: str, base: Task | None = None) -> Proposal | FormatError:
+    def parse_proposal(self, text: str, base: Task | None = None) -> Draft | FormatError:
         m = re.fullmatch(r"\s*(\d{1,6})\s*\+\s*(\d{1,6})\s*", text)
-        return Proposal("", (f"{m[1]} + {m[2]}",)) if m else FormatError("not a + b")
+        return Draft("", (f"{m[1]} + {m[2]}",)) if m else FormatError("not a + b")
 
-    def verify(self, texts, runner, *, bases=None, proposers=None, step=None) -> list[Validity]:
+    def verify(self, texts, runner, *, bases=None, teachers=None, step=None) -> list[Validity]:
         out = []
         for t in texts:
             p = self.parse_proposal(t)

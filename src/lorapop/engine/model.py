@@ -89,7 +89,7 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
     built-in byte-level tokenizer."""
     name_or_path = _resolve(name_or_path)
     if name_or_path in (TINY_RANDOM, "byte"):
-        from lorapop.engine.tiny_tokenizer import byte_tokenizer
+        from lorapop.engine.byte_tokenizer import byte_tokenizer
 
         return byte_tokenizer()
     _check_exists(name_or_path)

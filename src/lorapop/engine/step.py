@@ -61,9 +61,6 @@ class BankOptimizer:
         self.exp_avg_sq = torch.zeros_like(self.exp_avg)
         self.steps = torch.zeros(n, dtype=torch.float32, device=dev)
 
-    def set_lr(self, slot: int, lr: float) -> None:
-        self.lr[slot] = float(lr)
-
     def zero_grad(self) -> None:
         self.bank.zero_grad()
 

@@ -42,7 +42,7 @@ Role = Literal["teacher", "student"]
 ROLES: tuple[Role, Role] = ("teacher", "student")
 
 
-class Outcome(str, Enum):
+class MatchResult(str, Enum):
     """Who won a teacher-vs-student match."""
 
     TEACHER = "teacher"
@@ -50,21 +50,21 @@ class Outcome(str, Enum):
     DRAW = "draw"
 
 
-def match_outcome(solve_rate: float | None, low: float = 0.4, high: float = 0.6) -> Outcome:
+def match_result(solve_rate: float | None, low: float = 0.4, high: float = 0.6) -> MatchResult:
     """The outcome of a match from the student's solve rate (None: the teacher had no valid task)."""
     if not 0.0 <= low <= high <= 1.0:
         raise ValueError(
             f"outcome thresholds need 0 <= low <= high <= 1, got low={low}, high={high}"
         )
     if solve_rate is None:
-        return Outcome.STUDENT
+        return MatchResult.STUDENT
     if not 0.0 <= solve_rate <= 1.0 or math.isnan(solve_rate):
         raise ValueError(f"solve rate must be in [0, 1], got {solve_rate}")
     if solve_rate < low:
-        return Outcome.TEACHER
+        return MatchResult.TEACHER
     if solve_rate > high:
-        return Outcome.STUDENT
-    return Outcome.DRAW
+        return MatchResult.STUDENT
+    return MatchResult.DRAW
 
 
 @dataclass(frozen=True)
@@ -142,15 +142,15 @@ class Ratings:
         return float(self.env.cdf((ra.mu - rb.mu) / denom))
 
     # --- writing -----------------------------------------------------------------------
-    def record(self, teacher: str, student: str, outcome: Outcome) -> None:
+    def record(self, teacher: str, student: str, result: MatchResult) -> None:
         """Update both ratings after one match (order of calls matters, as in any TrueSkill)."""
         if self.role(teacher) != "teacher" or self.role(student) != "student":
             raise ValueError(f"a match is teacher vs student, got {teacher!r} vs {student!r}")
         t, s = self._rating[teacher], self._rating[student]
-        if outcome is Outcome.STUDENT:
+        if result is MatchResult.STUDENT:
             s, t = trueskill.rate_1vs1(s, t, env=self.env)
         else:
-            t, s = trueskill.rate_1vs1(t, s, drawn=outcome is Outcome.DRAW, env=self.env)
+            t, s = trueskill.rate_1vs1(t, s, drawn=result is MatchResult.DRAW, env=self.env)
         self._rating[teacher], self._rating[student] = t, s
 
     def set(self, name: str, mu: float, sigma: float) -> None:

@@ -16,17 +16,16 @@ the parent's own factors) touch factors directly.
 Exact low-rank SVD. A sum of rank-r products ``sum_i B_i A_i = B A`` (B = [B_1 .. B_k],
 A = [A_1; ..; A_k]) has rank <= kr. With ``B = Q_b R_b`` and ``A^T = Q_a R_a``,
 ``B A = Q_b (R_b R_a^T) Q_a^T``: the SVD of the small kr x kr core is the exact SVD of B A,
-and its leading r components are the best rank-r approximation (Eckart-Young). By default
-nothing is orthogonalised on the big tensors: from the kr x kr Gram matrices (float64)
+and its leading r components are the best rank-r approximation (Eckart-Young). Nothing is
+orthogonalised on the big tensors: from the kr x kr Gram matrices (float64)
 ``A A^T = R_a^T R_a`` comes from an eigendecomposition, and the core's right singular
 vectors and squared singular values from ``eigh(C^T C) = eigh(R_a B^T B R_a^T)``. That is two
 small float64 eigh's per module on the CPU (cheaper there than cuSOLVER's per-matrix calls)
 and batched matmuls on the device; exact rank deficiency (a parent crossed with itself, a
 fresh adapter with B = 0) is handled by thresholding eigenvalues, with no Cholesky failure.
 Directions with a singular value below ``RTOL`` of the largest count as zero.
-``LINALG = "qr"`` uses ``torch.linalg.qr`` of both stacked factors and an SVD of the core
-instead (same result; kept for comparison in benchmarks/evolve_ops.py). Modules of equal
-shapes are stacked and processed as one batch.
+(A QR-of-both-factors route gave the same result 2-4x slower on an H200; benchmarks/README.md.)
+Modules of equal shapes are stacked and processed as one batch.
 
 Dormant directions. A component with zero singular value would get a zero row in A and a
 zero column in B, and such a direction never gets a gradient again. The child's B column is
@@ -48,7 +47,6 @@ from torch import Tensor
 State = dict[str, dict[str, Tensor]]
 Kind = Literal["mutation", "crossover", "control"]
 
-LINALG: Literal["gram", "qr"] = "gram"
 RTOL = 1e-6  # singular values below RTOL * largest (per module) count as zero
 
 _LAYER = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
@@ -188,24 +186,18 @@ def _svd(b: Tensor, a: Tensor, r: int) -> tuple[Tensor, Tensor, Tensor]:
     largest are zeroed in all three, so every downstream step sees them as absent.
     """
     dev, dt = b.device, b.dtype
-    if LINALG == "qr":
-        qb, rb = torch.linalg.qr(b)
-        qa, ra = torch.linalg.qr(a.mT)
-        uc, s, vch = torch.linalg.svd(*_on_cpu(rb @ ra.mT), full_matrices=False)
-        u = qb @ uc.to(dev, dt)
-        vh = vch.to(dev, dt) @ qa.mT
-    else:  # core C = R_b R_a^T, C^T C = R_a G_b R_a^T = W S^2 W^T: one eigh instead of an SVD
-        gb, ga = _on_cpu(b.mT @ b, a @ a.mT)
-        ra, ya = _half(ga)
-        lam, w = _eigh(ra @ gb @ ra.mT)
-        lam, w = lam.flip(-1), w.flip(-1)
-        s = lam.clamp_min(0).sqrt()
-        inv = torch.where(s > 0, 1 / torch.where(s > 0, s, 1), 0)
-        u = b @ (ra.mT @ w * inv.unsqueeze(-2)).to(dev, dt)  # U = B A V / S, A A^T Y_a = R_a^T
-        vh = (ya @ w).to(dev, dt).mT @ a  # V^T = W^T Q_a^T, Q_a = A^T Y_a
+    # core C = R_b R_a^T, C^T C = R_a G_b R_a^T = W S^2 W^T: one eigh instead of an SVD
+    gb, ga = _on_cpu(b.mT @ b, a @ a.mT)
+    ra, ya = _half(ga)
+    lam, w = _eigh(ra @ gb @ ra.mT)
+    lam, w = lam.flip(-1), w.flip(-1)
+    s = lam.clamp_min(0).sqrt()
+    inv = torch.where(s > 0, 1 / torch.where(s > 0, s, 1), 0)
+    u = b @ (ra.mT @ w * inv.unsqueeze(-2)).to(dev, dt)  # U = B A V / S, A A^T Y_a = R_a^T
+    vh = (ya @ w).to(dev, dt).mT @ a  # V^T = W^T Q_a^T, Q_a = A^T Y_a
     s = s.to(dev, dt)
     u, s, vh = u[..., :r], s[..., :r], vh[..., :r, :]
-    if s.shape[-1] < r:  # fewer than r components exist (tiny modules, QR path)
+    if s.shape[-1] < r:  # fewer than r components exist (r above the factors' inner size)
         pad = r - s.shape[-1]
         u = torch.nn.functional.pad(u, (0, pad))
         s = torch.nn.functional.pad(s, (0, pad))

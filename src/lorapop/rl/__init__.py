@@ -2,19 +2,19 @@
 
 from lorapop.rl.advantages import trr_advantages
 from lorapop.rl.rewards import (
-    Answer,
     RewardScheme,
     TeacherRule,
     solve_rate,
+    solve_rates,
     student_reward,
     teacher_reward,
 )
 
 __all__ = [
-    "Answer",
     "RewardScheme",
     "TeacherRule",
     "solve_rate",
+    "solve_rates",
     "student_reward",
     "teacher_reward",
     "trr_advantages",

@@ -1,7 +1,7 @@
 """Rewards of students (per answer) and teachers (per proposed task).
 
 Student: correct 1, wrong -0.5, format error (unparsable answer) -1, as AZR's solver.
-``Answer`` is the tasks layer's grade outcome (``lorapop.tasks.task.Outcome``).
+Answers are the tasks layer's grade outcomes (``lorapop.tasks.task.Outcome``).
 
 Teacher, per task, from ``s``, the solve rate of the matched students' answers to it:
 an invalid task (unparsable, or rejected by the sandbox) gets -1; a valid one gets a
@@ -21,20 +21,20 @@ solve rate of its own answers as ``s``; nothing else changes.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-from lorapop.tasks.task import Outcome as Answer  # a student's graded answer
+from lorapop.tasks.task import Outcome
 
 TeacherRule = Literal["zero", "azr", "inverse"]
 TEACHER_RULES: tuple[TeacherRule, ...] = ("zero", "azr", "inverse")
 
 __all__ = [
-    "Answer",
     "RewardScheme",
     "TeacherRule",
     "solve_rate",
+    "solve_rates",
     "student_reward",
     "teacher_reward",
 ]
@@ -61,20 +61,28 @@ class RewardScheme:
 DEFAULT = RewardScheme()
 
 
-def student_reward(answer: Answer, scheme: RewardScheme = DEFAULT) -> float:
-    if answer is Answer.CORRECT:
+def student_reward(answer: Outcome, scheme: RewardScheme = DEFAULT) -> float:
+    if answer is Outcome.CORRECT:
         return scheme.correct
-    if answer is Answer.WRONG:
+    if answer is Outcome.WRONG:
         return scheme.wrong
     return scheme.format_error
 
 
-def solve_rate(answers: Iterable[Answer]) -> float | None:
+def solve_rate(answers: Iterable[Outcome]) -> float | None:
     """Fraction of correct answers (format errors count as unsolved); None if there are none."""
     graded = list(answers)
     if not graded:
         return None
-    return sum(a is Answer.CORRECT for a in graded) / len(graded)
+    return sum(a is Outcome.CORRECT for a in graded) / len(graded)
+
+
+def solve_rates(answers: Iterable[tuple[Hashable, Outcome]]) -> dict[Hashable, float]:
+    """The solve rate of each key's answers (the loop keys them by (teacher, task key))."""
+    by: dict[Hashable, list[Outcome]] = {}
+    for key, answer in answers:
+        by.setdefault(key, []).append(answer)
+    return {k: rate for k, v in by.items() if (rate := solve_rate(v)) is not None}
 
 
 def teacher_reward(valid: bool, rate: float | None, scheme: RewardScheme = DEFAULT) -> float:

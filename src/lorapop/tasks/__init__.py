@@ -6,7 +6,7 @@ from lorapop.tasks.family import Runner, TaskFamily
 from lorapop.tasks.metrics import Coverage, CoverageStep, ProgramMetrics, program_metrics, signature
 from lorapop.tasks.prompts import TEMPLATES, Caps
 from lorapop.tasks.registry import FAMILIES, get_family, register_family
-from lorapop.tasks.task import FormatError, Grade, Outcome, Proposal, Task, Validity
+from lorapop.tasks.task import Draft, FormatError, Grade, Outcome, Task, Validity
 
 __all__ = [
     "FAMILIES",
@@ -18,7 +18,7 @@ __all__ = [
     "Grade",
     "Outcome",
     "ProgramMetrics",
-    "Proposal",
+    "Draft",
     "Runner",
     "Task",
     "TaskBuffer",

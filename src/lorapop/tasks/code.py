@@ -21,7 +21,7 @@ from lorapop.tasks.parsing import (
     value_names,
 )
 from lorapop.tasks.prompts import Caps, check_template
-from lorapop.tasks.task import FormatError, Grade, Outcome, Proposal, Task, Validity
+from lorapop.tasks.task import Draft, FormatError, Grade, Outcome, Task, Validity
 from lorapop.verify import Job, Verdict
 
 #: AZR's seed task: the identity function on "Hello World".
@@ -63,7 +63,7 @@ class CodeFamily:
             return FormatError("empty answer")
         return body
 
-    def _shown_problem(self, p: Proposal) -> str | None:
+    def _shown_problem(self, p: Draft) -> str | None:
         """Why a proposal cannot become a task a student is shown whole, or None: every part
         must fit the caps (prompts never truncate a student's own task)."""
         if len(p.program) > self.caps.program_chars:
@@ -179,11 +179,11 @@ def split_pairs(task: Task) -> tuple[list[tuple[str, str]], list[tuple[str, str]
     return pairs[0::2], pairs[1::2]
 
 
-def proposer_per_text(proposers: Sequence[str | None] | None, n: int) -> list[str | None]:
-    """`verify`'s proposers, one per text (None when not given); ValueError on a mismatch."""
-    who = list(proposers) if proposers is not None else [None] * n
+def teacher_per_text(teachers: Sequence[str | None] | None, n: int) -> list[str | None]:
+    """`verify`'s teachers, one per text (None when not given); ValueError on a mismatch."""
+    who = list(teachers) if teachers is not None else [None] * n
     if len(who) != n:
-        raise ValueError("verify: proposers and texts differ in length")
+        raise ValueError("verify: teachers and texts differ in length")
     return who
 
 
@@ -198,11 +198,11 @@ class ProgramInputFamily(CodeFamily):
     def teacher_prompt(self, references: Sequence[Task], base: Task | None = None) -> str:
         return prompts.teacher_io(self.name, references, self.template, self.caps)
 
-    def parse_proposal(self, text: str, base: Task | None = None) -> Proposal | FormatError:
+    def parse_proposal(self, text: str, base: Task | None = None) -> Draft | FormatError:
         parsed = parse_program_input(text, self.template)
         if isinstance(parsed, FormatError):
             return parsed
-        return Proposal(program=parsed[0], inputs=(parsed[1],))
+        return Draft(program=parsed[0], inputs=(parsed[1],))
 
     def verify(
         self,
@@ -210,21 +210,21 @@ class ProgramInputFamily(CodeFamily):
         runner: Runner,
         *,
         bases: Sequence[Task | None] | None = None,
-        proposers: Sequence[str | None] | None = None,
+        teachers: Sequence[str | None] | None = None,
         step: int | None = None,
     ) -> list[Validity]:
-        who = proposer_per_text(proposers, len(texts))
+        who = teacher_per_text(teachers, len(texts))
         parsed = [self.parse_proposal(t) for t in texts]
         early = {
             i: Validity(False, problem)
             for i, p in enumerate(parsed)
-            if isinstance(p, Proposal) and (problem := self._shown_problem(p))
+            if isinstance(p, Draft) and (problem := self._shown_problem(p))
         }
-        idx = [i for i, p in enumerate(parsed) if isinstance(p, Proposal) and i not in early]
+        idx = [i for i, p in enumerate(parsed) if isinstance(p, Draft) and i not in early]
         jobs = []
         for i in idx:
             p = parsed[i]
-            assert isinstance(p, Proposal)
+            assert isinstance(p, Draft)
             jobs.append(Job(p.program, f"f({p.inputs[0]})", entry="f", deterministic=True))
         verdicts = dict(zip(idx, runner.run(jobs) if jobs else [], strict=True))
         out = []
@@ -241,7 +241,7 @@ class ProgramInputFamily(CodeFamily):
             elif problem := self._gold_problem(v.output):
                 out.append(Validity(False, problem))
             else:
-                task = Task(self.name, p.program, p.inputs, (v.output,), proposer=who[i], step=step)
+                task = Task(self.name, p.program, p.inputs, (v.output,), teacher=who[i], step=step)
                 out.append(Validity(True, task=task))
         return out
 

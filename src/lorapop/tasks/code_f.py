@@ -19,9 +19,9 @@ from lorapop.tasks.code import (
     IDENTITY,
     CodeFamily,
     graded,
-    proposer_per_text,
     reason_of,
     split_pairs,
+    teacher_per_text,
     unique,
 )
 from lorapop.tasks.compare import MATCH, judge, tuple_items
@@ -37,7 +37,7 @@ from lorapop.tasks.parsing import (
     value_names,
 )
 from lorapop.tasks.prompts import Caps
-from lorapop.tasks.task import FormatError, Grade, Outcome, Proposal, Task, Validity
+from lorapop.tasks.task import Draft, FormatError, Grade, Outcome, Task, Validity
 from lorapop.verify import Job, Verdict
 
 #: Inputs of the seed task (the identity program, as in AZR): reprs equal the inputs.
@@ -67,7 +67,7 @@ class CodeF(CodeFamily):
             raise ValueError("code_f needs a base task whose program the teacher writes inputs for")
         return prompts.teacher_f(references, base, self.n_inputs, self.template, self.caps)
 
-    def parse_proposal(self, text: str, base: Task | None = None) -> Proposal | FormatError:
+    def parse_proposal(self, text: str, base: Task | None = None) -> Draft | FormatError:
         if err := self._too_long(text):
             return err
         if self.template == "compact":
@@ -93,7 +93,7 @@ class CodeF(CodeFamily):
                 return FormatError(f"input {k} is not an argument list for f(...)")
             inputs.append(args)
         program = base.program if base is not None else ""
-        return Proposal(program=program, inputs=tuple(inputs), message=message)
+        return Draft(program=program, inputs=tuple(inputs), message=message)
 
     def verify(
         self,
@@ -101,12 +101,12 @@ class CodeF(CodeFamily):
         runner: Runner,
         *,
         bases: Sequence[Task | None] | None = None,
-        proposers: Sequence[str | None] | None = None,
+        teachers: Sequence[str | None] | None = None,
         step: int | None = None,
     ) -> list[Validity]:
         if bases is None or len(bases) != len(texts):
             raise ValueError("code_f verify needs one base task per text")
-        who = proposer_per_text(proposers, len(texts))
+        who = teacher_per_text(teachers, len(texts))
         parsed = [self.parse_proposal(t, b) for t, b in zip(texts, bases, strict=True)]
         jobs: list[Job] = []
         spans: dict[int, tuple[int, int]] = {}
@@ -129,13 +129,13 @@ class CodeF(CodeFamily):
             if i in early:
                 out.append(early[i])
                 continue
-            assert isinstance(p, Proposal)
+            assert isinstance(p, Draft)
             a, b = spans[i]
             out.append(self._judge(p, verdicts[a:b], who[i], step))
         return out
 
     def _judge(
-        self, p: Proposal, verdicts: Sequence[Verdict], proposer: str | None, step: int | None
+        self, p: Draft, verdicts: Sequence[Verdict], teacher: str | None, step: int | None
     ) -> Validity:
         outputs = []
         for k, v in enumerate(verdicts):
@@ -144,7 +144,7 @@ class CodeF(CodeFamily):
             if problem := self._gold_problem(v.output):
                 return Validity(False, f"input {k}: {problem}")
             outputs.append(v.output)
-        task = Task(self.name, p.program, p.inputs, tuple(outputs), p.message, proposer, step)
+        task = Task(self.name, p.program, p.inputs, tuple(outputs), p.message, teacher, step)
         return Validity(True, task=task)
 
     def student_prompt(self, task: Task) -> str:

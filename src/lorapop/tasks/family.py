@@ -3,7 +3,7 @@
 A family is one verifiable domain. The loop never looks inside a task; it calls, per family:
 
     prompt = fam.teacher_prompt(refs, base)            # refs: K tasks sampled from a buffer
-    validity = fam.verify(texts, sandbox, bases=..., proposers=..., step=...)   # batched
+    validity = fam.verify(texts, sandbox, bases=..., teachers=..., step=...)   # batched
     prompt = fam.student_prompt(task)
     grades = fam.check(tasks, texts, sandbox)          # batched
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
-from lorapop.tasks.task import FormatError, Grade, Proposal, Task, Validity
+from lorapop.tasks.task import Draft, FormatError, Grade, Task, Validity
 from lorapop.verify import Job, Verdict
 
 
@@ -45,7 +45,7 @@ class TaskFamily(Protocol):
         """Prompt asking for a new task, showing `references`; `base` when `needs_base`."""
         ...
 
-    def parse_proposal(self, text: str, base: Task | None = None) -> Proposal | FormatError:
+    def parse_proposal(self, text: str, base: Task | None = None) -> Draft | FormatError:
         """Teacher text -> proposal; never raises."""
         ...
 
@@ -55,7 +55,7 @@ class TaskFamily(Protocol):
         runner: Runner,
         *,
         bases: Sequence[Task | None] | None = None,
-        proposers: Sequence[str | None] | None = None,
+        teachers: Sequence[str | None] | None = None,
         step: int | None = None,
     ) -> list[Validity]:
         """Teacher texts -> one `Validity` each, in order (one batched sandbox call)."""

@@ -1,6 +1,6 @@
 """The records that flow between a task family and the training loop.
 
-A `Task` is a verified problem (it went through the sandbox); `Proposal` is what a teacher's
+A `Task` is a verified problem (it went through the sandbox); `Draft` is what a teacher's
 text parsed into before verification; `FormatError` is what unparsable text becomes (parsing
 never raises); `Validity` and `Grade` are the per-item results of the batched sandbox calls,
 from which the rewards are computed.
@@ -21,7 +21,7 @@ class Task:
 
     `program` defines `f`; `inputs[i]` is the argument text of `f(<inputs[i]>)` and
     `outputs[i]` the repr of its value as the sandbox computed it (one pair for code_o and
-    code_i, N pairs for code_f); `message` is code_f's hint. `proposer` and `step` say who
+    code_i, N pairs for code_f); `message` is code_f's hint. `teacher` and `step` say who
     wrote it and when (None for seeds); `meta` holds anything else a family wants to keep.
     """
 
@@ -30,7 +30,7 @@ class Task:
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     message: str = ""
-    proposer: str | None = None
+    teacher: str | None = None
     step: int | None = None
     meta: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
@@ -55,7 +55,7 @@ class Task:
             "inputs": list(self.inputs),
             "outputs": list(self.outputs),
             "message": self.message,
-            "proposer": self.proposer,
+            "teacher": self.teacher,
             "step": self.step,
             "meta": self.meta,
         }
@@ -79,15 +79,15 @@ class Task:
             inputs=tuple(d["inputs"]),
             outputs=tuple(d["outputs"]),
             message=d.get("message", ""),
-            proposer=d.get("proposer"),
+            teacher=d.get("teacher", d.get("proposer")),  # "proposer": buffers of older runs
             step=d.get("step"),
             meta=dict(meta),
         )
         strs = [task.type, task.program, task.message, *task.inputs, *task.outputs]
         if not all(isinstance(s, str) for s in strs):
             raise ValueError("bad task record: type, program, message, inputs, outputs are text")
-        if not (task.proposer is None or isinstance(task.proposer, str)):
-            raise ValueError("bad task record: proposer must be text or null")
+        if not (task.teacher is None or isinstance(task.teacher, str)):
+            raise ValueError("bad task record: teacher must be text or null")
         if not (
             task.step is None or (isinstance(task.step, int) and not isinstance(task.step, bool))
         ):
@@ -105,7 +105,7 @@ def _norm(text: str) -> str:
 
 
 @dataclass(frozen=True)
-class Proposal:
+class Draft:
     """A teacher's text after parsing, before the sandbox has seen it."""
 
     program: str

@@ -134,7 +134,7 @@ def _enter_namespaces() -> dict[str, object]:
 
 
 @dataclass
-class Config:
+class ServerConfig:
     workers: int
     limits: Limits
     uid_base: int | None  # first per-slot uid, None: keep the server's uid
@@ -143,7 +143,7 @@ class Config:
     hidden: tuple[str, ...]  # top-level packages removed from the jobs' sys.modules
 
     @classmethod
-    def from_json(cls, text: str) -> Config:
+    def from_json(cls, text: str) -> ServerConfig:
         d = json.loads(text)
         return cls(
             d["workers"], Limits(**d["limits"]), d["uid_base"], d["gid"],
@@ -168,7 +168,7 @@ class _Child:
 
 
 class Server:
-    def __init__(self, cfg: Config, prep: Prepared) -> None:
+    def __init__(self, cfg: ServerConfig, prep: Prepared) -> None:
         self.cfg, self.prep = cfg, prep
         self.fork = _plain_fork()
         self.sel = selectors.DefaultSelector()
@@ -414,7 +414,7 @@ class Server:
 
 
 def main() -> None:
-    cfg = Config.from_json(sys.argv[1])
+    cfg = ServerConfig.from_json(sys.argv[1])
     info: dict[str, object] = {"net_isolated": False, "fs_isolated": False, "notes": []}
     if cfg.limits.isolate and os.geteuid() == 0:
         info = _enter_namespaces()
