@@ -137,13 +137,14 @@ def step_metrics(rec: StepRecord, league: dict[str, MemberInfo]) -> dict[str, An
                          "solve_rate": solve_rate(a.grade.outcome for a in own)})
     programs = {}
     for t, cov in rec.verification.coverage.items():
-        valid = [(p, v.task) for p, v in zip(rec.proposals, rec.verification.validities, strict=True)
-                 if p.type == t and v.valid and v.task is not None]
+        accepted = [(p, v.task) for p, v in zip(rec.proposals, rec.verification.validities,
+                                                strict=True)
+                    if p.type == t and v.valid and v.task is not None]
         # complexity and coverage of programs the teacher wrote, not code_f's copied ones
-        stats = [s for p, task in valid if p.base is None
-                 if (s := program_metrics(task.program)) is not None]
+        stats = [s for p, task in accepted
+                 if p.base is None and (s := program_metrics(task.program)) is not None]
         programs[t] = {
-            "valid": len(valid),
+            "valid": len(accepted),
             "proposed": sum(p.type == t for p in rec.proposals),
             "buffer": rec.verification.buffer_sizes[t],
             **{k: (fmean(getattr(s, k) for s in stats) if stats else None)
