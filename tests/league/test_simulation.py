@@ -22,8 +22,10 @@ SKILLS = [0.0, 0.6, 1.2, 1.8]  # logits: the weakest answers ~0.35 where the str
 
 
 def kendall_tau(a: list[float], b: list[float]) -> float:
+    """Kendall's tau-a: (concordant - discordant pairs) / pairs; a tie counts as neither."""
     pairs = list(itertools.combinations(range(len(a)), 2))
-    return sum(math.copysign(1, (a[i] - a[j]) * (b[i] - b[j])) for i, j in pairs) / len(pairs)
+    signs = [(a[i] - a[j]) * (b[i] - b[j]) for i, j in pairs]
+    return (sum(x > 0 for x in signs) - sum(x < 0 for x in signs)) / len(pairs)
 
 
 def simulate(seed: int, steps: int = 300, every: int = 10, offset: float = 0.0,
@@ -55,6 +57,12 @@ def simulate(seed: int, steps: int = 300, every: int = 10, offset: float = 0.0,
                 targets.update(r.target for r in plan)
                 rate_children(ratings, plan, ev.child_rating, ev.sigma_scale)
     return targets, steps // every if every else 0, taus, skill
+
+
+def test_kendall_tau():
+    assert kendall_tau([1, 2, 3], [10, 20, 30]) == 1.0
+    assert kendall_tau([3, 2, 1], [10, 20, 30]) == -1.0
+    assert kendall_tau([1, 1, 1], [10, 20, 30]) == 0.0  # equal ratings order nothing
 
 
 def test_replacement_spreads_over_the_weakest_and_ratings_recover_the_order():

@@ -19,7 +19,7 @@ answers are 0 by construction), nearly every match is a teacher win, the outcome
 information about who is better, and the ratings end up ranking roles rather than skill.
 In a simulation with fixed hidden skills (``tests/league/test_simulation.py``; 4 + 4, 300
 steps, 6 seeds), at a league-wide solve rate of about 0.05 (the tiny world's early steps)
-the absolute center recovers the within-pool order with a mean Kendall tau of 0.42, the
+the absolute center recovers the within-pool order with a mean Kendall tau of 0.28, the
 relative one with 0.97; at a league-wide rate of about 0.33 both give 1.0. What the relative
 center changes: a cross-pool win probability means "does better than this step's typical
 pairing", not "solves under / over half", so PFSP's weights stay informative instead of
