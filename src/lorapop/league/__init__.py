@@ -1,6 +1,7 @@
 """The league: members' TrueSkill ratings, PFSP matchmaking, replacement plans, lineages.
 
-Knows member names and ratings only; no tensors (the loop applies plans to adapters).
+Knows member names, ratings and lineages only; no tensors (the loop applies plans to
+adapters).
 """
 
 from lorapop.league.lineage import Lineage, individual_id
