@@ -71,8 +71,9 @@ def curves(rows: list[dict]) -> dict[str, list[float | None]]:
         for k in CURVES[:4]:
             vals = [p[k] for p in progs if p.get(k) is not None]
             out[k].append(fmean(vals) if vals else None)
-        cov = sum(p["coverage"] for p in progs)
-        valid += sum(p["valid"] for p in progs)
+        written = [p for p in progs if p.get("coverage") is not None]  # not code_f's copies
+        cov = sum(p["coverage"] for p in written)
+        valid += sum(p["valid"] for p in written)
         out["coverage"].append(cov)
         # distinct structures per valid program so far: the population proposes more programs
         # per step (2 teachers), so raw coverage alone would favour it

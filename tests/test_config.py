@@ -53,3 +53,22 @@ def test_dump_round_trips(tmp_path):
     p = tmp_path / "c.yaml"
     p.write_text(dump_config(cfg))
     assert load_config(p) == cfg
+
+
+@pytest.mark.parametrize(
+    ("override", "replacement"),
+    [
+        ("train.teacher_reward=zero", "use train.teacher_conversion=one_minus"),
+        ("train.teacher_reward=azr",
+         "use train.teacher_conversion=one_minus train.teacher_format_penalty=-0.5"),
+        ("train.teacher_reward=inverse",
+         "use train.teacher_conversion=inverse train.teacher_format_penalty=-0.5"),
+        ("league.teacher_win_below=0.4", "league.outcome_center and league.draw_margin"),
+        ("league.student_win_above=0.6", "league.outcome_center and league.draw_margin"),
+    ],
+)
+def test_removed_keys_name_their_replacement(override, replacement):
+    """An old config must not train with a silently changed meaning: one line, what to use."""
+    with pytest.raises(ConfigError, match="was removed") as err:
+        load_config(None, [override])
+    assert replacement in str(err.value) and "\n" not in str(err.value)

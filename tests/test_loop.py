@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,14 +14,18 @@ import torch
 
 from lorapop.checkpoint import latest_checkpoint
 from lorapop.config import load_config
-from lorapop.loop import SelfPlay
+from lorapop.engine.logprobs import sequence_logprobs
+from lorapop.loop import SelfPlay, _Clock
 from lorapop.report import write_report
+from lorapop.rl import trr_advantages
+from lorapop.tasks.task import Outcome
 
 FAST = [
     "tasks.types=[code_o, code_i, code_f]", "tasks.code_f_inputs=4", "tasks.references=1",
     "sampling.teacher_max_new_tokens=12", "sampling.student_max_new_tokens=6",
     "tasks.proposals_per_type=2",
-    "train.micro_batch_size=64", "evolve.every=2", "run.save_every=2", "verify.timeout_s=5",
+    "train.micro_batch_size=64", "evolve.every=2", "evolve.protect_matches=0", "run.save_every=2",
+    "verify.timeout_s=5",
 ]
 TIMING = ("phase_s", "tokens_per_s")
 
@@ -56,16 +61,28 @@ def test_population_run_three_steps_and_report(tmp_path):
     reps = rows[1]["replacements"]
     assert sorted(x["target"][0] for x in reps) == ["S", "T"]
     for x in reps:
-        assert x["operator"] and x["parents"] and x["target"] not in x["parents"]
-        assert all(p[0] == x["target"][0] for p in x["parents"])  # parents from its own pool
+        assert x["operator"] and x["parents"] and x["target"] not in x["parent_slots"]
+        assert all(p[0] == x["target"][0] for p in x["parent_slots"])  # from its own pool
+        # individuals: the target's g0 is replaced by its g1, made from the parents' g0
+        assert (x["replaced"], x["child"]) == (f"{x['target']}.g0", f"{x['target']}.g1")
+        assert x["parents"] == [f"{s}.g0" for s in x["parent_slots"]]
+        assert rows[0]["members"][x["target"]]["individual"] == x["replaced"]
+        assert rows[1]["members"][x["target"]]["individual"] == x["child"]  # read after it
+        assert rows[2]["members"][x["target"]]["individual"] == x["child"]
+    # complexity and coverage count only programs the teachers wrote, not code_f's copies
+    assert all(rows[0]["programs"]["code_f"][k] is None for k in ("loc", "coverage"))
     assert latest_checkpoint(tmp_path).name == "step_000003"
     page = write_report(tmp_path).read_text()
     assert page.count("<img") == 4 and "Replacement history" in page
 
 
 def test_replacement_writes_children_into_slots(tmp_path):
-    sp = SelfPlay(_cfg("evolve.operators={copy: 1.0}"), tmp_path)
+    sp = SelfPlay(_cfg("evolve.operators={copy: 1.0}", "evolve.protect_matches=1"), tmp_path)
     try:
+        assert sp.replacement(step=2) == []  # nobody has played a match: all protected
+        ratings = sp.parts.ratings
+        for name in sp.parts.slot:
+            ratings.set(name, ratings.get(name).mu, ratings.get(name).sigma, played=1)
         for i in sp.parts.slot.values():  # make members distinguishable
             sp.parts.bank.reset_slot(i, seed=i)
             state = sp.parts.bank.slot_state(i)
@@ -75,10 +92,12 @@ def test_replacement_writes_children_into_slots(tmp_path):
         log = sp.replacement(step=2)
         for rep in log:
             child = sp.parts.bank.slot_state(sp.parts.slot[rep["target"]])
-            parent = sp.parts.bank.slot_state(sp.parts.slot[rep["parents"][0]])
+            parent = sp.parts.bank.slot_state(sp.parts.slot[rep["parent_slots"][0]])
             for k in child:
                 assert torch.equal(child[k]["B"], parent[k]["B"])
-            assert rep["target"] not in rep["parents"]
+            assert rep["target"] not in rep["parent_slots"]
+            assert sp.parts.ratings.played(rep["target"]) == 0  # a new individual
+        assert log
     finally:
         sp.close()
 
@@ -156,3 +175,52 @@ def test_failing_operator_falls_back_to_copy_and_is_logged(tmp_path, monkeypatch
     finally:
         sp.close()
     assert log and all(x["operator"] == "copy" and "did not converge" in x["failed"] for x in log)
+
+
+def test_one_update_step_moves_each_adapter_with_its_advantages(tmp_path):
+    """Rewards are wired end to end: one real update on the tiny model raises the
+    log-probability of each adapter's positive-advantage rollouts and lowers its negative
+    ones, and adapters without rollouts are left exactly as they were. Proposals, verdicts and
+    answers are the model's and the sandbox's; the answers' grades alternate right / wrong
+    (the tiny model rarely solves anything), so the students' rewards differ."""
+    cfg = _cfg("tasks.types=[code_o, code_i]", "sampling.teacher_max_new_tokens=64",
+               "sampling.student_max_new_tokens=8", "train.lr=1e-3", "seed=1")
+    sp = SelfPlay(cfg, tmp_path)
+    p = sp.parts
+    try:
+        clock = _Clock()
+        pairs = [x for x in sp.matchmaking(1) if x[0] == "T0"]  # T1 and its student sit out
+        proposals = [x for x in sp.proposal(1, clock) if x.teacher == "T0"]
+        validities = sp.verification(1, proposals).validities
+        attempts = [replace(a, grade=replace(a.grade, outcome=(Outcome.CORRECT, Outcome.WRONG)[i % 2]))
+                    for i, a in enumerate(sp.solving(1, pairs, proposals, validities, clock))]
+        rollouts = [x.rollout for x in proposals] + [a.rollout for a in attempts]
+        idle = set(p.slot) - {r.member for r in rollouts}
+        assert len(idle) == 2 and "T1" in idle
+
+        def logprobs() -> torch.Tensor:
+            with torch.no_grad():
+                lp, mask = sequence_logprobs(p.model, p.bank, [r.prompt_ids for r in rollouts],
+                                             [r.token_ids for r in rollouts],
+                                             [p.slot[r.member] for r in rollouts])
+            return (lp.float() * mask).sum(1)
+
+        before_lp = logprobs()
+        before = {m: p.bank.slot_state(p.slot[m]) for m in idle}
+        update = sp.update(pairs, proposals, validities, attempts)
+        moved = logprobs() - before_lp
+        for m, state in before.items():
+            after = p.bank.slot_state(p.slot[m])
+            assert all(torch.equal(after[k][w], state[k][w]) for k in state for w in state[k])
+        rewards = update.teacher_rewards + update.student_rewards
+        advs = trr_advantages([((r.member, r.role, r.type), x)
+                               for r, x in zip(rollouts, rewards, strict=True)])
+        for member in {r.member for r in rollouts}:
+            mine = [(a, float(d)) for r, a, d in zip(rollouts, advs, moved, strict=True)
+                    if r.member == member]
+            ups = [d for a, d in mine if a > 0]
+            downs = [d for a, d in mine if a < 0]
+            assert ups and downs, member  # both signs, or the check says nothing
+            assert min(ups) > 0 > max(downs), (member, ups, downs)
+    finally:
+        sp.close()

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from lorapop.config import load_config
+from lorapop.league import Replacement
 from lorapop.parts import build, load_state, save_state
 from lorapop.tasks.task import Task
 
@@ -26,7 +27,8 @@ def touch(p):
         p.bank.load_slot(i, state)
     p.opt.exp_avg.add_(1.0)
     p.opt.steps += 3
-    p.ratings.set("S1", 31.0, 2.5)
+    p.ratings.set("S1", 31.0, 2.5, played=4)
+    p.lineage.replace([Replacement("T1", ("T0",), "copy", 0)])
     p.buffers["code_i"].add(Task("code_i", "def f(a):\n    return -a", ("4",), ("-4",)))
     p.coverage["code_o"].update(["def f(a):\n    return a * 2"])
     torch.manual_seed(123)
@@ -52,6 +54,8 @@ def test_save_then_load_restores_the_training_state(cfg, tmp_path):
         assert torch.equal(fresh.opt.exp_avg, saved.opt.exp_avg)
         assert torch.equal(fresh.opt.steps, saved.opt.steps)
         assert fresh.ratings.to_dict() == saved.ratings.to_dict()
+        assert fresh.ratings.played("S1") == 4
+        assert fresh.lineage.individual("T1") == "T1.g1"
         assert [t.key for t in fresh.buffers["code_i"]] == [t.key for t in saved.buffers["code_i"]]
         assert fresh.coverage["code_o"].seen == saved.coverage["code_o"].seen != set()
     finally:

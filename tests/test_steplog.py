@@ -1,6 +1,7 @@
 """The metrics row: a pure function of one step's records and a league summary."""
 
 import copy
+from dataclasses import replace
 
 import pytest
 
@@ -80,3 +81,26 @@ def test_baseline_member_has_no_rating_and_untrained_member_no_loss():
     assert "mu" not in row["members"]["T0"] and row["members"]["T0"]["role"] == "solo"
     assert row["members"]["S9"] == {"slot": 2, "role": "student", "grad_norm": None,
                                     "loss": None}
+
+
+def test_rows_name_individuals_and_count_only_programs_the_teacher_wrote():
+    """code_f's program comes from the buffer: it adds no complexity and no coverage."""
+    rec = record()
+    code_f = Task("code_f", "def f(a):\n    if a:\n        return 1\n    return 2", ("1",), ("1",),
+                  teacher="T0", step=1)
+    proposals = [*rec.proposals, Proposal("T0", "code_f", code_f, rollout("T0", "teacher", 2))]
+    validities = [*rec.verification.validities, Validity(True, task=code_f)]
+    rec = replace(rec, proposals=proposals,
+                  verification=Verification(validities, {**rec.verification.coverage,
+                                                         "code_f": None},
+                                            {**rec.verification.buffer_sizes, "code_f": 3}),
+                  update=replace(rec.update, teacher_rewards=[*rec.update.teacher_rewards, 0.0]))
+    league = {**LEAGUE, "T0": replace(LEAGUE["T0"], individual="T0.g2")}
+    row = step_metrics(rec, league)
+    assert row["members"]["T0"]["individual"] == "T0.g2"
+    assert "individual" not in row["members"]["S0"]  # not given: readers treat it as S0.g0
+    prog = row["programs"]["code_f"]
+    assert (prog["valid"], prog["proposed"], prog["buffer"]) == (1, 1, 3)
+    assert all(prog[k] is None for k in ("ast_depth", "cyclomatic", "loc", "variables",
+                                         "coverage", "coverage_new", "distinct_in_step"))
+    assert row["programs"]["code_o"]["loc"] == 2  # the teacher's own program still counts

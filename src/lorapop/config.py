@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 
 class Section(BaseModel):
@@ -49,16 +49,12 @@ class LeagueConfig(Section):
     pfsp: Literal["even", "hard", "uniform"] = "even"
     """PFSP weighting f(p): even = p(1-p), hard = (1-p)^k (AlphaStar), uniform = ablation."""
     hard_exponent: float = Field(2.0, gt=0)
-    teacher_win_below: float = Field(0.4, ge=0, le=1)
-    """Student solve rate below which the teacher wins the match."""
-    student_win_above: float = Field(0.6, ge=0, le=1)
-    """Student solve rate above which the student wins; in between is a draw."""
-
-    @model_validator(mode="after")
-    def _thresholds_ordered(self) -> LeagueConfig:
-        if self.teacher_win_below > self.student_win_above:
-            raise ValueError("teacher_win_below must not exceed student_win_above")
-        return self
+    outcome_center: Literal["relative", "absolute"] = "relative"
+    """A match is won by the side whose student solve rate is more than `draw_margin` off the
+    center: relative = this step's mean match solve rate (ratings rank skill even when most
+    answers fail), absolute = 0.5 (the earlier rule); see `lorapop.league.ratings`."""
+    draw_margin: float = Field(0.1, ge=0, le=0.5)
+    """Solve rates within this distance of the center are a draw."""
 
 
 OPERATORS = (
@@ -78,10 +74,15 @@ class EvolveConfig(Section):
     }
     """Operator name -> sampling weight (names from `lorapop.lora.evolve.OPERATORS`)."""
     parent_fraction: float = Field(0.5, gt=0, le=1)
-    """Parents are drawn from this top share of the sub-population."""
+    """Parents are drawn from this top share of the sub-population. With 2 members per pool
+    there is one parent and one target, so each event copies the better over the worse."""
+    protect_matches: int = Field(20, ge=0)
+    """A child cannot be a replacement target until it has played this many matches (a
+    teacher plays `league.students_per_teacher` a step; 20 spans two periods at every=10)."""
     child_rating: Literal["reset", "inherit"] = "inherit"
     sigma_scale: float = Field(2.0, ge=1.0)
-    """With `inherit`, a child's sigma is its parents' largest sigma times this (capped at the prior)."""
+    """With `inherit`, a child's sigma is its parents' largest sigma times this (capped at the
+    prior; no longer floored at half the prior, which made every child rank last)."""
 
     @field_validator("operators")
     @classmethod
@@ -139,9 +140,12 @@ class TrainConfig(Section):
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
     micro_batch_size: int = Field(16, ge=1)
-    teacher_reward: Literal["zero", "azr", "inverse"] = "zero"
-    """Valid task with solve rate s: zero = 0 if s in {0,1} else 1-s (PopuLoRA); azr = -0.5 if
-    s in {0,1} else 1-s; inverse = 1-s, with -0.5 at s=1."""
+    teacher_conversion: Literal["one_minus", "inverse"] = "one_minus"
+    """A valid task's reward from its solve rate s, AZR's `generation_accuracy_convertion`:
+    one_minus = 1-s if s > 0 else 0 (so 0 at s in {0,1}: PopuLoRA's rule), inverse = 1-s."""
+    teacher_format_penalty: float | None = None
+    """AZR's composite reward: a valid proposal whose converted reward is not positive gets
+    this instead (AZR: -0.5). None (PopuLoRA) keeps the 0."""
 
 
 class RunConfig(Section):
@@ -170,10 +174,28 @@ class ConfigError(ValueError):
     """A bad config file, key or value; the message is one line fit for the terminal."""
 
 
+_AZR_PENALTY = "train.teacher_conversion={} train.teacher_format_penalty=-0.5"
+_REMOVED: dict[str, dict[Any, str] | str] = {
+    # removed keys whose meaning moved elsewhere: value -> its replacement (or one text for all)
+    "train.teacher_reward": {"zero": "train.teacher_conversion=one_minus",
+                             "azr": _AZR_PENALTY.format("one_minus"),
+                             "inverse": _AZR_PENALTY.format("inverse")},
+    "league.teacher_win_below": "league.outcome_center and league.draw_margin "
+                                "(the old 0.4/0.6 is outcome_center=absolute draw_margin=0.1)",
+}
+_REMOVED["league.student_win_above"] = _REMOVED["league.teacher_win_below"]
+
+
 def _describe(error: ValidationError) -> str:
     first = error.errors()[0]
     key = ".".join(str(p) for p in first["loc"]) or "<root>"
     if first["type"] == "extra_forbidden":
+        if key in _REMOVED:
+            new = _REMOVED[key]
+            if isinstance(new, dict):
+                value = first["input"]
+                new = new.get(value if isinstance(value, str) else "", " or ".join(new.values()))
+            return f"'{key}' was removed; use {new}"
         return f"unknown key '{key}'"
     return f"bad value for '{key}': {first['msg']}"
 

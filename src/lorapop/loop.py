@@ -29,7 +29,7 @@ from lorapop.checkpoint import latest_checkpoint, save_checkpoint, truncate_json
 from lorapop.config import Config, dump_config
 from lorapop.engine.generate import Generation, SamplingParams, generate
 from lorapop.engine.logprobs import sequence_logprobs
-from lorapop.league import Role, match, match_result, plan_replacement, rate_children
+from lorapop.league import Role, match, match_results, plan_replacement, rate_children
 from lorapop.lora import evolve
 from lorapop.parts import build, derive_seed, load_state, save_state
 from lorapop.rl import (
@@ -68,7 +68,8 @@ class SelfPlay:
             raise FileNotFoundError(f"no checkpoint to resume from in {self.run_dir}")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.parts = build(cfg)
-        self.rewards = RewardScheme(teacher_rule=cfg.train.teacher_reward)
+        self.rewards = RewardScheme(teacher_conversion=cfg.train.teacher_conversion,
+                                    teacher_format_penalty=cfg.train.teacher_format_penalty)
         self.step_done = 0
         if ckpt is not None:
             self.step_done = load_state(self.parts, ckpt)
@@ -141,8 +142,8 @@ class SelfPlay:
                 for (teacher, t, base), g in zip(asks, gens, strict=True)]
 
     def verification(self, step: int, proposals: list[Proposal]) -> Verification:
-        """The sandbox judges every proposal; valid tasks enter their type's buffer and its
-        coverage count."""
+        """The sandbox judges every proposal; valid tasks enter their type's buffer and, where
+        the teacher wrote the program (not code_f's, from the buffer), its coverage count."""
         validity: dict[int, Validity] = {}  # proposal index -> its verdict
         coverage = {}
         for t, fam in self.parts.families.items():
@@ -157,7 +158,8 @@ class SelfPlay:
             tasks = [v.task for i in mine if (v := validity[i]).valid and v.task is not None]
             for task in tasks:
                 self.parts.buffers[t].add(task)
-            coverage[t] = self.parts.coverage[t].update(task.program for task in tasks)
+            cov = self.parts.coverage.get(t)
+            coverage[t] = None if cov is None else cov.update(task.program for task in tasks)
         return Verification([validity[i] for i in range(len(proposals))], coverage,
                             {t: len(b) for t, b in self.parts.buffers.items()})
 
@@ -211,15 +213,17 @@ class SelfPlay:
         losses, grad_norms = self._policy_step(rollouts, teacher_rewards + student_rewards)
         if self.parts.ratings is not None:
             lg = self.cfg.league
-            for teacher, student in pairs:
-                answers = [a.grade.outcome for a in attempts
-                           if a.teacher == teacher and a.student == student and a.own]
-                self.parts.ratings.record(teacher, student, match_result(
-                    solve_rate(answers), lg.teacher_win_below, lg.student_win_above))
+            match_rates = [solve_rate(a.grade.outcome for a in attempts
+                                      if a.teacher == teacher and a.student == student and a.own)
+                           for teacher, student in pairs]
+            results = match_results(match_rates, lg.draw_margin, lg.outcome_center)
+            for (teacher, student), result in zip(pairs, results, strict=True):
+                self.parts.ratings.record(teacher, student, result)
         return Update(teacher_rewards, student_rewards, losses, grad_norms)
 
     def replacement(self, step: int) -> list[dict[str, Any]]:
-        """The weakest members of each sub-population become children of the strongest."""
+        """The weakest members of each sub-population become children of the strongest; the
+        log names slots and individuals (`lorapop.league.lineage`)."""
         ev, p = self.cfg.evolve, self.parts
         assert p.ratings is not None  # the baseline never evolves
         crossovers = {n for n, info in evolve.INFO.items() if info.n_parents == 2}
@@ -227,11 +231,10 @@ class SelfPlay:
         log = []
         for role in ("teacher", "student"):
             plan = plan_replacement(p.ratings, role, rng, ev.operators, crossovers,
-                                    fraction=ev.fraction, parent_fraction=ev.parent_fraction)
-            for r in plan:
+                                    fraction=ev.fraction, parent_fraction=ev.parent_fraction,
+                                    protect_matches=ev.protect_matches)
+            for r, entry in zip(plan, p.lineage.replace(plan), strict=True):
                 parents = [p.bank.slot_state(p.slot[name]) for name in r.parents]
-                entry = {"target": r.target, "parents": list(r.parents), "operator": r.operator,
-                         "seed": r.seed}
                 try:
                     child = evolve.OPERATORS[r.operator](parents, r.seed)
                 except (ValueError, RuntimeError) as e:  # numerics must not end a long run
@@ -245,12 +248,14 @@ class SelfPlay:
 
     # ------------------------------------------------------------------ helpers
     def league_summary(self) -> dict[str, MemberInfo]:
-        """Each member's slot, role and rating, as the metrics row shows them."""
+        """Each member's slot, role, rating and individual, as the metrics row shows them."""
         p = self.parts
         if p.ratings is None:
-            return {name: MemberInfo(i, p.role(name)) for name, i in p.slot.items()}
+            return {name: MemberInfo(i, p.role(name), individual=p.lineage.individual(name))
+                    for name, i in p.slot.items()}
         ratings = {name: p.ratings.get(name) for name in p.slot}
-        return {name: MemberInfo(i, p.role(name), ratings[name].mu, ratings[name].sigma)
+        return {name: MemberInfo(i, p.role(name), ratings[name].mu, ratings[name].sigma,
+                                 p.lineage.individual(name))
                 for name, i in p.slot.items()}
 
     def _generate(self, prompts: list[str], members: list[str], max_new: int, seed: int,

@@ -5,7 +5,7 @@ structure:
 
     adapters/<member>/     PEFT adapter directories (`lorapop export` and `eval` read these)
     buffers/<type>.jsonl   the task buffers
-    state.pt               step, member slots, optimiser, ratings, coverage, RNG states
+    state.pt               step, member slots, optimiser, ratings, lineage, coverage, RNG states
     config.yaml            the run's config
 """
 
@@ -22,7 +22,7 @@ import torch
 from lorapop.config import Config, dump_config
 from lorapop.engine.model import load_base_model, load_tokenizer
 from lorapop.engine.step import BankOptimizer
-from lorapop.league import Ratings
+from lorapop.league import Lineage, Ratings
 from lorapop.lora.bank import AdapterBank
 from lorapop.lora.peft_io import export_slot, import_slot
 from lorapop.tasks import TaskFamily, get_family
@@ -45,9 +45,11 @@ class Parts:
     students: list[str]  # in the single-agent baseline both are ["A0"]
     slot: dict[str, int]  # member name -> adapter slot
     ratings: Ratings | None  # None: the baseline has no opponents, hence no ratings
+    lineage: Lineage  # which individual holds each slot (`T0.g3`)
     families: dict[str, TaskFamily]
     buffers: dict[str, TaskBuffer]
-    coverage: dict[str, Coverage]  # distinct program shapes proposed so far, per task type
+    coverage: dict[str, Coverage]  # distinct program shapes the teachers wrote so far, per
+    # task type (not code_f's, whose programs come from the buffer)
     sandbox: Sandbox
 
     @property
@@ -108,7 +110,8 @@ def build(cfg: Config) -> Parts:
     return Parts(
         cfg=cfg, tokenizer=tokenizer, model=model, bank=bank, opt=opt, teachers=teachers,
         students=students, slot=slot, ratings=None if single else Ratings(teachers, students),
-        families=families, buffers=buffers, coverage={t: Coverage() for t in families},
+        lineage=Lineage(list(slot)), families=families, buffers=buffers,
+        coverage={t: Coverage() for t, f in families.items() if not f.needs_base},
         sandbox=sandbox,
     )
 
@@ -125,6 +128,7 @@ def save_state(p: Parts, step: int, folder: Path) -> None:
         "slots": p.slot,
         "optimizer": p.opt.state_dict(),
         "ratings": None if p.ratings is None else p.ratings.to_dict(),
+        "lineage": p.lineage.to_dict(),
         "coverage": {t: sorted(c.seen) for t, c in p.coverage.items()},
         "rng": {"torch": torch.get_rng_state(),
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
@@ -144,6 +148,7 @@ def load_state(p: Parts, folder: Path) -> int:
     p.opt.load_state_dict(state["optimizer"])
     if p.ratings is not None:
         p.ratings = Ratings.from_dict(state["ratings"])
+    p.lineage = Lineage.from_dict(state.get("lineage", {}), p.members)
     for t, b in p.buffers.items():
         p.buffers[t] = TaskBuffer.load(folder / "buffers" / f"{t}.jsonl", type=t,
                                        capacity=b.capacity, seed=p.cfg.seed)

@@ -45,7 +45,8 @@ class Verification:
     """The sandbox's judgement of a step's proposals, and what the valid ones added."""
 
     validities: list[Validity]  # one per proposal, in order
-    coverage: dict[str, CoverageStep]  # per task type: distinct program shapes
+    coverage: dict[str, CoverageStep | None]  # per task type: distinct program shapes the
+    # teachers wrote (None: code_f, whose programs are copied from the buffer)
     buffer_sizes: dict[str, int]  # per task type, after the valid tasks were added
 
 
@@ -94,6 +95,7 @@ class MemberInfo:
     role: str  # "teacher" | "student", or "solo" for the single-agent baseline's A0
     mu: float | None = None  # rating (None: the baseline has no ratings)
     sigma: float | None = None
+    individual: str | None = None  # who holds the slot (`T0.g3`, `lorapop.league.lineage`)
 
 
 def step_metrics(rec: StepRecord, league: dict[str, MemberInfo]) -> dict[str, Any]:
@@ -105,6 +107,8 @@ def step_metrics(rec: StepRecord, league: dict[str, MemberInfo]) -> dict[str, An
         atts = [i for i, a in enumerate(rec.attempts) if a.student == name]
         mine = [rec.proposals[i].rollout for i in props] + [rec.attempts[i].rollout for i in atts]
         m: dict[str, Any] = {"slot": info.slot, "role": info.role}
+        if info.individual is not None:
+            m["individual"] = info.individual
         if props:
             m["teacher_reward"] = fmean(rec.update.teacher_rewards[i] for i in props)
             m["valid_rate"] = fmean(valid[i] for i in props)
@@ -133,18 +137,21 @@ def step_metrics(rec: StepRecord, league: dict[str, MemberInfo]) -> dict[str, An
                          "solve_rate": solve_rate(a.grade.outcome for a in own)})
     programs = {}
     for t, cov in rec.verification.coverage.items():
-        tasks = [v.task for p, v in zip(rec.proposals, rec.verification.validities, strict=True)
-                 if p.type == t and v.valid and v.task is not None]
-        stats = [s for s in (program_metrics(task.program) for task in tasks) if s is not None]
+        accepted = [(p, v.task) for p, v in zip(rec.proposals, rec.verification.validities,
+                                                strict=True)
+                    if p.type == t and v.valid and v.task is not None]
+        # complexity and coverage of programs the teacher wrote, not code_f's copied ones
+        stats = [s for p, task in accepted
+                 if p.base is None and (s := program_metrics(task.program)) is not None]
         programs[t] = {
-            "valid": len(tasks),
+            "valid": len(accepted),
             "proposed": sum(p.type == t for p in rec.proposals),
             "buffer": rec.verification.buffer_sizes[t],
             **{k: (fmean(getattr(s, k) for s in stats) if stats else None)
                for k in ("ast_depth", "cyclomatic", "loc", "variables")},
-            "coverage": cov.total_distinct,
-            "coverage_new": cov.new,
-            "distinct_in_step": cov.batch_distinct,
+            "coverage": None if cov is None else cov.total_distinct,
+            "coverage_new": None if cov is None else cov.new,
+            "distinct_in_step": None if cov is None else cov.batch_distinct,
         }
     return {
         "step": rec.step,

@@ -4,7 +4,13 @@ from statistics import NormalDist
 import pytest
 import trueskill
 
-from lorapop.league.ratings import MatchResult, Ratings, TrueSkillParams, match_result
+from lorapop.league.ratings import (
+    MatchResult,
+    Ratings,
+    TrueSkillParams,
+    match_result,
+    match_results,
+)
 
 
 def league() -> Ratings:
@@ -37,6 +43,44 @@ def test_outcome_thresholds_are_configurable_and_checked():
         match_result(1.5)
     with pytest.raises(ValueError, match="solve rate"):
         match_result(float("nan"))
+
+
+def test_step_results_absolute_center_is_the_fixed_band():
+    rates = [0.0, 0.39, 0.4, 0.6, 0.61, None]
+    want = [match_result(r) for r in rates]  # 0.4 / 0.6
+    assert match_results(rates, 0.1, "absolute") == want
+
+
+def test_step_results_relative_center_is_the_steps_mean():
+    # mean of the known rates 0.05: teacher wins below 0 (never), student above 0.15
+    rates = [0.0, 0.0, 0.2, 0.0, None]
+    assert match_results(rates, 0.1) == [
+        MatchResult.DRAW, MatchResult.DRAW, MatchResult.STUDENT, MatchResult.DRAW, MatchResult.STUDENT]
+    # shifting every rate shifts the center: the same matches, the same outcomes
+    low, high = [0.1, 0.3, 0.5], [0.4, 0.6, 0.8]
+    assert match_results(low) == match_results(high) == [
+        MatchResult.TEACHER, MatchResult.DRAW, MatchResult.STUDENT]
+    # one match: it is the center, a draw
+    assert match_results([0.9]) == [MatchResult.DRAW]
+    assert match_results([None, None]) == [MatchResult.STUDENT, MatchResult.STUDENT]
+    with pytest.raises(ValueError, match="margin"):
+        match_results([0.5], margin=0.7)
+    with pytest.raises(ValueError, match="center"):
+        match_results([0.5], center="median")
+
+
+def test_matches_played_are_counted_until_a_rating_is_set():
+    r = league()
+    r.record("t0", "s0", MatchResult.TEACHER)
+    r.record("t0", "s1", MatchResult.DRAW)
+    assert [r.played(n) for n in ("t0", "t1", "s0", "s1")] == [2, 0, 1, 1]
+    r.set("t0", 25.0, 2.0)
+    assert r.played("t0") == 0
+    r.set("t0", 25.0, 2.0, played=7)
+    r.reset("s0")
+    assert (r.played("t0"), r.played("s0")) == (7, 0)
+    with pytest.raises(ValueError, match="played"):
+        r.set("t0", 25.0, 2.0, played=-1)
 
 
 def test_teacher_win_moves_teacher_up_and_student_down():
@@ -102,10 +146,16 @@ def test_round_trip_through_json_keeps_ratings_and_params():
         assert back.get(name).mu == r.get(name).mu
         assert back.get(name).sigma == r.get(name).sigma
         assert back.role(name) == r.role(name)
+        assert back.played(name) == r.played(name)
     # the restored league keeps evolving exactly like the original
     r.record("t0", "s1", MatchResult.STUDENT)
     back.record("t0", "s1", MatchResult.STUDENT)
     assert back.get("s1").mu == r.get("s1").mu
+    # a checkpoint from before match counts: every member counts as a veteran (unprotected)
+    old = r.to_dict()
+    for m in old["members"]:
+        del m["played"]
+    assert Ratings.from_dict(old).played("s1") >= 10**6
 
 
 def test_bad_input_gets_clear_errors():

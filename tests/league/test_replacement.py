@@ -3,7 +3,7 @@ from collections import Counter
 
 import pytest
 
-from lorapop.league.ratings import Ratings
+from lorapop.league.ratings import MatchResult, Ratings
 from lorapop.league.replacement import Replacement, plan_replacement, rate_children
 
 OPS = {"gaussian": 1.0, "svd_crossover": 1.0}
@@ -70,13 +70,48 @@ def test_child_ratings_reset_and_inherit():
         Replacement("s4", ("s3", "s1"), "svd_crossover", 1),
         Replacement("s2", ("s3",), "gaussian", 2),
     ]
-    rate_children(r, plan, "inherit", sigma_scale=2.0)
+    rate_children(r, plan, "inherit", sigma_scale=1.5)
     assert r.get("s4").mu == pytest.approx((31 + 28) / 2)
-    assert r.get("s4").sigma == pytest.approx(r.params.sigma / 2)  # 2*2=4 < floor 4.17
+    assert r.get("s4").sigma == pytest.approx(3.0)  # no floor at half the prior
     assert r.get("s2").mu == pytest.approx(31.0)
+    assert r.played("s4") == r.played("s2") == 0
     rate_children(r, plan[1:], "inherit", sigma_scale=10.0)
     assert r.get("s2").sigma == pytest.approx(r.params.sigma)  # capped at the prior
     rate_children(r, plan, "reset")
     assert (r.get("s4").mu, r.get("s4").sigma) == (r.params.mu, r.params.sigma)
     with pytest.raises(ValueError, match="policy"):
         rate_children(r, plan, "copy")
+    with pytest.raises(ValueError, match="sigma_scale"):
+        rate_children(r, plan, "inherit", sigma_scale=0.5)
+
+
+def test_a_child_does_not_start_last_and_is_protected_until_it_has_played():
+    """Issue 14: a child born with sigma >= 4.17 ranked last at the next event, so one slot
+    was re-rolled at every event. Now it starts next to its parent and is not a target until
+    it has played `protect_matches` matches."""
+    r = pool()
+    for name in r.students:
+        r.set(name, r.get(name).mu, 1.5, played=100)
+    plan = plan_replacement(r, "student", random.Random(0), {"copy": 1.0}, (), 0.2, 0.2)
+    assert [(p.target, p.parents) for p in plan] == [("s4", ("s3",))]
+    rate_children(r, plan, "inherit", sigma_scale=2.0)
+    assert r.ranked("student")[-1] != "s4"  # mu 31, sigma 3: above s2 (22 - 4.5)
+    r.record("t0", "s4", MatchResult.TEACHER)
+    r.set("s4", 15.0, 3.0, played=r.played("s4"))  # it has done badly and ranks last
+    assert r.ranked("student")[-1] == "s4"
+    protected = plan_replacement(r, "student", random.Random(0), {"copy": 1.0}, (), 0.2, 0.2, 2)
+    assert [p.target for p in protected] == ["s2"]  # the weakest member it may replace
+    r.record("t0", "s4", MatchResult.TEACHER)
+    assert r.played("s4") == 2
+    served = plan_replacement(r, "student", random.Random(0), {"copy": 1.0}, (), 0.2, 0.2, 2)
+    assert [p.target for p in served] == ["s4"]
+
+
+def test_protection_can_leave_nothing_to_replace():
+    r = Ratings(["t0"], ["s0", "s1"])
+    r.set("s0", 30.0, 1.0, played=50)
+    r.set("s1", 20.0, 1.0, played=5)  # the only possible target is still protected
+    assert plan_replacement(r, "student", random.Random(0), OPS, CROSS, 0.5, 0.5, 10) == []
+    assert plan_replacement(r, "student", random.Random(0), OPS, CROSS, 0.5, 0.5, 5) != []
+    with pytest.raises(ValueError, match="protect_matches"):
+        plan_replacement(r, "student", random.Random(0), OPS, CROSS, 0.5, 0.5, -1)

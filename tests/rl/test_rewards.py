@@ -1,3 +1,6 @@
+"""Rewards against AZR's code (LeapLabTHU/Absolute-Zero-Reasoner at a82124e,
+absolute_zero_reasoner/rewards/reward_managers.py), transcribed below case by case."""
+
 import pytest
 
 from lorapop.rl.rewards import (
@@ -9,30 +12,72 @@ from lorapop.rl.rewards import (
 )
 from lorapop.tasks.task import Outcome
 
+AZR = {"one_minus": RewardScheme(teacher_format_penalty=-0.5),
+       "inverse": RewardScheme(teacher_conversion="inverse", teacher_format_penalty=-0.5)}
+RATES = [i / 8 for i in range(9)]  # AZR samples 8 answers per proposal
 
-def test_student_rewards():
-    assert student_reward(Outcome.CORRECT) == 1.0
-    assert student_reward(Outcome.WRONG) == -0.5
-    assert student_reward(Outcome.FORMAT_ERROR) == -1.0
-    assert student_reward(Outcome.WRONG, RewardScheme(wrong=0.0)) == 0.0
+
+def azr_proposer_reward(code_validity: bool, accuracy: float, conversion: str) -> float:
+    """CodeIORewardManager: _get_data_dict sets format_score 0 for code that fails to parse or
+    run, and 1 for a valid, well-formatted response; invalid uids get accuracy 1.0 in
+    _get_problem_generator_rewards_and_valid_programs, which converts it; __call__ combines."""
+    format_score = 1.0 if code_validity else 0.0
+    acc = accuracy if code_validity else 1.0
+    if conversion == "one_minus":  # noqa: SIM108 (transcribed as AZR writes it)
+        reward = (1 - acc) if acc > 0 else 0.0
+    elif conversion == "inverse":
+        reward = 1 - acc
+    if format_score > 0:
+        return reward if reward > 0 else -0.5  # intrinsic rewards are off in AZR's scripts
+    return -1.0
+
+
+def azr_solver_reward(format_ok: bool, accuracy: float) -> float:
+    """__call__'s `pred` branch, split == 'train' (code_f accuracy is binary)."""
+    if format_ok:
+        return accuracy if accuracy > 0 else -0.5
+    return -1.0
+
+
+@pytest.mark.parametrize("conversion", ["one_minus", "inverse"])
+@pytest.mark.parametrize("rate", RATES)
+def test_teacher_reward_with_format_penalty_is_azrs(conversion, rate):
+    for valid in (True, False):
+        want = azr_proposer_reward(valid, rate, conversion)
+        assert teacher_reward(valid, rate, AZR[conversion]) == pytest.approx(want)
+
+
+@pytest.mark.parametrize("rate", RATES)
+def test_default_teacher_reward_is_populoras_and_azrs_one_minus_conversion(rate):
+    # PopuLoRA: -1 invalid, 0 at s in {0, 1}, else 1 - s; that is AZR's conversion alone
+    want = 0.0 if rate in (0.0, 1.0) else 1.0 - rate
+    assert teacher_reward(True, rate) == pytest.approx(want)
+    assert teacher_reward(False, rate) == -1.0  # an invalid task's solve rate is ignored
+    assert teacher_reward(False, None) == -1.0
+
+
+def test_named_cases():
+    azr = AZR["one_minus"]
+    assert teacher_reward(True, 0.0, azr) == -0.5  # valid, nobody solves it
+    assert teacher_reward(True, 1.0, azr) == -0.5  # valid, everybody solves it
+    assert teacher_reward(True, 0.25, azr) == pytest.approx(0.75)
+    assert teacher_reward(False, None, azr) == -1.0  # invalid: -1 in AZR too, never -0.5
+    inv = RewardScheme(teacher_conversion="inverse")
+    assert teacher_reward(True, 0.0, inv) == 1.0
+    assert teacher_reward(True, 1.0, inv) == 0.0
+    assert teacher_reward(True, 1.0, RewardScheme(teacher_format_penalty=-0.2)) == -0.2
 
 
 @pytest.mark.parametrize(
-    ("valid", "rate", "zero", "azr", "inverse"),
-    [
-        (False, None, -1.0, -1.0, -1.0),
-        (False, 0.5, -1.0, -1.0, -1.0),  # an invalid task's solve rate is ignored
-        (True, 0.0, 0.0, -0.5, 1.0),
-        (True, 1.0, 0.0, -0.5, -0.5),
-        (True, 0.25, 0.75, 0.75, 0.75),
-        (True, 0.9, 0.1, 0.1, 0.1),
-    ],
+    ("answer", "format_ok", "accuracy"),
+    [(Outcome.CORRECT, True, 1.0), (Outcome.WRONG, True, 0.0), (Outcome.FORMAT_ERROR, False, 0.0)],
 )
-def test_teacher_reward_table(valid, rate, zero, azr, inverse):
-    assert teacher_reward(valid, rate) == pytest.approx(zero)  # the default rule
-    assert teacher_reward(valid, rate, RewardScheme(teacher_rule="azr")) == pytest.approx(azr)
-    got = teacher_reward(valid, rate, RewardScheme(teacher_rule="inverse"))
-    assert got == pytest.approx(inverse)
+def test_student_reward_is_azrs_solver_reward(answer, format_ok, accuracy):
+    assert student_reward(answer) == azr_solver_reward(format_ok, accuracy)
+
+
+def test_student_reward_values_are_configurable():
+    assert student_reward(Outcome.WRONG, RewardScheme(wrong=0.0)) == 0.0
 
 
 def test_solve_rate_counts_format_errors_as_unsolved():
@@ -57,5 +102,5 @@ def test_bad_input():
         teacher_reward(True, None)
     with pytest.raises(ValueError, match="solve rate"):
         teacher_reward(True, 1.2)
-    with pytest.raises(ValueError, match="teacher_rule"):
-        RewardScheme(teacher_rule="best")
+    with pytest.raises(ValueError, match="teacher_conversion"):
+        RewardScheme(teacher_conversion="azr")  # type: ignore[arg-type]

@@ -2,26 +2,47 @@
 
 A *match* is one teacher against one matched student on the tasks that teacher proposed
 this step and the sandbox accepted (its valid tasks). Its outcome is read from the
-student's solve rate ``s`` over all its graded answers to those tasks:
+student's solve rate ``s`` over all its graded answers to those tasks, against a *center*
+``c`` and a draw margin ``m`` (default 0.1):
 
-- ``s < low``            -> the teacher wins (its tasks beat the student);
-- ``s > high``           -> the student wins;
-- ``low <= s <= high``   -> draw;
-- no valid task at all   -> the student wins (a teacher that poses nothing loses).
+- ``s < c - m``            -> the teacher wins (its tasks beat the student);
+- ``s > c + m``            -> the student wins;
+- otherwise                -> draw;
+- no valid task at all     -> the student wins (a teacher that poses nothing loses).
 
-Defaults ``low=0.4, high=0.6``: a draw is a solve rate within about one standard error of
-an even game for a typical match (3 task types x 8 answers: ``0.5/sqrt(24) ~ 0.1``), so a
-draw says "no evidence either way" and a win needs a clear margin. The band is symmetric,
-so swapping the roles' luck (``s -> 1 - s``) swaps the winner.
+``match_results`` takes one step's matches together. Its default center is *relative*:
+the mean solve rate of this step's matches, so an outcome says which side did better than
+this step's typical pairing. The *absolute* center 0.5 (the rule before, "teacher wins
+below 0.4, student above 0.6") lets a league-wide offset decide the outcomes: where most
+answers fail whoever plays (small models, code_f that no student solves, so a third of the
+answers are 0 by construction), nearly every match is a teacher win, the outcomes carry no
+information about who is better, and the ratings end up ranking roles rather than skill.
+In a simulation with fixed hidden skills (``tests/league/test_simulation.py``; 4 + 4, 300
+steps, 6 seeds), at a league-wide solve rate of about 0.05 (the tiny world's early steps)
+the absolute center recovers the within-pool order with a mean Kendall tau of 0.28, the
+relative one with 0.97; at a league-wide rate of about 0.33 both give 1.0. What the relative
+center changes: a cross-pool win probability means "does better than this step's typical
+pairing", not "solves under / over half", so PFSP's weights stay informative instead of
+saturating when one pool dominates. With one match a step (1 + 1) the center is that
+match's rate and every outcome is a draw.
 
-The outcome is deliberately *not* measured against the ratings' prediction: TrueSkill's
-update already weighs each result by how surprising it was (an expected win barely moves
-the ratings, an upset moves them a lot). Judging the outcome relative to the prediction as
-well would count the prediction twice and keep ratings from separating.
+The margin is about one standard error of an even game for a typical match (3 task types x
+8 answers: ``0.5/sqrt(24) ~ 0.1``), so a draw says "no evidence either way" and a win needs
+a clear margin. The band is symmetric, so swapping the roles' luck swaps the winner.
+
+The outcome is deliberately *not* measured against the ratings' prediction for the pair:
+TrueSkill's update already weighs each result by how surprising it was (an expected win
+barely moves the ratings, an upset moves them a lot). Judging the outcome relative to the
+prediction as well would count the prediction twice and keep ratings from separating. The
+relative center is the same for every match of the step, so it removes a common offset
+without looking at who plays whom.
 
 Rating maths is the ``trueskill`` library's (``rate_1vs1`` with ``drawn``). The only
 formula written here is the win probability, which the library does not expose:
 ``P(a beats b) = Phi((mu_a - mu_b) / sqrt(2 beta^2 + sigma_a^2 + sigma_b^2))``.
+
+``Ratings`` also counts the matches each member has played since its rating was last set
+(``played``): replacement protects a child until it has played enough of them.
 
 Teachers and students are two *pools*: each is ranked only against itself (replacement
 works per pool), but both live on one TrueSkill scale (one environment), since every match
@@ -34,12 +55,14 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from enum import Enum
+from statistics import fmean
 from typing import Any, Literal
 
 import trueskill
 
 Role = Literal["teacher", "student"]
 ROLES: tuple[Role, Role] = ("teacher", "student")
+_VETERAN = 1 << 30  # matches played by a member of a checkpoint that did not count them
 
 
 class MatchResult(str, Enum):
@@ -65,6 +88,23 @@ def match_result(solve_rate: float | None, low: float = 0.4, high: float = 0.6) 
     if solve_rate > high:
         return MatchResult.STUDENT
     return MatchResult.DRAW
+
+
+OutcomeCenter = Literal["relative", "absolute"]
+
+
+def match_results(
+    rates: Sequence[float | None], margin: float = 0.1, center: OutcomeCenter = "relative"
+) -> list[MatchResult]:
+    """Results of one step's matches from their solve rates (see the module docstring)."""
+    if not 0.0 <= margin <= 0.5:
+        raise ValueError(f"draw margin must be in [0, 0.5], got {margin}")
+    if center not in ("relative", "absolute"):
+        raise ValueError(f"outcome center must be 'relative' or 'absolute', got {center!r}")
+    known = [r for r in rates if r is not None]
+    c = fmean(known) if center == "relative" and known else 0.5
+    low, high = max(0.0, c - margin), min(1.0, c + margin)
+    return [match_result(r, low, high) for r in rates]
 
 
 @dataclass(frozen=True)
@@ -106,6 +146,7 @@ class Ratings:
         self._role: dict[str, Role] = {n: "teacher" for n in teachers}
         self._role.update({n: "student" for n in students})
         self._rating: dict[str, trueskill.Rating] = {n: self.env.create_rating() for n in names}
+        self._played: dict[str, int] = dict.fromkeys(names, 0)
 
     # --- reading -----------------------------------------------------------------------
     def members(self, role: Role) -> list[str]:
@@ -135,6 +176,10 @@ class Ratings:
         """One pool, best first by conservative rating (ties keep the pool's order)."""
         return sorted(self.members(role), key=lambda n: -self.conservative(n))
 
+    def played(self, name: str) -> int:
+        """Matches played since the member's rating was last set (its age, for protection)."""
+        return self._played[self._known(name)]
+
     def win_probability(self, a: str, b: str) -> float:
         """P(a beats b), draws ignored; 0.5 for equal ratings."""
         ra, rb = self.get(a), self.get(b)
@@ -152,22 +197,29 @@ class Ratings:
         else:
             t, s = trueskill.rate_1vs1(t, s, drawn=result is MatchResult.DRAW, env=self.env)
         self._rating[teacher], self._rating[student] = t, s
+        self._played[teacher] += 1
+        self._played[student] += 1
 
-    def set(self, name: str, mu: float, sigma: float) -> None:
+    def set(self, name: str, mu: float, sigma: float, played: int = 0) -> None:
+        """A new rating for ``name``, backed by ``played`` matches (0: a new individual)."""
         if not (math.isfinite(mu) and math.isfinite(sigma) and sigma > 0):
             raise ValueError(f"rating needs finite mu and sigma > 0, got mu={mu}, sigma={sigma}")
+        if played < 0:
+            raise ValueError(f"matches played must be >= 0, got {played}")
         self._rating[self._known(name)] = self.env.create_rating(mu=mu, sigma=sigma)
+        self._played[name] = played
 
     def reset(self, name: str) -> None:
-        """A fresh rating (the environment's prior)."""
-        self._rating[self._known(name)] = self.env.create_rating()
+        """A fresh rating (the environment's prior), no matches played."""
+        self.set(name, self.params.mu, self.params.sigma)
 
     # --- checkpoints -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return {
             "params": asdict(self.params),
             "members": [
-                {"name": n, "role": self._role[n], "mu": r.mu, "sigma": r.sigma}
+                {"name": n, "role": self._role[n], "mu": r.mu, "sigma": r.sigma,
+                 "played": self._played[n]}
                 for n, r in self._rating.items()
             ],
         }
@@ -180,8 +232,9 @@ class Ratings:
             [m["name"] for m in members if m["role"] == "student"],
             TrueSkillParams(**state["params"]),
         )
-        for m in members:
-            ratings.set(m["name"], float(m["mu"]), float(m["sigma"]))
+        for m in members:  # checkpoints before match counts: nobody is protected
+            played = int(m.get("played", _VETERAN))
+            ratings.set(m["name"], float(m["mu"]), float(m["sigma"]), played)
         return ratings
 
     def _known(self, name: str) -> str:

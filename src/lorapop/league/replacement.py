@@ -4,17 +4,39 @@
 (``lorapop.lora.evolve.OPERATORS[op](parent_states, seed)``), resets the children's
 optimizer state, and calls ``rate_children`` for their ratings.
 
-In a pool of ``n`` ranked by conservative rating (mu - 3 sigma, best first):
+The rule is population-based training's exploit step: a member that has shown itself
+weak is overwritten by a copy (mutated or crossed) of a strong one, and the copy then has
+to show its own worth before it can be culled. In a pool of ``n`` ranked by conservative
+rating (mu - 3 sigma, best first):
 
-- targets: the bottom ``floor(fraction * n)`` members (at most ``n - 1``);
-- parents: drawn uniformly from the top ``max(1, floor(parent_fraction * n))`` members,
-  never from the targets, so a member is never both parent and target in one plan and
-  every child is made from weights that this plan does not overwrite (the order in which
-  the loop applies the plan does not matter);
+- parents: drawn uniformly from the top ``max(1, floor(parent_fraction * n))`` members
+  (at most ``n - targets``);
+- targets: the bottom ``floor(fraction * n)`` members (at most ``n - 1``) among those not
+  *protected* and not parents. A member is protected until it has played
+  ``protect_matches`` matches since it was made (``Ratings.played``), so a child cannot
+  be culled on the prior it was born with, only on its own results. When protected
+  members fill the bottom, fewer (or no) targets are replaced this time. A member is
+  never both parent and target in one plan, so every child is made from weights that this
+  plan does not overwrite (the order in which the loop applies the plan does not matter);
 - the operator: drawn from ``operators`` (name -> weight); names in ``crossovers`` take
   two distinct parents (fitter first), the rest one. With a single possible parent only
   the one-parent operators are drawn;
 - a seed per child for the operator, drawn from the same RNG, so a plan is reproducible.
+
+Child ratings (``rate_children``, ``"inherit"``): the parents' mean mu and their largest
+sigma times ``sigma_scale``, capped at the prior. An earlier rule also floored sigma at
+half the prior (4.17): with established members at sigma 1.5-2, a child's mu - 3 sigma
+started at least 12.5 below its parent's, so it ranked last at the next event and the
+same slot was re-rolled at nearly every event (issue 14). Without the floor a child starts
+near its parent's rank, with a wider sigma so its first results move it quickly.
+
+In the league simulation (``tests/league/test_simulation.py``: 4 + 4 with fixed hidden
+skills, 300 steps, evolution every 10, the config's defaults, 4 seeds) the weakest slot of
+a pool was the target at 15 of 30 events, the second weakest at 11-14, the third at 0-3,
+the strongest never; under the earlier rule one slot was the target at all 30.
+
+With two members per pool there is one parent and one possible target, so every event
+overwrites the weaker of the two with a child of the other (protection only skips events).
 """
 
 from __future__ import annotations
@@ -47,12 +69,15 @@ def plan_replacement(
     crossovers: Collection[str] = (),
     fraction: float = 0.25,
     parent_fraction: float = 0.5,
+    protect_matches: int = 0,
 ) -> list[Replacement]:
     """The replacements for one pool, worst target first."""
     if not 0.0 <= fraction < 1.0:
         raise ValueError(f"replacement fraction must be in [0, 1), got {fraction}")
     if not 0.0 < parent_fraction <= 1.0:
         raise ValueError(f"parent fraction must be in (0, 1], got {parent_fraction}")
+    if protect_matches < 0:
+        raise ValueError(f"protect_matches must be >= 0, got {protect_matches}")
     if not operators or any(w < 0 for w in operators.values()) or sum(operators.values()) <= 0:
         raise ValueError(
             f"operators need non-negative weights with a positive sum, got {operators}"
@@ -63,7 +88,9 @@ def plan_replacement(
     if n_targets == 0:
         return []
     n_parents = min(max(1, int(parent_fraction * n)), n - n_targets)
-    parents, targets = ranked[:n_parents], ranked[::-1][:n_targets]
+    parents = ranked[:n_parents]
+    eligible = [m for m in ranked[n_parents:] if ratings.played(m) >= protect_matches]
+    targets = eligible[::-1][:n_targets]
 
     mix = {op: w for op, w in operators.items() if w > 0}
     if n_parents < 2:
@@ -88,20 +115,20 @@ def rate_children(
     plan: Sequence[Replacement],
     policy: ChildRating = "inherit",
     sigma_scale: float = 2.0,
-    sigma_floor: float | None = None,
 ) -> None:
-    """Give each child its rating.
+    """Give each child its rating, with no matches played (see the module docstring).
 
     ``"reset"``: the prior. ``"inherit"``: the mean of the parents' mu, and the largest
-    parent sigma times ``sigma_scale``, at least ``sigma_floor`` (default: half the prior
-    sigma) and at most the prior sigma: the child plays like its parents at first, but its
-    rating must stay free to move since the weights changed. Read all parents before
-    writing any child, so the order of the plan does not matter.
+    parent sigma times ``sigma_scale`` (at most the prior sigma): the child plays like its
+    parents at first, but its rating must stay free to move since the weights changed.
+    Read all parents before writing any child, so the order of the plan does not matter.
     """
     if policy not in ("reset", "inherit"):
         raise ValueError(f"child rating policy must be 'reset' or 'inherit', got {policy!r}")
+    if sigma_scale < 1.0:
+        raise ValueError(f"sigma_scale must be >= 1 (a child is no surer than its parents), "
+                         f"got {sigma_scale}")
     prior = ratings.params.sigma
-    floor = prior / 2.0 if sigma_floor is None else sigma_floor
     new = {}
     for r in plan:
         if policy == "reset":
@@ -109,6 +136,6 @@ def rate_children(
             continue
         mus = [ratings.get(p).mu for p in r.parents]
         sigma = max(ratings.get(p).sigma for p in r.parents) * sigma_scale
-        new[r.target] = (sum(mus) / len(mus), min(prior, max(floor, sigma)))
+        new[r.target] = (sum(mus) / len(mus), min(prior, sigma))
     for target, (mu, sigma) in new.items():
         ratings.set(target, mu, sigma)

@@ -3,7 +3,7 @@
 from lorapop.rl.advantages import trr_advantages
 from lorapop.rl.rewards import (
     RewardScheme,
-    TeacherRule,
+    TeacherConversion,
     solve_rate,
     solve_rates,
     student_reward,
@@ -12,7 +12,7 @@ from lorapop.rl.rewards import (
 
 __all__ = [
     "RewardScheme",
-    "TeacherRule",
+    "TeacherConversion",
     "solve_rate",
     "solve_rates",
     "student_reward",
