@@ -176,17 +176,15 @@ class Decoder:
     ) -> list[int]:
         """Move finished rows' results to `out`; returns the rows now free."""
         done, cols = self.done.tolist(), self.col.tolist()
-        keep = {b: (cols[b], False) for b in range(self.batch) if owner[b] >= 0 and done[b]}
-        if stop_fn is not None:
-            running = [b for b in range(self.batch) if owner[b] >= 0 and not done[b]]
-            if running:
-                width = max(cols[b] for b in running)
-                host = self.out_tok[:, :width].cpu()
-                for b in running:
-                    n = stop_fn(owner[b], host[b, : cols[b]].tolist())
-                    if n is not None:
-                        keep[b] = (min(n, cols[b]), True)
-                        self.done[b] = True
+        owned = [b for b in range(self.batch) if owner[b] >= 0]
+        keep = {b: (cols[b], False) for b in owned if done[b]}
+        if stop_fn is not None and owned:  # rows that just ended may have passed a stop too
+            host = self.out_tok[:, : max(cols[b] for b in owned)].cpu()
+            for b in owned:
+                n = stop_fn(owner[b], host[b, : cols[b]].tolist())
+                if n is not None and (not done[b] or n < cols[b]):
+                    keep[b] = (min(n, cols[b]), True)
+                    self.done[b] = True
         if not keep:
             return []
         rows = sorted(keep)
