@@ -12,7 +12,7 @@ per token on code). Each run does `--warmup` steps first, then times `--steps` s
 `--paper` runs the population config alone at its own sizes (no baseline, no warm-up unless
 asked), `--max-new-tokens N` sets both generation lengths, `--lengths MEDIAN[:SIGMA[:CAP]]`
 makes each row stop at a length drawn from a log-normal (through `generate`'s stop function,
-keyed by call and prompt) instead of `ignore_eos`, and `--static` cuts every generation into
+keyed by call and prompt; EOS stays off), and `--static` cuts every generation into
 static batches of `sampling.batch_size` prompts (each run until its slowest row ends: no
 refills), for comparison with continuous batching. Each result reports phase times, peak
 memory, generated tokens/s and the update's tokens/s and model FLOP utilisation.
@@ -242,11 +242,10 @@ def main() -> None:
                    f"sampling.student_max_new_tokens={args.max_new_tokens}"]
     if args.static:
         _patch("generate", static_batches)
-    if args.lengths:  # outside the static split: lengths follow the prompt, not its batch
+    if args.lengths:  # outside the static split: lengths follow the prompt, not its batch;
+        # EOS stays off (random weights): the drawn length is the only stop
         parts = [*map(float, args.lengths.split(":"))]
-        median_len, sigma, cap = [*parts, 1.0, 0.0][:3] if len(parts) < 3 else parts[:3]
-        common.remove("sampling.ignore_eos=true")
-        common.append("sampling.ignore_eos=false")
+        median_len, sigma, cap = [*parts, *[300.0, 1.0, 0.0][len(parts):]][:3]
         _patch("generate", length_stop(median_len, sigma, int(cap) or None))
     common += args.overrides
     if args.warmup is None:
