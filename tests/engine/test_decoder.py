@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lorapop.engine.byte_tokenizer import byte_tokenizer
 
 import lorapop.engine.generate as gen_mod
+from lorapop.engine.byte_tokenizer import byte_tokenizer
 from lorapop.engine.decoder import Decoder, prefill_chunks
 from lorapop.engine.generate import generate
 from lorapop.engine.kvcache import static_kv

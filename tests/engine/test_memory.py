@@ -8,11 +8,11 @@ import pytest
 import torch
 
 import lorapop.engine.generate as gen_mod
+from lorapop.engine.byte_tokenizer import byte_tokenizer
 from lorapop.engine.decoder import Decoder
 from lorapop.engine.generate import generate
 from lorapop.engine.memory import GenerationMemoryError, fit_batch, prefill_bytes, row_bytes
 from lorapop.engine.sampling import SamplingParams
-from lorapop.engine.byte_tokenizer import byte_tokenizer
 from tiny_models import tiny_model
 
 PARAMS = SamplingParams(temperature=1.0, max_new_tokens=8, eos_token_ids=())

@@ -85,9 +85,9 @@ def generate(
     ids = _encode(tokenizer, prompts)
     keys = list(range(len(ids))) if row_keys is None else [int(k) for k in row_keys]
     _check(model, bank, tokenizer, ids, slot_ids, keys, params, batch_size)
-    if not ids or prefill_tokens < 1:
-        if prefill_tokens < 1:
-            raise ValueError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
+    if prefill_tokens < 1:
+        raise ValueError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
+    if not ids:
         return []
     eos = _eos_ids(model, tokenizer, params)
     order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))  # longest admitted first
@@ -95,11 +95,9 @@ def generate(
     length = -(-(len(ids[order[0]]) + steps - 1) // 64) * 64
     if compile is None:
         compile = next(model.parameters()).device.type == "cuda"
-    if compile:
-        length = compile_buckets(1, None, length)[1]
     want = min(batch_size or len(ids), len(ids))
     if compile:
-        want = compile_buckets(want, batch_size, length)[0]
+        want, length = compile_buckets(want, batch_size, length)
     budget = memory_budget if memory_budget is not None else free_memory(model)
     batch = fit_batch(model, want, length, steps, prefill_tokens, budget)
     if compile and batch < want:
