@@ -125,6 +125,10 @@ class SamplingConfig(Section):
     teacher_max_new_tokens: int = Field(256, ge=1)
     student_max_new_tokens: int = Field(128, ge=1)
     batch_size: int = Field(64, ge=1)
+    """Most rows decoding at once; lowered (logged once) when their KV cache does not fit the
+    free GPU memory. Finished rows are refilled with waiting prompts."""
+    prefill_tokens: int = Field(8192, ge=1)
+    """Most prompt tokens per prefill forward (long prompts are prefilled in chunks)."""
     ignore_eos: bool = False
     """Always generate max_new_tokens (fixed lengths for benchmarks)."""
     compile: bool = False

@@ -266,7 +266,7 @@ class SelfPlay:
         t0 = time.perf_counter()
         gens = generate(p.model, p.bank, p.tokenizer, prompts, [p.slot[m] for m in members],
                         params, seed=seed, batch_size=sp.batch_size,
-                        compile=None if sp.compile else False)
+                        compile=None if sp.compile else False, prefill_tokens=sp.prefill_tokens)
         clock.generation_s += time.perf_counter() - t0
         clock.generated_tokens += sum(len(g.token_ids) for g in gens)
         return gens

@@ -155,17 +155,18 @@ class Decoder:
             if not self._ready and steps > 1:
                 self._prepare()
             n = 0
-            while any(o >= 0 for o in owner):
+            while True:
+                if n % check_every == 0:  # also right after the first prefill
+                    free = self._collect(owner, out, stop_fn)
+                    if free and waiting:
+                        self._admit(free, waiting, owner, used, prompts, slots, u)
+                    if all(o < 0 for o in owner):
+                        break
                 if self.graph is not None:
                     self.graph.replay()
                 else:
                     self._step()
                 n += 1
-                if n % check_every:
-                    continue
-                free = self._collect(owner, out, stop_fn)
-                if free and waiting:
-                    self._admit(free, waiting, owner, used, prompts, slots, u)
         return [o for o in out if o is not None]
 
     def _collect(
@@ -179,9 +180,9 @@ class Decoder:
         owned = [b for b in range(self.batch) if owner[b] >= 0]
         keep = {b: (cols[b], False) for b in owned if done[b]}
         if stop_fn is not None and owned:  # rows that just ended may have passed a stop too
-            host = self.out_tok[:, : max(cols[b] for b in owned)].cpu()
+            host = self.out_tok[:, : max(cols[b] for b in owned)].tolist()
             for b in owned:
-                n = stop_fn(owner[b], host[b, : cols[b]].tolist())
+                n = stop_fn(owner[b], host[b][: cols[b]])
                 if n is not None and (not done[b] or n < cols[b]):
                     keep[b] = (min(n, cols[b]), True)
                     self.done[b] = True
