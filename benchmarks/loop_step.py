@@ -162,7 +162,7 @@ def measure(config: str, overrides: list[str], warmup: int, steps: int, run_dir:
     counter = UpdateCount()
     _patch("sequence_logprobs", counter)
     sp = SelfPlay(cfg, run_dir)
-    n_params = flop_params(sp.model)
+    n_params = flop_params(getattr(sp, "parts", sp).model)  # (older loops: sp.model)
     rows = []
     try:
         for i in range(warmup + steps):
