@@ -74,15 +74,17 @@ def decode_step_seconds(model, bank, prompts, slots, params, compile=False) -> t
     length = -(-(PROMPT + NEW - 1) // 64) * 64
     dec = Decoder(model, bank, BATCH, length, params, [], cuda_graph=True, compile=compile)
     u = row_uniforms(0, range(BATCH), NEW)
-    dec.slots.copy_(torch.tensor(slots))
+    rows = list(range(BATCH))
     if bank is not None:
         bank.sync_caches()
-    with torch.no_grad(), static_kv(model, dec.kv), route(bank, dec.slots):
-        dec.prefill(prompts, u)
+    with torch.no_grad(), static_kv(model, dec.kv), route(bank, torch.tensor(slots)):
+        dec.prefill(prompts, slots, rows, u)
+        if bank is not None:
+            bank.set_slot_ids_(dec.slots)  # the decode step's routing (prefill re-routed)
         dec._prepare()
         assert dec.graph is not None or not dec.use_graph, "CUDA graph capture failed"
         assert not compile or dec.compiled is not None, "torch.compile failed"
-        prefill_s, _ = timed(lambda: dec.prefill(prompts, u))
+        prefill_s, _ = timed(lambda: dec.prefill(prompts, slots, rows, u))
         steps = NEW - 1
         step = dec._step if dec.graph is None else dec.graph.replay  # eager: CPU smoke runs
         decode_s, _ = timed(lambda: [step() for _ in range(steps)])

@@ -8,14 +8,25 @@ A BPE tokenizer trained on generated tasks stands in for the real one (similar c
 per token on code). Each run does `--warmup` steps first, then times `--steps` steps.
 
     PYTHONPATH=src python benchmarks/loop_step.py --out benchmarks/results/loop_step.json
+
+`--paper` runs the population config alone at its own sizes (no baseline, no warm-up unless
+asked), `--max-new-tokens N` sets both generation lengths, `--lengths MEDIAN[:SIGMA[:CAP]]`
+makes each row stop at a length drawn from a log-normal (through `generate`'s stop function,
+keyed by call and prompt; EOS stays off), and `--static` cuts every generation into
+static batches of `sampling.batch_size` prompts (each run until its slowest row ends: no
+refills), for comparison with continuous batching. Each result reports phase times, peak
+memory, generated tokens/s and the update's tokens/s and model FLOP utilisation.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
+import math
 import platform
+import random
 import sys
 import tempfile
 import time
@@ -48,6 +59,97 @@ def seed_tasks(path: Path, tok_dir: Path, n: int) -> None:
     save_tokenizer(train_tokenizer(corpus_texts(tasks), vocab_size=8192), tok_dir)
 
 
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}  # dense bf16, SXM datasheet
+
+
+def _patch(name: str, wrap) -> None:
+    """Replace function `name` in every loaded lorapop module that imported it."""
+    import lorapop.engine.generate as g
+    import lorapop.engine.logprobs as lp
+
+    original = {"generate": g.generate, "sequence_logprobs": lp.sequence_logprobs}[name]
+    new = wrap(original)
+    for mod in [m for k, m in list(sys.modules.items()) if k.startswith("lorapop")]:
+        if getattr(mod, name, None) is original:
+            setattr(mod, name, new)
+
+
+def length_stop(median_len: float, sigma: float, cap: int | None):
+    """Per call, a stop function ending prompt i after a log-normal number of tokens."""
+    calls = [0]
+
+    def wrap(generate):
+        @functools.wraps(generate)
+        def run(*a, **kw):
+            calls[0] += 1
+            call = calls[0]
+            params = a[5] if len(a) > 5 else kw["params"]
+            top = min(cap or params.max_new_tokens, params.max_new_tokens)
+
+            def want(i: int) -> int:
+                r = random.Random(f"{call}/{i}").lognormvariate(math.log(median_len), sigma)
+                return max(1, min(top, round(r)))
+
+            def stop(i: int, toks: list[int]) -> int | None:
+                n = want(i)
+                return n if len(toks) >= n else None
+
+            return generate(*a, stop_fn=stop, **kw)
+
+        return run
+
+    return wrap
+
+
+def static_batches(generate):
+    """Static batching: each batch of `batch_size` prompts (longest first) runs alone."""
+
+    @functools.wraps(generate)
+    def run(model, bank, tok, prompts, slots, params=None, seed=0, batch_size=None, **kw):
+        n = len(prompts)
+        if not batch_size or batch_size >= n:
+            return generate(model, bank, tok, prompts, slots, params, seed, batch_size, **kw)
+        lens = [len(p) for p in prompts]
+        order = sorted(range(n), key=lambda i: -lens[i])
+        out = [None] * n
+        stop = kw.pop("stop_fn", None)
+        for s in range(0, n, batch_size):
+            part = order[s : s + batch_size]
+            sub = None if stop is None else (lambda j, t, part=part: stop(part[j], t))
+            gens = generate(model, bank, tok, [prompts[i] for i in part], [slots[i] for i in part],
+                            params, seed, batch_size, row_keys=part, stop_fn=sub, **kw)
+            for i, g in zip(part, gens, strict=True):
+                out[i] = g
+        return out
+
+    return run
+
+
+class UpdateCount:
+    """Tokens the update's log-prob forwards see: real (prompt + completion) and padded."""
+
+    def __init__(self) -> None:
+        self.real = self.padded = 0
+
+    def __call__(self, fn):
+        @functools.wraps(fn)
+        def run(model, bank, prompt_ids, completion_ids, *a, **kw):
+            if torch.is_grad_enabled():
+                lens = [len(p) + len(c) for p, c in zip(prompt_ids, completion_ids, strict=True)]
+                self.real += sum(lens)
+                self.padded += len(lens) * max(lens, default=0)
+            return fn(model, bank, prompt_ids, completion_ids, *a, **kw)
+
+        return run
+
+
+def flop_params(model) -> int:
+    """Parameters that do a multiply-add per token (all but the input embedding)."""
+    emb = model.get_input_embeddings().weight
+    tied = emb is model.get_output_embeddings().weight
+    return sum(p.numel() for p in model.parameters()) - (0 if tied else emb.numel())
+
+
 def measure(config: str, overrides: list[str], warmup: int, steps: int, run_dir: Path) -> dict:
     from lorapop.config import load_config
     from lorapop.loop import SelfPlay
@@ -57,7 +159,10 @@ def measure(config: str, overrides: list[str], warmup: int, steps: int, run_dir:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+    counter = UpdateCount()
+    _patch("sequence_logprobs", counter)
     sp = SelfPlay(cfg, run_dir)
+    n_params = flop_params(getattr(sp, "parts", sp).model)  # (older loops: sp.model)
     rows = []
     try:
         for i in range(warmup + steps):
@@ -68,6 +173,8 @@ def measure(config: str, overrides: list[str], warmup: int, steps: int, run_dir:
             row["wall_s"] = time.perf_counter() - t0
             if i >= warmup:
                 rows.append(row)
+            else:
+                counter.real = counter.padded = 0
             print(f"{config} step {i}: {row['wall_s']:.1f}s {row['phase_s']}", flush=True)
     finally:
         sp.close()
@@ -76,6 +183,11 @@ def measure(config: str, overrides: list[str], warmup: int, steps: int, run_dir:
         if cuda:
             torch.cuda.empty_cache()
     phases = {p: median(r["phase_s"].get(p, 0.0) for r in rows) for p in rows[0]["phase_s"]}
+    update_s = sum(r["phase_s"].get("update", 0.0) for r in rows)
+    name = torch.cuda.get_device_name() if cuda else ""
+    peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+    ckpt = cfg.model.gradient_checkpointing
+    model_flops = 4 * n_params * counter.real  # forward 2N + backward 2N (input grads only)
     return {
         "config": config,
         "overrides": overrides,
@@ -85,6 +197,16 @@ def measure(config: str, overrides: list[str], warmup: int, steps: int, run_dir:
         "generated_tokens": rows[0]["generated_tokens"],
         "tokens_per_s": median(r["tokens_per_s"] for r in rows),
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        "update": {
+            "tokens": counter.real // len(rows),
+            "padded_tokens": counter.padded // len(rows),
+            "tokens_per_s": counter.real / update_s if update_s else None,
+            "flop_params": n_params,
+            "gradient_checkpointing": ckpt,
+            "mfu": model_flops / update_s / (peak * 1e12) if update_s and peak else None,
+            "hfu_with_recompute": (model_flops * (1.5 if ckpt else 1.0)) / update_s
+            / (peak * 1e12) if update_s and peak else None,
+        },
     }
 
 
@@ -92,20 +214,51 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/qwen2.5-coder-7b-4v4.yaml")
     ap.add_argument("--baseline", default="configs/azr-7b-baseline.yaml")
-    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--warmup", type=int, help="untimed steps first (default 1, --paper 0)")
     ap.add_argument("--steps", type=int, default=1)
     ap.add_argument("--tasks-per-cell", type=int, default=12)
     ap.add_argument("--out", default="benchmarks/results/loop_step.json")
     ap.add_argument("--smoke", action="store_true", help="allow a CPU run (to test the script)")
+    ap.add_argument("--paper", action="store_true",
+                    help="the population config alone at its own sizes (no baseline)")
+    ap.add_argument("--max-new-tokens", type=int, help="both generation lengths")
+    ap.add_argument("--lengths", help="MEDIAN[:SIGMA[:CAP]]: log-normal row lengths via the "
+                    "stop function instead of ignore_eos (sigma 1.0, cap max_new_tokens)")
+    ap.add_argument("--static", action="store_true", help="static batches (no refills)")
+    ap.add_argument("--seed-dir", help="reuse (or create) the seed tasks and tokenizer here")
     ap.add_argument("overrides", nargs="*", help="extra key.path=value for both runs")
     args = ap.parse_args()
     if not torch.cuda.is_available() and not args.smoke:
         sys.exit("loop_step.py needs a CUDA GPU (or --smoke for a CPU check of the script)")
     tmp = Path(tempfile.mkdtemp())
-    seed_tasks(tmp / "seed.jsonl", tmp / "tok", args.tasks_per_cell)
-    common = [*BENCH, f"tasks.seed_tasks={tmp / 'seed.jsonl'}", f"model.tokenizer={tmp / 'tok'}",
-              *args.overrides]
+    seeds = Path(args.seed_dir) if args.seed_dir else tmp
+    if not (seeds / "seed.jsonl").exists():
+        seeds.mkdir(parents=True, exist_ok=True)
+        seed_tasks(seeds / "seed.jsonl", seeds / "tok", args.tasks_per_cell)
+    common = [*BENCH, f"tasks.seed_tasks={seeds / 'seed.jsonl'}",
+              f"model.tokenizer={seeds / 'tok'}"]
+    if args.max_new_tokens:
+        common += [f"sampling.teacher_max_new_tokens={args.max_new_tokens}",
+                   f"sampling.student_max_new_tokens={args.max_new_tokens}"]
+    if args.static:
+        _patch("generate", static_batches)
+    if args.lengths:  # outside the static split: lengths follow the prompt, not its batch;
+        # EOS stays off (random weights): the drawn length is the only stop
+        parts = [*map(float, args.lengths.split(":"))]
+        median_len, sigma, cap = [*parts, *[300.0, 1.0, 0.0][len(parts):]][:3]
+        _patch("generate", length_stop(median_len, sigma, int(cap) or None))
+    common += args.overrides
+    if args.warmup is None:
+        args.warmup = 0 if args.paper else 1
     pop = measure(args.config, common, args.warmup, args.steps, tmp / "pop")
+    if args.paper:
+        result = {"benchmark": "loop_step --paper", "command": " ".join([Path(sys.executable).name, *sys.argv]),
+                  "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor(),
+                  "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "population": pop}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2))
+        print(json.dumps(pop, indent=1))
+        return
     base = measure(args.baseline, common, args.warmup, args.steps, tmp / "base")
     result = {
         "benchmark": "loop_step",

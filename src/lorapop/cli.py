@@ -81,6 +81,7 @@ def _run(cfg: Config, run_dir: Path, resume: bool) -> int:
     """Train one run with the live display (and TensorBoard when asked); return steps done.
     Ctrl-C stops it; `--resume` continues from the last checkpoint (`run.save_every`)."""
     from lorapop.checkpoint import latest_checkpoint
+    from lorapop.engine.memory import GenerationMemoryError
     from lorapop.engine.model import ModelLoadError
     from lorapop.loop import SelfPlay
     from lorapop.progress import RunDisplay, TensorBoardLog
@@ -102,6 +103,8 @@ def _run(cfg: Config, run_dir: Path, resume: bool) -> int:
         typer.echo(f"interrupted in step {sp.step_done + 1}; `lorapop train --resume {run_dir}` "
                    f"continues from {where}", err=True)
         raise typer.Exit(130) from None
+    except GenerationMemoryError as e:  # raised before the step's first decode
+        raise _fail(str(e)) from None
     finally:
         sp.close()
         if tb:

@@ -125,6 +125,10 @@ class SamplingConfig(Section):
     teacher_max_new_tokens: int = Field(256, ge=1)
     student_max_new_tokens: int = Field(128, ge=1)
     batch_size: int = Field(64, ge=1)
+    """Most rows decoding at once; lowered (logged once) when their KV cache does not fit the
+    free GPU memory. Finished rows are refilled with waiting prompts."""
+    prefill_tokens: int = Field(8192, ge=1)
+    """Most prompt tokens per prefill forward (long prompts are prefilled in chunks)."""
     ignore_eos: bool = False
     """Always generate max_new_tokens (fixed lengths for benchmarks)."""
     compile: bool = False
@@ -140,6 +144,9 @@ class TrainConfig(Section):
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
     micro_batch_size: int = Field(16, ge=1)
+    """Most rows per update forward; rows are grouped by length (see micro_batch_tokens)."""
+    micro_batch_tokens: int = Field(16384, ge=1)
+    """Most padded tokens (rows x longest row) per update forward; a longer row goes alone."""
     teacher_conversion: Literal["one_minus", "inverse"] = "one_minus"
     """A valid task's reward from its solve rate s, AZR's `generation_accuracy_convertion`:
     one_minus = 1-s if s > 0 else 0 (so 0 at s in {0,1}: PopuLoRA's rule), inverse = 1-s."""

@@ -28,7 +28,7 @@ import torch
 from lorapop.checkpoint import latest_checkpoint, save_checkpoint, truncate_jsonl
 from lorapop.config import Config, dump_config
 from lorapop.engine.generate import Generation, SamplingParams, generate
-from lorapop.engine.logprobs import sequence_logprobs
+from lorapop.engine.logprobs import micro_batches, sequence_logprobs
 from lorapop.league import Role, match, match_results, plan_replacement, rate_children
 from lorapop.lora import evolve
 from lorapop.parts import build, derive_seed, load_state, save_state
@@ -266,7 +266,7 @@ class SelfPlay:
         t0 = time.perf_counter()
         gens = generate(p.model, p.bank, p.tokenizer, prompts, [p.slot[m] for m in members],
                         params, seed=seed, batch_size=sp.batch_size,
-                        compile=None if sp.compile else False)
+                        compile=None if sp.compile else False, prefill_tokens=sp.prefill_tokens)
         clock.generation_s += time.perf_counter() - t0
         clock.generated_tokens += sum(len(g.token_ids) for g in gens)
         return gens
@@ -291,15 +291,16 @@ class SelfPlay:
         slot_loss = torch.zeros(len(p.slot), device=dev)
         p.model.train()
         p.opt.zero_grad()
-        mb = self.cfg.train.micro_batch_size
-        for start in range(0, len(rollouts), mb):
-            part = rollouts[start:start + mb]
-            idx = slice(start, start + len(part))
+        tc = self.cfg.train
+        for group in micro_batches([len(r.prompt_ids) + len(r.token_ids) for r in rollouts],
+                                   tc.micro_batch_tokens, tc.micro_batch_size):
+            part = [rollouts[i] for i in group]
+            idx = torch.tensor(group, device=dev)
             logprobs, mask = sequence_logprobs(
                 p.model, p.bank, [r.prompt_ids for r in part], [r.token_ids for r in part],
                 slots[idx],
             )
-            adv = torch.tensor(advs[idx], device=dev, dtype=torch.float32)
+            adv = torch.tensor([advs[i] for i in group], device=dev, dtype=torch.float32)
             loss, rows = policy_loss(logprobs.float(), adv, mask, groups=slots[idx],
                                      token_counts=token_counts)
             loss.backward()

@@ -1,14 +1,21 @@
-"""Batched decoding of a fixed-size, mixed-adapter batch over a static KV cache.
+"""Continuous batching of mixed-adapter rows over a static KV cache.
 
-Prompts are left-padded to a common length P; each row's position ids count only its real
-tokens, and padding is masked out of every attention. The decode step is a pure function of
-static device buffers (token, cache position, step index, uniforms), so on CUDA it is captured
-once in a graph and replayed; on CPU the same step runs eagerly. Adapter routing is entered
-once per batch, outside the step: the bank fills its per-batch-size index buffers in place,
-so the captured step reads each new batch's routing. Rows must come sorted by slot (the
-bank's grouped kernel then skips its gathers, and that choice is baked into the graph).
-The bank's decode cache (a compute-dtype copy of its weights, read by the graph) is brought
-up to date before every batch.
+The decoder holds `batch` cache rows. Each prompt is prefilled into a free row (from cache
+index 0, in chunks of at most `prefill_tokens` tokens per forward), then decoded; when a row
+finishes (EOS, the caller's stop function, or its own max length) its result is collected and
+the row is refilled with the next waiting prompt, so the batch stays full until the queue is
+empty. A row's position ids are its cache indices and the decode mask is per row
+(`key <= the row's position`), so rows of any length and age share a step.
+
+The decode step is a pure function of static device buffers (tokens, per-row positions,
+output columns, uniforms, done flags), so on CUDA it is captured once in a graph and
+replayed; on CPU the same step runs eagerly. Finished rows keep running in the graph until
+refilled, writing into a spare output column. Every row draws its uniforms from its own
+stream (`row_uniforms(seed, key)`), indexed by its own output column: a prompt's tokens do not
+depend on its batch-mates or on when it was admitted. Adapter routing is set in place
+(`set_slot_ids_`) whenever rows change, so the captured step reads the current routing; the
+bank's decode cache (a compute-dtype copy of its weights, read by the graph) is brought up to
+date before every run.
 
 With `compile=True` the model forward of the step (attention mask, model, LoRA hooks) goes
 through torch.compile, which fuses the base model's small elementwise kernels (RMSNorm,
@@ -24,16 +31,19 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from lorapop.engine.kvcache import StaticKV, static_kv
+from lorapop.engine.kvcache import Prefill, StaticKV, static_kv
 from lorapop.engine.sampling import SamplingParams, sample
 
-# host callback: (tokens so far [B, n] on CPU, n, rows still running) -> rows that hit a stop
-StopFn = Callable[[torch.Tensor, int, list[int]], list[int]]
+# host callback: (prompt index, the row's tokens so far) -> how many tokens to keep if the
+# row must stop now, else None
+StopFn = Callable[[int, list[int]], int | None]
+Result = tuple[list[int], list[float], bool]  # tokens, logprobs, ended by the stop function
 
 
 def route(bank: Any, slots: torch.Tensor) -> contextlib.AbstractContextManager[Any]:
@@ -55,6 +65,22 @@ def _compile(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
     return run
 
 
+def prefill_chunks(widths: Sequence[int], budget: int) -> list[tuple[list[int], int]]:
+    """Split prompts of `widths` (longest first) into forwards of at most `budget` tokens.
+
+    Returns (prompt indices, chunk length) per group: a group's prompts are right-padded to
+    its widest and fed `chunk length` positions per forward, rows x chunk <= budget.
+    """
+    order = sorted(range(len(widths)), key=lambda i: -widths[i])
+    groups, i = [], 0
+    while i < len(order):
+        chunk = min(widths[order[i]], budget)
+        rows = max(1, budget // chunk)
+        groups.append((order[i : i + rows], chunk))
+        i += rows
+    return groups
+
+
 class Decoder:
     """Static buffers, KV cache and (optionally) the CUDA graph for one batch size and length."""
 
@@ -68,6 +94,7 @@ class Decoder:
         eos_ids: Sequence[int],
         cuda_graph: bool = True,
         compile: bool = False,
+        prefill_tokens: int = 8192,
     ) -> None:
         cfg = model.config.get_text_config()
         param = next(model.parameters())
@@ -76,26 +103,26 @@ class Decoder:
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         self.model, self.bank, self.params = model, bank, params
-        self.batch, self.length = batch, length
+        self.batch, self.length, self.prefill_tokens = batch, length, prefill_tokens
         self.kv = StaticKV(
             cfg.num_hidden_layers, batch, kv_heads, length, head_dim, param.dtype, dev
         )
         self.tok = torch.zeros(batch, dtype=torch.long, device=dev)
         self.slots = torch.zeros(batch, dtype=torch.long, device=dev)
-        self.pos_off = torch.zeros(batch, dtype=torch.long, device=dev)  # position id - cache index
-        self.key_ok = torch.zeros(batch, length, dtype=torch.bool, device=dev)
         self.arange = torch.arange(length, device=dev)
         self.u = torch.zeros(batch, steps, device=dev)
-        self.out_tok = torch.zeros(batch, steps, dtype=torch.long, device=dev)
-        self.out_lp = torch.zeros(batch, steps, device=dev)
-        self.done = torch.zeros(batch, dtype=torch.bool, device=dev)
-        self.step = torch.zeros((), dtype=torch.long, device=dev)  # column of the next token
+        # one spare column: rows that are done write there until they are refilled
+        self.out_tok = torch.zeros(batch, steps + 1, dtype=torch.long, device=dev)
+        self.out_lp = torch.zeros(batch, steps + 1, device=dev)
+        self.col = torch.zeros(batch, dtype=torch.long, device=dev)  # tokens written per row
+        self.done = torch.ones(batch, dtype=torch.bool, device=dev)
         self.eos = torch.tensor(list(eos_ids), dtype=torch.long, device=dev)
         self.bias = torch.tensor([0.0, float("-inf")], dtype=param.dtype, device=dev)
         self.use_graph = cuda_graph and dev.type == "cuda" and steps > 3
         self.graph: torch.cuda.CUDAGraph | None = None
         self.compiled: Callable[[], torch.Tensor] | None = None
         self._ready = False
+        self.refills = 0  # prompts admitted into a row that an earlier prompt had used
         if compile:
             self.compiled = _compile(self._logits)
 
@@ -107,111 +134,175 @@ class Decoder:
         u: torch.Tensor,
         stop_fn: StopFn | None = None,
         check_every: int = 8,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tokens [B, n] and their logprobs [B, n] on CPU; n < max_new_tokens when all stopped."""
+    ) -> list[Result]:
+        """Each prompt's (tokens, logprobs, stopped by stop_fn), admitted in the given order.
+
+        `u` [len(prompts), max_new_tokens] holds each prompt's uniforms. A row stops at EOS
+        (returned), at max_new_tokens, or where `stop_fn` says (cut to the count it returns).
+        """
         steps = self.params.max_new_tokens
-        host = torch.zeros(self.batch, steps, dtype=torch.long)
-        stopped = [False] * self.batch
-        self.slots.copy_(torch.as_tensor(list(slots), dtype=torch.long))
+        if max(len(p) for p in prompts) + steps - 1 > self.length:
+            raise ValueError(f"a prompt + {steps} new tokens do not fit a cache of {self.length}")
+        waiting = deque(range(len(prompts)))
+        owner = [-1] * self.batch  # prompt index held by each row, -1: free
+        used = [False] * self.batch
+        out: list[Result | None] = [None] * len(prompts)
+        self.done.fill_(True)
         if hasattr(self.bank, "sync_caches"):
             self.bank.sync_caches()  # the graph reads the cache: refresh it in place
         with static_kv(self.model, self.kv), route(self.bank, self.slots):
-            self.prefill(prompts, u)
+            self._admit(list(range(self.batch)), waiting, owner, used, prompts, slots, u)
             if not self._ready and steps > 1:
                 self._prepare()
-            n, seen = 1, 0
-            while n < steps:
+            n = 0
+            while True:
+                if n % check_every == 0:  # also right after the first prefill
+                    free = self._collect(owner, out, stop_fn)
+                    if free and waiting:
+                        self._admit(free, waiting, owner, used, prompts, slots, u)
+                    if all(o < 0 for o in owner):
+                        break
                 if self.graph is not None:
                     self.graph.replay()
                 else:
                     self._step()
                 n += 1
-                if n % check_every and n < steps:
-                    continue
-                host[:, seen:n] = self.out_tok[:, seen:n].cpu()
-                seen = n
-                done = self.done.tolist()
-                running = [b for b in range(self.batch) if not (done[b] or stopped[b])]
-                if stop_fn is not None and running:
-                    for b in stop_fn(host, n, running):
-                        stopped[b] = True
-                if all(d or s for d, s in zip(done, stopped, strict=True)):
-                    break
-        host[:, seen:n] = self.out_tok[:, seen:n].cpu()
-        return host[:, :n], self.out_lp[:, :n].cpu()
+        return [o for o in out if o is not None]
 
-    def prefill(self, prompts: Sequence[Sequence[int]], u: torch.Tensor) -> None:
-        """Fill the cache with the prompts and sample every row's first token."""
-        b, dev = self.batch, self.tok.device
-        width = max(len(p) for p in prompts)
-        if width + self.params.max_new_tokens - 1 > self.length:
-            raise ValueError(f"prompt of {width} tokens does not fit a cache of {self.length}")
-        ids = torch.zeros(b, width, dtype=torch.long)
-        real = torch.zeros(b, width, dtype=torch.bool)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p) :] = torch.as_tensor(list(p), dtype=torch.long)
-            real[i, width - len(p) :] = True
-        ids, real = ids.to(dev), real.to(dev)
-        self.u.copy_(u)
-        self.key_ok.fill_(True)
-        self.key_ok[:, :width] = real
-        self.pos_off.copy_(real.sum(1) - width)
-        positions = (real.cumsum(1) - 1).clamp_(min=0)
-        causal = torch.ones(width, width, dtype=torch.bool, device=dev).tril_()
-        mask = causal & real[:, None, :]
-        mask |= torch.eye(width, dtype=torch.bool, device=dev)  # padding attends to itself: no NaN
-        self.kv.prefilling = True
-        try:
-            out = self.model(
-                input_ids=ids,
-                attention_mask=mask[:, None],
-                position_ids=positions,
-                use_cache=False,
-                logits_to_keep=1,
-            )
-        finally:
-            self.kv.prefilling = False
-        tok, lp = sample(
-            out.logits[:, -1], self.u[:, 0], self.params.temperature, self.params.top_p
-        )
-        self.out_tok[:, 0] = tok
-        self.out_lp[:, 0] = lp
-        self.done.copy_(torch.isin(tok, self.eos))
-        self.tok.copy_(tok)
-        self.kv.pos.fill_(width)
-        self.step.fill_(1)
+    def _collect(
+        self,
+        owner: list[int],
+        out: list[Result | None],
+        stop_fn: StopFn | None,
+    ) -> list[int]:
+        """Move finished rows' results to `out`; returns the rows now free."""
+        done, cols = self.done.tolist(), self.col.tolist()
+        owned = [b for b in range(self.batch) if owner[b] >= 0]
+        keep = {b: (cols[b], False) for b in owned if done[b]}
+        if stop_fn is not None and owned:  # rows that just ended may have passed a stop too
+            host = self.out_tok[:, : max(cols[b] for b in owned)].tolist()
+            for b in owned:
+                n = stop_fn(owner[b], host[b][: cols[b]])
+                if n is not None and (not done[b] or n < cols[b]):
+                    keep[b] = (min(n, cols[b]), True)
+                    self.done[b] = True
+        if not keep:
+            return []
+        rows = sorted(keep)
+        idx = torch.tensor(rows, device=self.out_tok.device)
+        toks = self.out_tok.index_select(0, idx).cpu()
+        lps = self.out_lp.index_select(0, idx).cpu()
+        for j, b in enumerate(rows):
+            n, stopped = keep[b]
+            out[owner[b]] = (toks[j, :n].tolist(), lps[j, :n].tolist(), stopped)
+            owner[b] = -1
+        return rows
+
+    def _admit(
+        self,
+        free: list[int],
+        waiting: deque[int],
+        owner: list[int],
+        used: list[bool],
+        prompts: Sequence[Sequence[int]],
+        slots: Sequence[int],
+        u: torch.Tensor,
+    ) -> None:
+        """Prefill the next waiting prompts into the free rows; the routing follows."""
+        take = [waiting.popleft() for _ in range(min(len(free), len(waiting)))]
+        if not take:
+            return
+        rows = free[: len(take)]
+        for b, i in zip(rows, take, strict=True):
+            owner[b] = i
+            self.refills += used[b]
+            used[b] = True
+        self.prefill([prompts[i] for i in take], [slots[i] for i in take], rows, u[take])
+        if self.bank is not None:
+            self.bank.set_slot_ids_(self.slots)  # the step's routing (prefill re-routed)
+
+    def prefill(
+        self,
+        prompts: Sequence[Sequence[int]],
+        slots: Sequence[int],
+        rows: Sequence[int],
+        u: torch.Tensor,
+    ) -> None:
+        """Fill cache `rows` with `prompts` (chunked) and sample each row's first token."""
+        dev = self.tok.device
+        widths = [len(p) for p in prompts]
+        for group, chunk in prefill_chunks(widths, self.prefill_tokens):
+            group = sorted(group, key=lambda i: slots[i])  # slot order: grouped LoRA kernel
+            width = max(widths[i] for i in group)
+            ids = torch.zeros(len(group), width, dtype=torch.long)
+            for j, i in enumerate(group):
+                ids[j, : widths[i]] = torch.as_tensor(list(prompts[i]), dtype=torch.long)
+            ids = ids.to(dev)
+            at = torch.tensor([rows[i] for i in group], device=dev)
+            last = torch.tensor([widths[i] - 1 for i in group], device=dev)
+            hidden = torch.empty(0)
+            with route(self.bank, torch.tensor([slots[i] for i in group])):
+                for s in range(0, width, chunk):
+                    e = min(s + chunk, width)
+                    self.kv.prefill = Prefill(at, s)
+                    try:
+                        h = self.model.get_decoder()(
+                            input_ids=ids[:, s:e],
+                            position_ids=torch.arange(s, e, device=dev).expand(len(group), -1),
+                            use_cache=False,
+                        ).last_hidden_state
+                    finally:
+                        self.kv.prefill = None
+                    ends = (last >= s) & (last < e)  # rows whose last prompt token is here
+                    pick = h[torch.arange(len(group), device=dev), (last - s).clamp(0, e - s - 1)]
+                    hidden = pick if s == 0 else torch.where(ends[:, None], pick, hidden)
+            logits = self.model.get_output_embeddings()(hidden)
+            u_rows = u[group].to(dev)
+            tok, lp = sample(logits, u_rows[:, 0], self.params.temperature, self.params.top_p)
+            steps = self.params.max_new_tokens
+            self.u[at] = u_rows
+            self.out_tok[at, 0] = tok
+            self.out_lp[at, 0] = lp
+            self.done[at] = torch.isin(tok, self.eos) | (steps == 1)
+            self.col[at] = 1
+            self.tok[at] = tok
+            self.kv.pos[at] = last + 1
+            self.slots[at] = torch.tensor([slots[i] for i in group], device=dev)
 
     def _logits(self) -> torch.Tensor:
         """Logits [B, V] of each row's next token (the part of a step that is compiled)."""
-        b, t = self.batch, self.kv.pos
-        ok = (self.key_ok & (self.arange <= t)).view(b, 1, 1, self.length)
+        b, pos = self.batch, self.kv.pos
+        ok = (self.arange <= pos[:, None]).view(b, 1, 1, self.length)
         mask = torch.where(ok, self.bias[0], self.bias[1])  # additive: SDPA needs no conversion
         out = self.model(
             input_ids=self.tok.view(b, 1),
             attention_mask=mask,
-            position_ids=(self.pos_off + t).view(b, 1),
+            position_ids=pos.view(b, 1),
             use_cache=False,
         )
         return out.logits[:, -1]
 
     def _step(self) -> None:
-        """Feed each row's last token, sample the next: fixed shapes, no host sync."""
-        b = self.batch
+        """Feed each row's last token, sample its next: fixed shapes, no host sync."""
+        steps = self.params.max_new_tokens
         logits = (self.compiled or self._logits)()
-        col = self.step.view(1)
-        u = self.u.index_select(1, col).view(b)
-        tok, lp = sample(logits, u, self.params.temperature, self.params.top_p)
-        self.out_tok.index_copy_(1, col, tok.view(b, 1))
-        self.out_lp.index_copy_(1, col, lp.view(b, 1))
-        self.done |= torch.isin(tok, self.eos)
+        col = self.col.clamp(max=steps - 1).view(-1, 1)
+        tok, lp = sample(
+            logits, self.u.gather(1, col).view(-1), self.params.temperature, self.params.top_p
+        )
+        at = torch.where(self.done, steps, self.col).view(-1, 1)  # done rows: spare column
+        self.out_tok.scatter_(1, at, tok.view(-1, 1))
+        self.out_lp.scatter_(1, at, lp.view(-1, 1))
+        running = ~self.done
+        self.col += running
+        self.done |= torch.isin(tok, self.eos) | (self.col >= steps)
+        self.kv.pos += ~self.done
         self.tok.copy_(tok)
-        self.kv.pos += 1
-        self.step += 1
 
     def _prepare(self) -> None:
         """Compile (if asked) and capture (on CUDA) the step, then restore the state they
         advanced; the tokens and cache entries they wrote are overwritten by the real steps."""
-        state = [self.tok, self.done, self.step, self.kv.pos]
+        state = [self.tok, self.done, self.col, self.kv.pos]
         saved = [x.clone() for x in state]
         if self.compiled is not None:
             self._logits()  # eager first: lazily built bank caches exist before tracing

@@ -1,10 +1,11 @@
 """Sampling for a mixed-adapter batch: every row runs under its own adapter slot.
 
-`generate` tokenizes, sorts prompts by length and cuts them into batches of `batch_size`,
-decodes each batch with `Decoder` (static KV cache, CUDA graph on GPU) and turns each row's
-tokens into a `Generation`. Row i's random stream depends only on (seed, i): a row's output
-does not depend on the other prompts, their order or the batch size, beyond floating-point
-differences that padding to another length can cause in low precision.
+`generate` tokenizes, sizes the decode batch to the memory free, and streams the prompts
+(longest first) through one continuously refilled `Decoder` (static KV cache, CUDA graph on
+GPU), then turns each row's tokens into a `Generation`. Row i's random stream depends only on
+(seed, its row key): a row's output does not depend on the other prompts, their order, the
+batch size or when it was admitted, beyond floating-point differences of batched kernels in
+low precision.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any, Literal
 import torch
 
 from lorapop.engine.decoder import Decoder, StopFn
+from lorapop.engine.memory import fit_batch, free_memory
 from lorapop.engine.sampling import SamplingParams, row_uniforms
 
 Finish = Literal["eos", "stop", "length"]
@@ -50,52 +52,86 @@ def generate(
     batch_size: int | None = None,
     cuda_graph: bool = True,
     compile: bool | None = False,
+    row_keys: Sequence[int] | None = None,
+    stop_fn: StopFn | None = None,
+    prefill_tokens: int = 8192,
+    memory_budget: int | None = None,
 ) -> list[Generation]:
     """Sample one completion per prompt, prompt i under adapter slot `slot_ids[i]`.
 
     Prompts are strings (tokenized with the tokenizer's defaults) or token-id lists.
     `bank` may be None (the plain model); `tokenizer` may be None when prompts are ids and
-    no stop strings are given (texts are then empty). At most `batch_size` rows decode
-    together (default: all). `cuda_graph=False` forces the eager decode step on GPU.
-    `compile=True` (None: on CUDA only; default off) runs the decode step's model forward
-    through torch.compile before capturing the step: ~1.25x faster decode steps at 7B, for
-    ~45 s of compilation the first time a shape is seen in a process. Off by default: in a
-    self-play step the padding to shape buckets ate the gain and raised peak memory
-    (benchmarks/README.md). It falls back to the
-    plain forward with a warning if compilation fails. Shapes are then bucketed to bound
-    recompilation: the batch is rounded up to a power of two (at most `batch_size`), the
-    cache length to 64 or 96 times a power of two.
+    no stop strings are given (texts are then empty). Row i's samples depend only on
+    (seed, `row_keys[i]`) (default: i), so a caller that splits prompts across calls or
+    processes gets the same samples by passing each prompt's global key.
+
+    At most `batch_size` rows decode together (default: all), fewer if their KV cache does
+    not fit `memory_budget` bytes (default on CUDA: the free device memory; on CPU: no limit);
+    a prompt too long for even one row is a `GenerationMemoryError` before any work. Rows
+    that finish are refilled with waiting prompts (continuous batching); prompts are prefilled
+    at most `prefill_tokens` tokens per forward. `stop_fn(i, tokens)` may end prompt i early
+    (it returns how many tokens to keep), on top of EOS and `params.stop`.
+
+    `cuda_graph=False` forces the eager decode step on GPU. `compile=True` (None: on CUDA
+    only; default off) runs the decode step's model forward through torch.compile before
+    capturing the step: ~1.25x faster decode steps at 7B, for ~45 s of compilation the first
+    time a shape is seen in a process. Off by default: in a self-play step the padding to
+    shape buckets ate the gain and raised peak memory (benchmarks/README.md). It falls back
+    to the plain forward with a warning if compilation fails. Shapes are then bucketed to
+    bound recompilation: the batch is rounded up to a power of two (at most `batch_size`),
+    the cache length to 64 or 96 times a power of two.
     """
     params = params or SamplingParams()
     ids = _encode(tokenizer, prompts)
-    _check(model, bank, tokenizer, ids, slot_ids, params, batch_size)
+    keys = list(range(len(ids))) if row_keys is None else [int(k) for k in row_keys]
+    _check(model, bank, tokenizer, ids, slot_ids, keys, params, batch_size)
+    if prefill_tokens < 1:
+        raise ValueError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
     if not ids:
         return []
     eos = _eos_ids(model, tokenizer, params)
-    order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
-    batch = min(batch_size or len(ids), len(ids))
+    order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))  # longest admitted first
     steps = params.max_new_tokens
     length = -(-(len(ids[order[0]]) + steps - 1) // 64) * 64
     if compile is None:
         compile = next(model.parameters()).device.type == "cuda"
+    want = min(batch_size or len(ids), len(ids))
     if compile:
-        batch, length = compile_buckets(batch, batch_size, length)
-    decoder = Decoder(model, bank, batch, length, params, eos, cuda_graph, compile)
-    stop_fn = _stop_fn(tokenizer, params.stop, eos) if params.stop else None
+        want, length = compile_buckets(want, batch_size, length)
+    budget = memory_budget if memory_budget is not None else free_memory(model)
+    batch = fit_batch(model, want, length, steps, prefill_tokens, budget)
+    if compile and batch < want:
+        batch = 1 << (batch.bit_length() - 1)  # a bucket that still fits
+    decoder = Decoder(model, bank, batch, length, params, eos, cuda_graph, compile, prefill_tokens)
+    stops = _stop_fn(tokenizer, params.stop, eos) if params.stop else None
+    host_stop = _either(stops, stop_fn, order)
+    results = decoder.run(
+        [ids[i] for i in order],
+        [slot_ids[i] for i in order],
+        row_uniforms(seed, [keys[i] for i in order], steps),
+        host_stop,
+        _CHECK_EVERY,
+    )
+    del decoder  # its cache and graph pool go back before the caller's next phase
+    if next(model.parameters()).device.type == "cuda":
+        torch.cuda.empty_cache()
     out: list[Generation | None] = [None] * len(ids)
-    for start in range(0, len(order), batch):
-        chunk = sorted(order[start : start + batch], key=lambda i: slot_ids[i])
-        rows = chunk + [chunk[-1]] * (batch - len(chunk))  # fill a short last batch
-        toks, lps = decoder.run(
-            [ids[i] for i in rows],
-            [slot_ids[i] for i in rows],
-            row_uniforms(seed, rows, steps),
-            stop_fn,
-            _CHECK_EVERY,
-        )
-        for j, i in enumerate(chunk):
-            out[i] = _finish(tokenizer, ids[i], toks[j].tolist(), lps[j].tolist(), eos, params)
+    for i, (toks, lps, stopped) in zip(order, results, strict=True):
+        out[i] = _finish(tokenizer, ids[i], toks, lps, eos, params, stopped)
     return [g for g in out if g is not None]
+
+
+def _either(stops: StopFn | None, user: StopFn | None, order: list[int]) -> StopFn | None:
+    """One host stop function over the decoder's prompt indices (positions in `order`)."""
+    if stops is None and user is None:
+        return None
+
+    def fn(j: int, toks: list[int]) -> int | None:
+        i = order[j]
+        hits = [n for f in (user, stops) if f is not None and (n := f(i, toks)) is not None]
+        return min(hits) if hits else None
+
+    return fn
 
 
 def compile_buckets(batch: int, cap: int | None, length: int) -> tuple[int, int]:
@@ -131,11 +167,14 @@ def _check(
     tokenizer: Any,
     ids: list[list[int]],
     slot_ids: Sequence[int],
+    keys: list[int],
     params: SamplingParams,
     batch_size: int | None,
 ) -> None:
     if len(slot_ids) != len(ids):
         raise ValueError(f"{len(ids)} prompts but {len(slot_ids)} slot ids")
+    if len(keys) != len(ids):
+        raise ValueError(f"{len(ids)} prompts but {len(keys)} row keys")
     if batch_size is not None and batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if params.stop and tokenizer is None:
@@ -185,18 +224,17 @@ def _before_eos(toks: list[int], eos: Sequence[int]) -> list[int]:
 
 
 def _stop_fn(tokenizer: Any, stops: Sequence[str], eos: Sequence[int]) -> StopFn:
-    """Rows whose text contains a stop string, decoding only a recent window per check."""
+    """Stop a row whose text contains a stop string, decoding only a recent window per check
+    (`_finish` then cuts at the string)."""
     window = _CHECK_EVERY + 4 * max(len(s) for s in stops) + 4
 
-    def fn(host: torch.Tensor, n: int, rows: list[int]) -> list[int]:
-        hits = []
-        for b in rows:
-            recent = _decode(tokenizer, host[b, max(0, n - window) : n].tolist())
-            if any(s in recent for s in stops):
-                full = _decode(tokenizer, _before_eos(host[b, :n].tolist(), eos))
-                if _first_stop(full, stops) is not None:
-                    hits.append(b)
-        return hits
+    def fn(i: int, toks: list[int]) -> int | None:
+        recent = _decode(tokenizer, toks[-window:])
+        if any(s in recent for s in stops):
+            full = _decode(tokenizer, _before_eos(toks, eos))
+            if _first_stop(full, stops) is not None:
+                return len(toks)
+        return None
 
     return fn
 
@@ -208,7 +246,9 @@ def _finish(
     lps: list[float],
     eos: Sequence[int],
     params: SamplingParams,
+    stopped: bool = False,
 ) -> Generation:
+    """`stopped`: a stop function ended the row (finish "stop" unless EOS came first)."""
     body = _before_eos(toks, eos)
     if params.stop and _first_stop(_decode(tokenizer, body), params.stop) is not None:
         lo, hi = 1, len(body)  # shortest prefix whose text holds a stop string
@@ -225,4 +265,5 @@ def _finish(
     if len(body) < len(toks):
         n = len(body) + 1
         return Generation(prompt, toks[:n], _decode(tokenizer, body), lps[:n], "eos")
-    return Generation(prompt, toks, _decode(tokenizer, toks), lps, "length")
+    finish: Finish = "stop" if stopped else "length"
+    return Generation(prompt, toks, _decode(tokenizer, toks), lps, finish)

@@ -1,26 +1,52 @@
 """A static KV cache, plugged into a Hugging Face model through its attention interface.
 
-The cache is preallocated ([layers, batch, kv_heads, length, head_dim]) and written in place
-at a position held in a device tensor, so a decode step has fixed shapes and addresses and
-can be captured in a CUDA graph. It lives in a registered attention function rather than in
-a transformers `Cache` so that (1) the cache API, which changes between transformers
-releases, stays out of the way, and (2) decode attention can fold the query heads of each
-KV group into the query-length axis: grouped-query attention then reads every cached key
-once, where transformers' masked SDPA path would first copy K/V for every query head.
+The cache is preallocated ([layers, batch, kv_heads, length, head_dim]); each row holds one
+sequence from cache index 0, so a token's cache index is its position id. Decode writes every
+row's new key at that row's own position (held in a device tensor), so a step has fixed shapes
+and addresses and can be captured in a CUDA graph, while rows of different lengths and ages
+share the batch (continuous batching). It lives in a registered attention function rather
+than in a transformers `Cache` so that (1) the cache API, which changes between transformers
+releases, stays out of the way, and (2) decode attention can fold the query heads of each KV
+group into the query-length axis: grouped-query attention then reads every cached key once,
+where transformers' masked SDPA path would first copy K/V for every query head.
+
+Prefill fills chosen cache rows with one chunk of their prompts at a time (`Prefill`): the
+chunk's keys are written at [start, start + chunk) and its queries attend causally to the
+row's keys [0, start + chunk), so a long prompt never needs more than one chunk of activations.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 NAME = "lorapop_static_kv"
+
+
+def kv_bytes_per_token(model: Any) -> int:
+    """Bytes one token's keys and values take in the cache, over all layers."""
+    cfg = model.config.get_text_config()
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    dtype = next(model.parameters()).dtype
+    return 2 * cfg.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
+
+
+@dataclass
+class Prefill:
+    """Cache rows `rows` [R] being filled with tokens at positions [start, start + chunk)."""
+
+    rows: torch.Tensor
+    start: int
 
 
 class StaticKV:
@@ -28,8 +54,8 @@ class StaticKV:
 
     One tensor per layer ([batch, kv_heads, length, head_dim]), so that under torch.compile
     the in-place cache write mutates a whole graph input rather than a view of a shared one.
-    `pos` is the cache index that the next decoded token is written to. During prefill
-    (`prefilling`), the first q positions are written and attention runs over them only.
+    `pos` [batch] is each row's cache index for the next decoded token. While `prefill` is
+    set, forwards fill those rows instead of decoding.
     """
 
     def __init__(
@@ -45,9 +71,9 @@ class StaticKV:
         shape = (batch, kv_heads, length, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.pos = torch.zeros((), dtype=torch.long, device=device)
+        self.pos = torch.zeros(batch, dtype=torch.long, device=device)
         self.length = length
-        self.prefilling = False
+        self.prefill: Prefill | None = None
 
     @property
     def nbytes(self) -> int:
@@ -55,6 +81,25 @@ class StaticKV:
 
 
 _active: StaticKV | None = None
+
+
+def _prefill_attention(
+    kv: StaticKV, i: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling
+) -> torch.Tensor:
+    pf = kv.prefill
+    assert pf is not None
+    s, q_len = pf.start, query.shape[2]
+    kv.k[i][pf.rows, :, s : s + q_len] = key
+    kv.v[i][pf.rows, :, s : s + q_len] = value
+    if s == 0:  # the whole context is this chunk: plain causal attention (flash on CUDA)
+        return F.scaled_dot_product_attention(
+            query, key, value, is_causal=True, scale=scaling, enable_gqa=True
+        )
+    groups = query.shape[1] // key.shape[1]
+    k = kv.k[i][pf.rows, :, : s + q_len].repeat_interleave(groups, dim=1)
+    v = kv.v[i][pf.rows, :, : s + q_len].repeat_interleave(groups, dim=1)
+    mask = causal_lower_right(q_len, s + q_len)  # query j sees keys up to s + j
+    return F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scaling)
 
 
 def _attention(
@@ -76,17 +121,14 @@ def _attention(
     if window is not None and kv.length > window:
         raise ValueError(f"sequence of {kv.length} tokens exceeds the sliding window ({window})")
     i = module.layer_idx
-    if kv.prefilling:
-        q_len = query.shape[2]
-        kv.k[i][:, :, :q_len].copy_(key)
-        kv.v[i][:, :, :q_len].copy_(value)
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=0.0, scaling=scaling, **kwargs
-        )
-    # decode: one query token per row, mask [B, 1, 1, length]
+    if kv.prefill is not None:  # the model's own mask is ignored: causality is all we need
+        out = _prefill_attention(kv, i, query, key, value, scaling)
+        return out.transpose(1, 2).contiguous(), None
+    # decode: one query token per row, written at the row's own position; mask [B, 1, 1, length]
     k, v = kv.k[i], kv.v[i]
-    k.index_copy_(2, kv.pos.view(1), key)
-    v.index_copy_(2, kv.pos.view(1), value)
+    at = kv.pos.view(-1, 1, 1, 1).expand(-1, k.shape[1], 1, k.shape[3])
+    k.scatter_(2, at, key)
+    v.scatter_(2, at, value)
     b, heads, q_len, d = query.shape
     groups = heads // k.shape[1]
     q = query.reshape(b, k.shape[1], groups * q_len, d)  # heads are ordered kv-group-major

@@ -397,5 +397,6 @@ def _probe(device: torch.device, dtype: torch.dtype) -> str | None:
 
 
 def grouped_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether grouped_mm runs forward and backward here (probed once on tiny tensors)."""
+    """Whether grouped_mm runs forward and backward here (probed on tiny tensors at each call;
+    the bank calls it once per dtype when it is built)."""
     return grouped_probe(device, dtype) is None

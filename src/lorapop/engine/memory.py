@@ -1,0 +1,96 @@
+"""How many decode rows fit: an upper estimate of the generation phase's device memory.
+
+Generation holds, per row, the KV cache of `length` tokens, the sampler's float copies of a
+vocabulary-wide logit row (twice: the captured decode step's pool and the prefill's), the
+output buffers and one token's activations; and once, the activations of one prefill forward
+(`prefill_tokens` tokens). The update phase needs none of this at the same time: `generate`
+frees its cache and graph pool before returning, so only memory free *now* is budgeted.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from lorapop.engine.kvcache import kv_bytes_per_token
+
+log = logging.getLogger(__name__)
+GIB = 2**30
+_SAMPLER_FLOATS = 12  # float32 [V] temporaries per sampled row, top-p sort included
+_logged: set[tuple[int, int, int]] = set()
+
+
+class GenerationMemoryError(ValueError):
+    """Not even one row of the requested generation fits in memory (one-line message)."""
+
+
+def _dims(model: Any) -> tuple[int, int, int, int, int]:
+    cfg = model.config.get_text_config()
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    inter = getattr(cfg, "intermediate_size", None) or 4 * cfg.hidden_size
+    return cfg.hidden_size, inter, heads, head_dim, cfg.vocab_size
+
+
+def row_bytes(model: Any, length: int, steps: int) -> int:
+    """Device bytes one decode row adds (cache, sampler, buffers, activations)."""
+    hidden, inter, heads, head_dim, vocab = _dims(model)
+    item = next(model.parameters()).dtype.itemsize
+    cache = kv_bytes_per_token(model) * length
+    sampler = 2 * vocab * (item + 4 * _SAMPLER_FLOATS)
+    buffers = steps * 4 + (steps + 1) * 12 + length + 64
+    activations = (12 * hidden + 3 * inter) * item + 2 * heads * length * 4
+    return cache + sampler + buffers + activations
+
+
+def prefill_bytes(model: Any, length: int, prefill_tokens: int) -> int:
+    """Device bytes of one prefill forward of `prefill_tokens` tokens (chunk keys included)."""
+    hidden, inter, heads, head_dim, _ = _dims(model)
+    item = next(model.parameters()).dtype.itemsize
+    per_token = (6 * hidden + 4 * inter + kv_bytes_per_token(model) // item) * item
+    gathered = 4 * heads * head_dim * length * item  # a later chunk's keys and values
+    return 2 * prefill_tokens * per_token + gathered
+
+
+def free_memory(model: Any, margin: float = 0.9) -> int | None:
+    """Bytes generation may use on the model's device (None on CPU: no limit).
+
+    The driver's free memory plus what PyTorch's allocator holds unused, times `margin`
+    (fragmentation and kernels' workspaces).
+    """
+    dev = next(model.parameters()).device
+    if dev.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(dev)
+    unused = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+    return int((free + unused) * margin)
+
+
+def fit_batch(
+    model: Any, want: int, length: int, steps: int, prefill_tokens: int, budget: int | None
+) -> int:
+    """The largest batch <= `want` whose generation memory stays within `budget` bytes.
+
+    Raises `GenerationMemoryError` when not even one row fits; logs once per (want, length)
+    when the batch is lowered.
+    """
+    if budget is None:
+        return want
+    fixed = prefill_bytes(model, length, prefill_tokens)
+    per_row = row_bytes(model, length, steps)
+    fit = (budget - fixed) // per_row
+    if fit < 1:
+        raise GenerationMemoryError(
+            f"one sampling row needs {(fixed + per_row) / GIB:.2f} GiB (a {length}-token KV "
+            f"cache, {prefill_tokens}-token prefill) but {budget / GIB:.2f} GiB are free: "
+            "shorten the prompts or *_max_new_tokens, or lower the prefill chunk"
+        )
+    if fit < want and (want, length, fit) not in _logged:
+        _logged.add((want, length, fit))
+        log.warning(
+            "sampling batch lowered from %d to %d rows: %d-token KV cache, %.1f GiB free",
+            want, fit, length, budget / GIB,
+        )  # fmt: skip
+    return int(min(want, fit))

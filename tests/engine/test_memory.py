@@ -1,0 +1,70 @@
+"""Decode batches sized to a memory budget: never above it, one clear error when nothing fits."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import lorapop.engine.generate as gen_mod
+from lorapop.engine.byte_tokenizer import byte_tokenizer
+from lorapop.engine.decoder import Decoder
+from lorapop.engine.generate import generate
+from lorapop.engine.memory import GenerationMemoryError, fit_batch, prefill_bytes, row_bytes
+from lorapop.engine.sampling import SamplingParams
+from tiny_models import tiny_model
+
+PARAMS = SamplingParams(temperature=1.0, max_new_tokens=8, eos_token_ids=())
+
+
+def _allocated(dec: Decoder) -> int:
+    """Bytes of every tensor the decoder holds for its rows."""
+    tensors = [t for t in vars(dec).values() if isinstance(t, torch.Tensor)]
+    return dec.kv.nbytes + sum(t.numel() * t.element_size() for t in tensors)
+
+
+def test_batch_never_exceeds_the_budget():
+    model = tiny_model()
+    length, steps, chunk = 96, 32, 64
+    fixed, per_row = prefill_bytes(model, length, chunk), row_bytes(model, length, steps)
+    for budget in range(fixed + per_row, fixed + 40 * per_row, per_row // 3):
+        batch = fit_batch(model, 1000, length, steps, chunk, budget)
+        assert fixed + batch * per_row <= budget < fixed + (batch + 1) * per_row
+        params = SamplingParams(max_new_tokens=steps)
+        assert _allocated(Decoder(model, None, batch, length, params, [])) <= budget - fixed
+    assert fit_batch(model, 3, length, steps, chunk, 10**12) == 3  # never above the request
+    assert fit_batch(model, 3, length, steps, chunk, None) == 3  # no budget: as asked
+
+
+def test_lowered_batch_is_logged_once(caplog):
+    model = tiny_model()
+    budget = prefill_bytes(model, 64, 32) + 5 * row_bytes(model, 64, 8)
+    with caplog.at_level(logging.WARNING, logger="lorapop.engine.memory"):
+        for _ in range(3):
+            assert fit_batch(model, 64, 64, 8, 32, budget) == 5
+    assert len(caplog.records) == 1 and "lowered from 64 to 5" in caplog.text
+
+
+def test_generate_uses_the_budget_and_fails_before_any_work(monkeypatch):
+    tok = byte_tokenizer()
+    model = tiny_model("qwen2", len(tok))
+    prompts = ["abc", "hello", "x" * 20, "yz", "q"] * 3
+    sizes = []
+
+    class Spy(Decoder):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            sizes.append(self.batch)
+
+    monkeypatch.setattr(gen_mod, "Decoder", Spy)
+    length = 64  # 20 + 8 - 1 tokens, rounded up to 64
+    budget = prefill_bytes(model, length, 128) + 4 * row_bytes(model, length, 8)
+    small = generate(model, None, tok, prompts, [0] * 15, PARAMS, seed=1, prefill_tokens=128,
+                     memory_budget=budget)  # fmt: skip
+    assert sizes == [4]
+    full = generate(model, None, tok, prompts, [0] * 15, PARAMS, seed=1, prefill_tokens=128)
+    assert [g.token_ids for g in small] == [g.token_ids for g in full]
+    with pytest.raises(GenerationMemoryError, match="one sampling row needs .* GiB"):
+        generate(model, None, tok, prompts, [0] * 15, PARAMS, memory_budget=budget // 8)
+    assert len(sizes) == 2  # no decoder was built: no cache, no forward
