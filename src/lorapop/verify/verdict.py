@@ -6,6 +6,10 @@ from dataclasses import dataclass
 from enum import Enum
 
 
+#: The longest time limit a job, a Sandbox or `lorapop verify` accepts (one day).
+MAX_TIMEOUT_S = 86_400.0
+
+
 class Status(str, Enum):
     """Why a program was accepted or rejected. A `str` enum so it serialises as its value."""
 
@@ -39,9 +43,12 @@ class Job:
     def __post_init__(self) -> None:
         t = self.timeout_s
         if t is not None and (
-            isinstance(t, bool) or not isinstance(t, int | float) or not 0 < t < 1e6
+            isinstance(t, bool) or not isinstance(t, int | float) or not 0 < t <= MAX_TIMEOUT_S
         ):
-            raise ValueError(f"Job.timeout_s must be a positive number of seconds, not {t!r}")
+            raise ValueError(
+                f"Job.timeout_s must be a positive number of seconds up to {MAX_TIMEOUT_S:g},"
+                f" not {t!r}"
+            )
 
 
 @dataclass(frozen=True)
