@@ -47,7 +47,9 @@ def check_timeout(seconds: object, what: str = "timeout_s") -> float:
     """`seconds` as a float in (0, MAX_TIMEOUT_S], else ValueError with a one-line reason."""
     ok = isinstance(seconds, int | float) and not isinstance(seconds, bool)
     if not ok or not 0 < seconds <= MAX_TIMEOUT_S:  # also false for nan
-        raise ValueError(f"{what} must be a number of seconds in (0, {MAX_TIMEOUT_S:g}], not {seconds!r}")
+        raise ValueError(
+            f"{what} must be a number of seconds in (0, {MAX_TIMEOUT_S:g}], not {seconds!r}"
+        )
     return float(seconds)
 
 

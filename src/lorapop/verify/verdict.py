@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-
 #: The longest time limit a job, a Sandbox or `lorapop verify` accepts (one day).
 MAX_TIMEOUT_S = 86_400.0
 
