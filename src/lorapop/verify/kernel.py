@@ -270,6 +270,9 @@ def _landlock(info: dict) -> bool:
         info["notes"].append("no Landlock (the landlock package is not installed)")
         return False
     try:
+        # landlock checks ctypes' saved errno rather than each call's result: clear what an
+        # earlier refused call (the user namespace) left there.
+        ctypes.set_errno(0)
         landlock.Ruleset().apply()
         return True
     except (OSError, landlock.LandlockError) as e:
