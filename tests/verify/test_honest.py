@@ -72,7 +72,9 @@ def test_file_io_in_the_jobs_own_directory(sandbox, tmp_path, monkeypatch):
     """A job may use files in its own (private, small) directory, as a script would."""
     monkeypatch.chdir(tmp_path)
     verdicts = sandbox.run([Job(p, e, deterministic=True) for p, e in FILE_IO])
-    assert [(v.status, v.output) for v in verdicts] == [(Status.OK, plain(p, e)) for p, e in FILE_IO]
+    assert [(v.status, v.output) for v in verdicts] == [
+        (Status.OK, plain(p, e)) for p, e in FILE_IO
+    ]
 
 
 @pytest.mark.parametrize("deterministic", [False, True])

@@ -69,7 +69,9 @@ def all_refused(text: str) -> bool:
 
 
 def under(limit: int):  # noqa: ANN201
-    return lambda text: eval(text)[0] < limit and eval(text)[1] in (28, 27, 31)  # ENOSPC/EFBIG/EMLINK
+    return lambda text: (
+        eval(text)[0] < limit and eval(text)[1] in (28, 27, 31)
+    )  # ENOSPC/EFBIG/EMLINK
 
 
 def hostile_cases(canaries: list[Path]) -> list[Case]:

@@ -146,7 +146,9 @@ def test_unprivileged_user_gets_every_layer(canary):
     out = _run_as_nobody(canary, no_userns=False)
     layers = out["info"]["layers"]
     assert out["strict"] == "ran", out
-    assert all(layers[k] for k in ("seccomp", "user_ns", "pid_ns", "net_ns", "fs_view", "job_tmpfs"))
+    assert all(
+        layers[k] for k in ("seccomp", "user_ns", "pid_ns", "net_ns", "fs_view", "job_tmpfs")
+    )
     assert out["info"]["outer_uid"] == NOBODY
     v = _common(out, canary)
     assert v[10][0] == "runtime_error"  # the test process is not even visible

@@ -97,12 +97,24 @@ class Server:
         self.closing = False
 
     # --- children ---------------------------------------------------------------------------
-    def _fork(self) -> None:
-        """Fork an idle child: it confines itself and waits for its job on a pipe."""
+    def _fork(self) -> bool:
+        """Fork an idle child: it confines itself and waits for its job on a pipe. False when
+        the kernel refuses (no free slot, no memory for a process or a pipe)."""
+        if not self.free:
+            return False
         slot = self.free.pop()
-        res_r, res_w = os.pipe()
-        job_r, job_w = os.pipe()
-        pid = self.kernel.fork()
+        fds: list[int] = []
+        try:
+            res_r, res_w = os.pipe()
+            fds += (res_r, res_w)
+            job_r, job_w = os.pipe()
+            fds += (job_r, job_w)
+            pid = self.kernel.fork()
+        except OSError:
+            for fd in fds:
+                os.close(fd)
+            self.free.append(slot)
+            return False
         if pid == 0:  # child
             try:
                 where = None if self.slots is None else self.slots[slot]
@@ -114,12 +126,13 @@ class Server:
         with contextlib.suppress(OSError):  # the child did it first, or already exited
             os.setpgid(pid, pid)
         self.idle.append(_Child(pid, res_r, job_w, slot))
+        return True
 
     def _start(self, job_id: bytes, limit: float, data: bytes) -> None:
         """Hand a job to an idle child; a child that died idle is replaced (never reused)."""
         for _ in range(3):
-            if not self.idle:
-                self._fork()
+            if not self.idle and not self._fork():
+                continue
             child = self.idle.pop(0)
             try:
                 view = memoryview(data)
@@ -131,7 +144,7 @@ class Server:
             except OSError:
                 self._discard(child)
         else:
-            why = "sandbox children die before their job"
+            why = "sandbox children die before their job, or none can be started"
             self._send(job_id, encode_result("crashed", None, why, 0.0))
             return
         now = time.monotonic()
@@ -287,8 +300,8 @@ class Server:
             if open_stdin and len(self.idle) < workers:
                 # Refill in a burst: after each fork the server's own next writes copy pages
                 # it shares with the children, and forks in a row share that cost.
-                while len(self.idle) < self.spare and self.free:
-                    self._fork()
+                while len(self.idle) < self.spare and self._fork():
+                    pass
             if self.outbuf:
                 self._flush()
             now = time.monotonic()
@@ -330,7 +343,11 @@ def main() -> None:
     if cfg.limits.isolate:
         info, jk, slots = kernel.confine_server(n_slots, cfg.clock_skew_s)
     else:
-        info = {"layers": dict.fromkeys(kernel.LAYERS, False), "notes": ["isolation is off"]}
+        info = {
+            "layers": dict.fromkeys(kernel.LAYERS, False),
+            "notes": ["isolation is off"],
+            "outer_uid": os.geteuid(),
+        }
         jk, slots = kernel.JobKernel(signal.SIGCHLD, slots=False), None
     # Identical in both determinism runs (the hash seed was read at start-up).
     os.environ.clear()
