@@ -140,3 +140,19 @@ def test_jobs_of_a_dead_server_are_rerun_once(kills, lost):
             assert [v.output for v in verdicts] == ["4"] * 4
         assert sb.lost == lost
         assert sb.run([Job("def f():\n    return 1", "f()")])[0].output == "1"  # serves on
+
+
+def test_layers_are_reported_once(caplog):
+    import logging
+
+    import lorapop.verify.sandbox as sandbox_module
+
+    sandbox_module._reported.clear()
+    with caplog.at_level(logging.INFO, logger="lorapop.verify.sandbox"):
+        with Sandbox(workers=1), Sandbox(workers=1, policy="benchmark") as b:
+            b.run([Job("def f():\n    return 1", "f()", deterministic=True)])  # a 2nd server
+    lines = [r.getMessage() for r in caplog.records if "sandbox layers" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(
+        "lorapop sandbox layers: active seccomp, user_ns, pid_ns, net_ns, fs_view, job_tmpfs, time_ns"
+    )
