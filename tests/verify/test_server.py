@@ -148,9 +148,12 @@ def test_layers_are_reported_once(caplog):
     import lorapop.verify.sandbox as sandbox_module
 
     sandbox_module._reported.clear()
-    with caplog.at_level(logging.INFO, logger="lorapop.verify.sandbox"):
-        with Sandbox(workers=1), Sandbox(workers=1, policy="benchmark") as b:
-            b.run([Job("def f():\n    return 1", "f()", deterministic=True)])  # a 2nd server
+    with (
+        caplog.at_level(logging.INFO, logger="lorapop.verify.sandbox"),
+        Sandbox(workers=1),
+        Sandbox(workers=1, policy="benchmark") as b,
+    ):
+        b.run([Job("def f():\n    return 1", "f()", deterministic=True)])  # a 2nd server
     lines = [r.getMessage() for r in caplog.records if "sandbox layers" in r.getMessage()]
     assert len(lines) == 1, lines
     assert lines[0].startswith(

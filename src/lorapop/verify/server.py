@@ -83,7 +83,7 @@ class _Child:
 
 class Server:
     def __init__(
-        self, cfg: Config, prep: Prepared, jk: kernel.JobKernel, slots: list[str] | None
+        self, cfg: ServerConfig, prep: Prepared, jk: kernel.JobKernel, slots: list[str] | None
     ) -> None:
         self.cfg, self.prep, self.kernel, self.slots = cfg, prep, jk, slots
         self.sel = selectors.DefaultSelector()
@@ -334,7 +334,7 @@ class Server:
 
 
 def main() -> None:
-    cfg = Config.from_json(sys.argv[1])
+    cfg = ServerConfig.from_json(sys.argv[1])
     for name in cfg.modules:
         importlib.import_module(name)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
