@@ -42,7 +42,8 @@ def verify(
 
     from lorapop.verify import Sandbox
     from lorapop.verify.jsonl import read_lines, verify_lines
-    from lorapop.verify.sandbox import SandboxError, check_timeout
+    from lorapop.verify.sandbox import SandboxError
+    from lorapop.verify.verdict import check_timeout
 
     try:
         check_timeout(timeout, "--timeout")

@@ -8,7 +8,8 @@ kernel, never by hiding names:
 
 - user namespace with a private uid map: jobs run as uid/gid 1000 inside; outside they are the
   caller's uid (not root) or, when the caller is root, `UID_BASE + the server's pid` (a uid no
-  other live sandbox on the host has). Children drop every capability before their job.
+  other live fork server of this pid namespace has). Children drop every capability before
+  their job.
 - network, IPC and UTS namespaces (no interfaces up: no network; no shared SysV objects).
 - time namespace: the monotonic and boot-time clocks of the second (determinism) server are
   offset by `CLOCK_SKEW_S`, so a result that depends on them differs between the two runs.
@@ -51,8 +52,8 @@ _CAP_VERSION_3 = 0x20080522
 UID_BASE = 0x7F000000
 #: uid and gid of a job inside its user namespace (the same in both determinism runs).
 JOB_ID = 1000
-#: Monotonic/boot-time clock offset of the determinism server: ~31 years and a fraction, so any
-#: reading of those clocks, however coarse, differs between the two runs.
+#: Monotonic/boot-time clock offset of the determinism server: ~31 years and a fraction, so a
+#: reading of those clocks at any resolution from nanoseconds to decades differs between runs.
 CLOCK_SKEW_S = 987_654_321.123456789
 #: Each job's private tmpfs (its root and working directory).
 JOB_TMPFS = "size=16m,nr_inodes=1024,mode=755"
@@ -114,8 +115,8 @@ class JobKernel:
     The ctypes objects are built once here, so a child only makes the calls (each first touch
     of a page costs the child a copy-on-write fault)."""
 
-    def __init__(self, clone_flags: int, slots: bool) -> None:
-        self.slots = slots
+    def __init__(self, clone_flags: int, drop_caps: bool) -> None:
+        self.drop_caps = drop_caps
         self._clone = _pylibc.syscall
         self._clone.restype = ctypes.c_long
         number = _sysno("clone")
@@ -141,7 +142,7 @@ class JobKernel:
         if slot_dir is not None:
             os.chroot(slot_dir)
         os.chdir("/")
-        if self.slots:
+        if self.drop_caps:  # those the server holds in its user namespace
             _check(_libc.capset(self._hdr, self._caps), "capset")
 
     def new_slot(self, slot_dir: str) -> None:
@@ -306,7 +307,7 @@ def confine_server(n_slots: int, clock_skew: float) -> tuple[dict, JobKernel, li
         slots = None
     layers["fs_view"] = layers["job_tmpfs"] = layers["pid_ns"] = slots is not None
     flags = CLONE_NEWPID | signal.SIGCHLD if slots else signal.SIGCHLD
-    kernel = JobKernel(flags, slots=slots is not None)
+    kernel = JobKernel(flags, drop_caps=layers["user_ns"])
     if slots is None:
         layers["landlock"] = _landlock(info)
     else:

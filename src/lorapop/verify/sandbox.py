@@ -27,7 +27,7 @@ from lorapop.verify import static
 from lorapop.verify.child import cpu_limit
 from lorapop.verify.kernel import CLOCK_SKEW_S, LAYERS, REQUIRED
 from lorapop.verify.policy import Policy, resolve
-from lorapop.verify.verdict import MAX_TIMEOUT_S, Job, Status, Verdict
+from lorapop.verify.verdict import Job, Status, Verdict, check_timeout
 from lorapop.verify.wire import decode_result, encode_frame, encode_job, split_frames
 
 log = logging.getLogger(__name__)
@@ -41,16 +41,6 @@ NO_VERDICT = "no verdict: the sandbox server died twice running it"
 
 class SandboxError(RuntimeError):
     """The sandbox cannot run as asked (e.g. `isolate="strict"` and a layer is missing)."""
-
-
-def check_timeout(seconds: object, what: str = "timeout_s") -> float:
-    """`seconds` as a float in (0, MAX_TIMEOUT_S], else ValueError with a one-line reason."""
-    ok = isinstance(seconds, int | float) and not isinstance(seconds, bool)
-    if not ok or not 0 < seconds <= MAX_TIMEOUT_S:  # also false for nan
-        raise ValueError(
-            f"{what} must be a number of seconds in (0, {MAX_TIMEOUT_S:g}], not {seconds!r}"
-        )
-    return float(seconds)
 
 
 class _Server:
@@ -130,8 +120,8 @@ def _server_path() -> list[str]:
     for name in ("pyseccomp", "landlock"):
         spec = importlib.util.find_spec(name)
         if spec is not None and spec.origin:
-            top = Path(spec.origin).parent
-            where = str(top.parent if name == "landlock" else top)
+            where = Path(spec.origin).parent  # a module's directory, or a package's
+            where = str(where.parent if spec.submodule_search_locations else where)
             if where not in path:
                 path.append(where)
     return path

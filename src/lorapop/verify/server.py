@@ -348,7 +348,7 @@ def main() -> None:
             "notes": ["isolation is off"],
             "outer_uid": os.geteuid(),
         }
-        jk, slots = kernel.JobKernel(signal.SIGCHLD, slots=False), None
+        jk, slots = kernel.JobKernel(signal.SIGCHLD, drop_caps=False), None
     # Identical in both determinism runs (the hash seed was read at start-up).
     os.environ.clear()
     os.environ.update({"PATH": os.defpath, "LC_ALL": "C.UTF-8"})

@@ -9,6 +9,16 @@ from enum import Enum
 MAX_TIMEOUT_S = 86_400.0
 
 
+def check_timeout(seconds: object, what: str = "timeout_s") -> float:
+    """`seconds` as a float in (0, MAX_TIMEOUT_S], else ValueError with a one-line reason."""
+    ok = isinstance(seconds, int | float) and not isinstance(seconds, bool)
+    if not ok or not 0 < seconds <= MAX_TIMEOUT_S:  # also false for nan
+        raise ValueError(
+            f"{what} must be a number of seconds in (0, {MAX_TIMEOUT_S:g}], not {seconds!r}"
+        )
+    return float(seconds)
+
+
 class Status(str, Enum):
     """Why a program was accepted or rejected. A `str` enum so it serialises as its value."""
 
@@ -40,14 +50,8 @@ class Job:
     timeout_s: float | None = None
 
     def __post_init__(self) -> None:
-        t = self.timeout_s
-        if t is not None and (
-            isinstance(t, bool) or not isinstance(t, int | float) or not 0 < t <= MAX_TIMEOUT_S
-        ):
-            raise ValueError(
-                f"Job.timeout_s must be a positive number of seconds up to {MAX_TIMEOUT_S:g},"
-                f" not {t!r}"
-            )
+        if self.timeout_s is not None:
+            check_timeout(self.timeout_s, "Job.timeout_s")
 
 
 @dataclass(frozen=True)
