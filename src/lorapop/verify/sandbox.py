@@ -160,7 +160,10 @@ def _combine(a: Verdict, b: Verdict, seeds: tuple[int, int]) -> Verdict:
         text = v.output if v.status is Status.OK else f"{v.status.value} ({v.error})"
         return str(text)[:200]
 
-    error = f"PYTHONHASHSEED={seeds[0]}: {show(a)} != PYTHONHASHSEED={seeds[1]}: {show(b)}"
+    error = (
+        f"PYTHONHASHSEED={seeds[0]}: {show(a)} != PYTHONHASHSEED={seeds[1]}, other addresses"
+        f" and clocks: {show(b)}"
+    )
     return Verdict(Status.NONDETERMINISTIC, None, error, duration)
 
 
