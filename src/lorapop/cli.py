@@ -28,18 +28,29 @@ def verify(
         ..., help='JSON lines {"program": str, "input": str}; "-" for stdin.'
     ),
     workers: int = typer.Option(2, "--workers", help="Programs run at once."),
-    timeout: float = typer.Option(2.0, "--timeout", help="Seconds per program."),
+    timeout: float = typer.Option(2.0, "--timeout", help="Seconds per program (at most a day)."),
+    strict: bool = typer.Option(
+        False, "--strict", help="Refuse to run unless every required kernel layer is active."
+    ),
 ) -> None:
-    """Validate teacher proposals: print one JSON verdict line per task, in order."""
+    """Validate teacher proposals: print one JSON verdict line per task, in order.
+
+    Exits 2 on bad arguments or an unreadable file, 3 when a task got no verdict (its sandbox
+    server died twice running it)."""
     import json
     import sys
 
     from lorapop.verify import Sandbox
-    from lorapop.verify.jsonl import verify_lines
+    from lorapop.verify.jsonl import read_lines, verify_lines
+    from lorapop.verify.sandbox import SandboxError
+    from lorapop.verify.verdict import check_timeout
 
-    if not 1 <= workers <= 999 or timeout <= 0:
-        typer.echo("error: --workers must be in 1..999 and --timeout > 0", err=True)
-        raise typer.Exit(2)
+    try:
+        check_timeout(timeout, "--timeout")
+    except ValueError as e:
+        raise _fail(str(e)) from None
+    if not 1 <= workers <= 999:
+        raise _fail("--workers must be in 1..999")
     try:
         stream = sys.stdin.buffer if tasks == "-" else open(tasks, "rb")  # noqa: SIM115
         head = stream.peek(1) if hasattr(stream, "peek") else b""
@@ -47,10 +58,18 @@ def verify(
     except OSError as e:
         typer.echo(f"error: cannot read {tasks}: {e.strerror or e}", err=True)
         raise typer.Exit(2) from None
-    with stream, Sandbox(workers=workers, timeout_s=timeout) as sandbox:
-        for reply in verify_lines(stream, sandbox):
+    try:
+        sandbox = Sandbox(workers=workers, timeout_s=timeout, isolate="strict" if strict else True)
+    except SandboxError as e:
+        stream.close()
+        raise _fail(str(e)) from None
+    with stream, sandbox:
+        for reply in verify_lines(read_lines(stream), sandbox):
             sys.stdout.write(json.dumps(reply) + "\n")
             sys.stdout.flush()
+    if sandbox.lost:
+        typer.echo(f"error: {sandbox.lost} task(s) got no verdict (the sandbox server died)", err=True)
+        raise typer.Exit(3)
 
 
 @app.command("sandbox-demo")

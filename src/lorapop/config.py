@@ -113,10 +113,14 @@ class TasksConfig(Section):
 
 
 class VerifyConfig(Section):
-    workers: int = Field(2, ge=1)
-    timeout_s: float = Field(2.0, gt=0)
-    memory_mb: int = Field(1024, ge=64)
-    isolate: bool = True
+    workers: int = Field(2, ge=1, le=999)
+    timeout_s: float = Field(2.0, gt=0, le=86_400, allow_inf_nan=False)
+    """Wall-clock limit per program (CPU limit: the next whole second)."""
+    memory_mb: int = Field(1024, ge=64, le=1 << 20)
+    isolate: bool | Literal["strict"] = True
+    """true: every kernel layer the machine allows, a warning for the rest; strict: refuse to
+    train when a required layer is missing (`lorapop.verify.kernel.REQUIRED`); false: rlimits
+    only (trusted code)."""
 
 
 class SamplingConfig(Section):

@@ -68,3 +68,52 @@ def test_demo_runs():
     result = CliRunner().invoke(app, ["sandbox-demo"])
     assert result.exit_code == 0, result.output
     assert "nondeterministic" in result.output and "timeout" in result.output
+
+
+# --- class 7 of issue 13: every size is capped before it is parsed -------------------------
+
+
+def test_huge_input_is_refused_before_parsing(tmp_path):
+    path = tmp_path / "t.jsonl"
+    big = json.dumps({"program": "def f(x):\n    return x", "input": "[" + "1," * 75_000 + "1]"})
+    ok = json.dumps({"program": "def f(x):\n    return x", "input": "7"})
+    path.write_text(big + "\n" + ok + "\n")
+    result = run([str(path)])
+    rows = [json.loads(line) for line in result.output.splitlines()]
+    assert result.exit_code == 0
+    assert rows[0]["status"] == "syntax_error" and "longer than" in rows[0]["error"]
+    assert rows[1]["output"] == "7"
+
+
+def test_huge_lines_are_skipped_unread(tmp_path):
+    """A 20 MB line (no JSON parse, not kept whole in memory) then a normal one."""
+    from lorapop.verify.jsonl import MAX_LINE_BYTES, read_lines
+
+    path = tmp_path / "t.jsonl"
+    ok = json.dumps({"program": "def f(x):\n    return x", "input": "8"})
+    with path.open("w") as fh:
+        fh.write('{"program": "' + "x" * 20_000_000 + '"}\n' + ok + "\n")
+    with path.open("rb") as fh:
+        lines = list(read_lines(fh))
+    assert [len(line) for line in lines] == [MAX_LINE_BYTES + 1, len(ok) + 1]
+    rows = [json.loads(line) for line in run([str(path)]).output.splitlines()]
+    assert rows[0]["status"] == "bad_request" and "longer than" in rows[0]["error"]
+    assert rows[1]["output"] == "8"
+
+
+def test_no_verdict_exits_3(tmp_path, monkeypatch):
+    """A task left without a verdict (its server died twice) makes `lorapop verify` fail."""
+    import lorapop.verify.sandbox as sandbox_module
+
+    class Dying(sandbox_module.Sandbox):
+        def run(self, jobs):  # noqa: ANN001, ANN202 - as if the server died on every job
+            self.lost += len(jobs)
+            return [sandbox_module.Verdict(sandbox_module.Status.CRASHED, None,
+                                           sandbox_module.NO_VERDICT, 0.0) for _ in jobs]  # fmt: skip
+
+    monkeypatch.setattr(sandbox_module, "Sandbox", Dying)
+    path = tmp_path / "t.jsonl"
+    path.write_text(TASKS[0] + "\n")
+    result = run([str(path)])
+    assert result.exit_code == 3
+    assert "got no verdict" in result.output

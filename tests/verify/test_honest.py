@@ -59,8 +59,22 @@ def plain(program: str, expr: str) -> str:
     return repr(eval(expr, ns))
 
 
-def test_there_are_at_least_30_honest_programs():
-    assert len(HONEST) >= 30
+FILE_IO: list[tuple[str, str]] = [
+    ("def f(xs):\n    with open('data.txt', 'w') as fh:\n        fh.write('\\n'.join(map(str, xs)))\n"
+     "    with open('data.txt') as fh:\n        return [int(line) * 2 for line in fh]", "f([1, 2, 3])"),
+    ("import os\ndef f(n):\n    os.makedirs('a/b', exist_ok=True)\n    for i in range(n):\n"
+     "        open(f'a/b/{i}', 'w').write(str(i))\n    return sorted(os.listdir('a/b')), os.stat('a/b/3').st_size",
+     "f(5)"),
+]  # fmt: skip
+
+
+def test_file_io_in_the_jobs_own_directory(sandbox, tmp_path, monkeypatch):
+    """A job may use files in its own (private, small) directory, as a script would."""
+    monkeypatch.chdir(tmp_path)
+    verdicts = sandbox.run([Job(p, e, deterministic=True) for p, e in FILE_IO])
+    assert [(v.status, v.output) for v in verdicts] == [
+        (Status.OK, plain(p, e)) for p, e in FILE_IO
+    ]
 
 
 @pytest.mark.parametrize("deterministic", [False, True])

@@ -4,12 +4,10 @@ The benchmark policy lets benchmark programs import random, hashlib, time, ...; 
 OS confines (uid, namespaces, rlimits, timeouts) must hold exactly as under the azr policy.
 """
 
-import os
-from pathlib import Path
-
 import pytest
-from test_hostile import hostile_cases
+from test_hostile import TOKEN, hostile_cases
 
+from conftest import left_behind
 from lorapop.verify import POLICIES, Job, Policy, Sandbox, Status
 from lorapop.verify.policy import BASE_MODULES
 
@@ -67,7 +65,9 @@ WANT = ["[2, 3, 5, 13, 89, 233, 1597]", "['3e25960a79dbc69b674cd4ec67a72c62', No
 
 @pytest.fixture(scope="module")
 def bench():
-    with Sandbox(workers=2, timeout_s=1.0, memory_mb=512, policy="benchmark") as sb:
+    with Sandbox(
+        workers=2, timeout_s=1.0, memory_mb=512, max_output_chars=20_000, policy="benchmark"
+    ) as sb:
         yield sb
 
 
@@ -132,14 +132,6 @@ def test_policies_by_name_and_explicit():
 
 # --- isolation is the same under the benchmark policy ----------------------------------------
 
-SAME = {
-    "infinite loop", "memory hog, one block", "memory hog, growing", "fork", "fork bomb",
-    "thread", "os.system writes a file", "posix_spawn", "delete a file outside",
-    "overwrite a file outside", "write in the working dir", "leave a dir in /tmp",
-    "read /etc/shadow", "socket via computed import", "kill the server", "kill the test process",
-    "kill own process group", "ignored signals", "fd exhaustion", "result pipe flood",
-    "environment", "network interfaces",
-}  # fmt: skip
 EXTRA = [
     ("subprocess", Job("def f():\n    return __import__('subprocess').run(['id'])", "f()"),
      {S.RUNTIME_ERROR}),
@@ -149,13 +141,16 @@ EXTRA = [
                               "    r.setrlimit(r.RLIMIT_AS, (-1, -1))", "f()"), {S.RUNTIME_ERROR}),
     ("raise own cpu limit", Job("import resource as r\ndef f():\n"
                                 "    r.setrlimit(r.RLIMIT_CPU, (-1, -1))", "f()"), {S.RUNTIME_ERROR}),
+    ("wall clock in days", Job("import time\ndef f():\n    return time.monotonic() // 86400",
+                               "f()", deterministic=True), {S.NONDETERMINISTIC}),
 ]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def hostile(bench, canaries):
-    cases = [c for c in hostile_cases(canaries) if c[0] in SAME] + EXTRA
-    assert len(cases) == len(SAME) + len(EXTRA)
+    """Every kernel-level case of test_hostile (classes 1-6, 8, 9), and EXTRA."""
+    cases = [(c.name, c.job, c.want) for c in hostile_cases(canaries) if c.cls not in (0, 7)]
+    cases += EXTRA
     return cases, bench.run([job for _, job, _ in cases])
 
 
@@ -166,18 +161,12 @@ def test_benchmark_hostile_statuses(hostile):
     assert not wrong
 
 
-def test_benchmark_host_untouched(hostile, canaries, bench):
-    cases, verdicts = hostile
+def test_benchmark_host_untouched(hostile, canaries, bench, sandbox):
     for p in canaries:
         assert p.read_text() == "precious"
-    assert not list(Path("/tmp").glob("lorapop-escape-*"))
-    env = verdicts[[n for n, _, _ in cases].index("environment")].output
-    assert "HOME" not in env and "LORAPOP" not in env
-    if bench.isolation["net_isolated"]:
-        net = verdicts[[n for n, _, _ in cases].index("network interfaces")].output
-        assert [ln.split(":")[0].strip() for ln in eval(net).splitlines()[2:]] == ["lo"]
+    assert not left_behind(TOKEN)
+    assert bench.isolation["layers"] == sandbox.isolation["layers"]  # same layers as azr
     assert bench.run([Job("def f():\n    return 7", "f()")])[0].output == "7"
-    assert os.getpid()
 
 
 # --- per-job time limits ---------------------------------------------------------------------
@@ -213,5 +202,5 @@ def test_job_limit_on_cpu_bound_and_deterministic_jobs(sandbox):
 
 @pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), "2", True])
 def test_bad_job_limit_is_a_clear_error(bad):
-    with pytest.raises(ValueError, match="Job.timeout_s must be a positive number"):
+    with pytest.raises(ValueError, match="Job.timeout_s must be a number of seconds"):
         Job("def f():\n    return 1", "f()", timeout_s=bad)

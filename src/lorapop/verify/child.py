@@ -1,7 +1,8 @@
 """What a forked job process does: confine itself, wait for its job, run it, report one result.
 
 Runs inside the fork server, after `fork()`. The server forks children ahead of time: each one
-confines itself (process group, fds, working dir, rlimits, uid) with no job yet, then blocks
+confines itself (process group, fds, its tmpfs as root, capabilities, rlimits) with no job yet
+(`lorapop.verify.kernel` did the rest once in the server), then blocks
 reading its single job (code objects compiled by the caller) from fd 4, so a job starts with a
 pipe write instead of a fork. A failure to confine reports `crashed` without running the job.
 The result is length-prefixed text (never a pickle) written to fd 3 (`lorapop.verify.wire`);
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from types import CodeType
 from typing import NoReturn
 
+from lorapop.verify.kernel import JobKernel
 from lorapop.verify.wire import decode_job, encode_result
 
 RESULT_FD = 3
@@ -36,8 +38,8 @@ _repr, _dumps, _str, _type, _len = repr, pickle.dumps, str, type, len
 
 @dataclass(frozen=True)
 class Limits:
-    """Limits applied with setrlimit (and a uid when isolating as root). `timeout_s` is the
-    default; a job may carry its own (the child sets RLIMIT_CPU once it has read its job)."""
+    """Limits applied with setrlimit. `timeout_s` is the default; a job may carry its own (the
+    child sets RLIMIT_CPU once it has read its job)."""
 
     timeout_s: float
     memory_mb: int
@@ -82,16 +84,18 @@ class Prepared:
     server_main: object  # the server's own __main__, kept alive
 
 
-def prepare(limits: Limits, hidden: tuple[str, ...]) -> Prepared:
+def prepare(limits: Limits, hidden: tuple[str, ...], devnull: int, tmpfs: bool) -> Prepared:
     """Call once in the server, after its imports: hide the `hidden` top-level packages from
-    jobs, build the shared parts. RLIMIT_CPU is not among them: it depends on the job."""
+    jobs, build the shared parts. RLIMIT_CPU is not among them: it depends on the job. With
+    `tmpfs` each job has its own (files up to its size); without, no file can grow."""
     hide = frozenset(hidden)
     for name in list(sys.modules):  # the server keeps its own references
         if name.split(".")[0] in hide:
             del sys.modules[name]
     sys.path_importer_cache.clear()  # a cache: freeing it in each child would touch every entry
+    fsize = 16 << 20 if tmpfs else 0
     rlimits = [
-        (resource.RLIMIT_FSIZE, (0, 0)),
+        (resource.RLIMIT_FSIZE, (fsize, fsize)),
         (resource.RLIMIT_CORE, (0, 0)),
         (resource.RLIMIT_NOFILE, (limits.nofile, limits.nofile)),
     ]
@@ -99,7 +103,8 @@ def prepare(limits: Limits, hidden: tuple[str, ...]) -> Prepared:
         cap = limits.memory_mb << 20
         rlimits.append((resource.RLIMIT_AS, (cap, cap)))
     if limits.isolate:
-        # NPROC counts the processes of the (per-slot) uid; 0 means no fork/clone at all.
+        # No fork or clone (seccomp refuses them too; this holds without it, while the server
+        # shares the uid).
         rlimits.append((resource.RLIMIT_NPROC, (0, 0)))
     cap = limits.max_stdout_chars
     streams = (io.StringIO(""), _CappedText(cap), _CappedText(cap))
@@ -110,22 +115,15 @@ def prepare(limits: Limits, hidden: tuple[str, ...]) -> Prepared:
     main = types.ModuleType("__main__")
     main.__dict__["__builtins__"] = builtins
     server_main, sys.modules["__main__"] = sys.modules.get("__main__"), main
-    devnull = os.open(os.devnull, os.O_RDWR)
     return Prepared(limits, tuple(rlimits), devnull, streams, importer, main, server_main)
 
 
-def _confine(prep: Prepared, workdir: str, uid: int | None, gid: int | None) -> None:
+def _confine(prep: Prepared, kernel: JobKernel, slot_dir: str | None) -> None:
     os.setpgid(0, 0)
     os.closerange(JOB_FD + 1, 1 << 16)
-    os.chdir(workdir)
+    kernel.enter(slot_dir)
     for which, value in prep.rlimits:
         resource.setrlimit(which, value)
-    if uid is not None and gid is not None:
-        os.setgroups([])
-        os.setgid(gid)
-        os.setuid(uid)
-        if os.getuid() != uid or os.geteuid() != uid:
-            raise RuntimeError("setuid did not take effect")
     sys.stdin, sys.stdout, sys.stderr = prep.streams
     # Import system off. Rebinding (not clearing) leaves the server's objects alone: freeing
     # them here would write to every page they lie on. `prep.importer` keeps them alive.
@@ -200,7 +198,7 @@ def _read_job() -> tuple[CodeType, CodeType, int] | None:
 
 
 def run_child(
-    fds: tuple[int, int], prep: Prepared, workdir: str, uid: int | None, gid: int | None
+    fds: tuple[int, int], prep: Prepared, kernel: JobKernel, slot_dir: str | None
 ) -> NoReturn:
     """Entry point right after fork(): `fds` = (result pipe write end, job pipe read end)."""
     try:
@@ -212,7 +210,7 @@ def run_child(
         for fd in (0, 1, 2, RESULT_FD, JOB_FD):
             os.dup2(high + max(0, fd - 2), fd)
         try:
-            _confine(prep, workdir, uid, gid)
+            _confine(prep, kernel, slot_dir)
             failure = None
         except BaseException as e:
             failure = "confinement: " + _describe(e)

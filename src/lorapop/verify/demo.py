@@ -22,7 +22,9 @@ EXAMPLES: list[tuple[str, Job]] = [
     ("read /etc/shadow", Job("def f():\n    return open('/etc/shadow').read()", "f()")),
     ("fork via __import__", Job("def f():\n    return __import__('os').fork()", "f()")),
     ("os.system", Job("import os\ndef f():\n    return os.system('touch /pwned')", "f()")),
-    ("segfault", Job("import os, signal\ndef f():\n    os.kill(os.getpid(), signal.SIGSEGV)", "f()")),
+    ("kill every process", Job("import os\ndef f():\n    os.kill(-1, 9)", "f()")),
+    ("look at the host", Job("import os\ndef f():\n    return os.listdir('/')", "f()")),
+    ("clock-dependent", Job("import sys\ndef f():\n    return int(sys._getframe(2).f_globals['time'].monotonic()) // 86400", "f()", deterministic=True)),
     ("huge output", Job("def f():\n    return 'x' * 10**6", "f()")),
 ]  # fmt: skip
 

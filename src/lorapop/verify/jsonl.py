@@ -3,6 +3,7 @@
 Each line is `{"program": str, "input": str}`; the job is `f(<input>)`, checked as a teacher
 proposal: static checks, then a run under two hash seeds. The input must be an argument list
 of one call of `f` ("1), (2" would smuggle in a second expression), checked on the AST.
+Every size is capped before anything is parsed: a line before JSON, the input before Python.
 """
 
 from __future__ import annotations
@@ -10,11 +11,15 @@ from __future__ import annotations
 import ast
 import json
 from collections.abc import Iterable, Iterator
+from typing import BinaryIO
 
 from lorapop.verify.sandbox import Sandbox
+from lorapop.verify.static import MAX_SOURCE_CHARS
 from lorapop.verify.verdict import Job, Status, Verdict
 
 BAD_REQUEST = "bad_request"
+#: A longer line is refused unread (JSON escapes take up to 6 bytes per source character).
+MAX_LINE_BYTES = 6 * MAX_SOURCE_CHARS + 1024
 
 
 def _reply(status: str, error: str | None) -> dict[str, object]:
@@ -23,6 +28,8 @@ def _reply(status: str, error: str | None) -> dict[str, object]:
 
 def parse_task(line: bytes | str) -> Job | dict[str, object]:
     """A line -> the Job to run, or the reply for a line that cannot be one."""
+    if len(line) > MAX_LINE_BYTES:
+        return _reply(BAD_REQUEST, f"line longer than {MAX_LINE_BYTES} bytes")
     try:
         task = json.loads(line)
     except (ValueError, RecursionError) as e:
@@ -32,6 +39,10 @@ def parse_task(line: bytes | str) -> Job | dict[str, object]:
     program, arg = task.get("program"), task.get("input")
     if not isinstance(program, str) or not isinstance(arg, str):
         return _reply(BAD_REQUEST, 'a task needs string fields "program" and "input"')
+    if len(program) + len(arg) > MAX_SOURCE_CHARS:
+        return _reply(
+            Status.SYNTAX_ERROR.value, f"source longer than {MAX_SOURCE_CHARS} characters"
+        )
     expr = f"f({arg})"
     try:
         tree = ast.parse(expr, mode="eval")
@@ -41,6 +52,16 @@ def parse_task(line: bytes | str) -> Job | dict[str, object]:
     if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "f"):
         return _reply(Status.SYNTAX_ERROR.value, "input is not an argument list of f(...)")
     return Job(program, expr, entry="f", deterministic=True)
+
+
+def read_lines(stream: BinaryIO, limit: int = MAX_LINE_BYTES) -> Iterator[bytes]:
+    """The lines of `stream`, each read up to `limit` + 1 bytes: the rest of a longer line is
+    skipped unkept (and the line, one byte too long, is refused by `parse_task`)."""
+    while line := stream.readline(limit + 1):
+        if len(line) > limit and not line.endswith(b"\n"):
+            while (rest := stream.readline(1 << 20)) and not rest.endswith(b"\n"):
+                pass
+        yield line
 
 
 def verify_lines(

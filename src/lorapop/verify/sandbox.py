@@ -1,13 +1,16 @@
 """`Sandbox`: run untrusted programs in confined processes and return verdicts.
 
-The caller's process only parses programs (static checks) and reads JSON; every program runs in
-a child forked by a fork server (`lorapop.verify.server`). A second server with another
-PYTHONHASHSEED re-runs jobs marked `deterministic`, because a forked child inherits its
-server's hash secret and so could never show set- or dict-order dependence on its own.
+The caller's process only parses and compiles programs (static checks) and reads result frames,
+which it parses as hostile bytes; every program runs in a child forked by a fork server
+(`lorapop.verify.server`), behind the kernel's layers (`lorapop.verify.kernel`). A second
+server with another PYTHONHASHSEED, its own address-space layout and skewed clocks re-runs jobs
+marked `deterministic`: a forked child inherits its server's hash secret and addresses, so
+only a second server can show that a result depends on them.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -22,31 +25,31 @@ from pathlib import Path
 
 from lorapop.verify import static
 from lorapop.verify.child import cpu_limit
+from lorapop.verify.kernel import CLOCK_SKEW_S, LAYERS, REQUIRED
 from lorapop.verify.policy import Policy, resolve
-from lorapop.verify.verdict import Job, Status, Verdict
+from lorapop.verify.verdict import Job, Status, Verdict, check_timeout
 from lorapop.verify.wire import decode_result, encode_frame, encode_job, split_frames
 
 log = logging.getLogger(__name__)
-_warned: set[str] = set()
-
-#: First uid of the per-slot users when isolating as root; unassigned ids far above real users.
-UID_BASE = 0x7F000000
-#: uids per fork server: it keeps up to workers + max(workers, 8) children alive (running, idle).
-UID_SPAN = 2000
-NOGROUP = 65534
+_reported: set[str] = set()
 _RESOURCE = (Status.TIMEOUT, Status.MEMORY, Status.CRASHED)
+#: An error message read back from a job is cut to this many characters.
+MAX_ERROR_CHARS = 4000
+#: The error of a job left without a verdict (its server died on the job and on the re-run).
+NO_VERDICT = "no verdict: the sandbox server died twice running it"
+
+
+class SandboxError(RuntimeError):
+    """The sandbox cannot run as asked (e.g. `isolate="strict"` and a layer is missing)."""
 
 
 class _Server:
     """One fork-server process and the pipes to it."""
 
     def __init__(self, config: dict, hash_seed: int) -> None:
-        import lorapop
-
-        src = str(Path(lorapop.__file__).resolve().parent.parent)
         env = {
             "PYTHONHASHSEED": str(hash_seed),
-            "PYTHONPATH": src,
+            "PYTHONPATH": os.pathsep.join(_server_path()),
             "PYTHONDONTWRITEBYTECODE": "1",
             "PATH": os.defpath,
             "LC_ALL": "C.UTF-8",
@@ -108,14 +111,40 @@ class _Server:
         self.proc.stdout.close()  # type: ignore[union-attr]
 
 
-def _parse(data: bytes) -> Verdict:
-    """A child's result bytes (hostile: a job can write its own) as a verdict."""
+def _server_path() -> list[str]:
+    """sys.path of a fork server (started with -S: no site-packages): lorapop's source and the
+    directories of the kernel-layer libraries, where installed."""
+    import lorapop
+
+    path = [str(Path(lorapop.__file__).resolve().parent.parent)]
+    for name in ("pyseccomp", "landlock"):
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.origin:
+            where = Path(spec.origin).parent  # a module's directory, or a package's
+            where = str(where.parent if spec.submodule_search_locations else where)
+            if where not in path:
+                path.append(where)
+    return path
+
+
+def _parse(data: bytes, max_output_chars: int) -> Verdict:
+    """A child's result bytes (hostile: a job can write its own) as a verdict, capped here
+    whatever the child claims."""
     res = decode_result(data)
     if res is None:
         return Verdict(Status.CRASHED, None, "malformed result from the sandbox", 0.0)
-    status = Status(res["status"])
-    output = res["output"] if status is Status.OK else None
-    return Verdict(status, output, res["error"], res["duration"])  # type: ignore[arg-type]
+    status, output, error = Status(res["status"]), res["output"], res["error"]
+    duration: float = res["duration"]  # type: ignore[assignment]
+    if status is not Status.OK:
+        output = None
+    elif not isinstance(output, str):
+        return Verdict(Status.CRASHED, None, "malformed result: ok without an output", duration)
+    elif len(output) > max_output_chars:
+        why = f"repr has {len(output)} characters (cap {max_output_chars})"
+        return Verdict(Status.OUTPUT_TOO_LARGE, None, why, duration)
+    if isinstance(error, str):
+        error = error[:MAX_ERROR_CHARS]
+    return Verdict(status, output, error, duration)  # type: ignore[arg-type]
 
 
 def _combine(a: Verdict, b: Verdict, seeds: tuple[int, int]) -> Verdict:
@@ -131,7 +160,10 @@ def _combine(a: Verdict, b: Verdict, seeds: tuple[int, int]) -> Verdict:
         text = v.output if v.status is Status.OK else f"{v.status.value} ({v.error})"
         return str(text)[:200]
 
-    error = f"PYTHONHASHSEED={seeds[0]}: {show(a)} != PYTHONHASHSEED={seeds[1]}: {show(b)}"
+    error = (
+        f"PYTHONHASHSEED={seeds[0]}: {show(a)} != PYTHONHASHSEED={seeds[1]}, other addresses"
+        f" and clocks: {show(b)}"
+    )
     return Verdict(Status.NONDETERMINISTIC, None, error, duration)
 
 
@@ -140,12 +172,13 @@ class Sandbox:
 
     workers: jobs in flight at once per fork server. timeout_s: wall-clock (and, rounded up, CPU)
     limit of a job that names none (`Job.timeout_s`). memory_mb: RLIMIT_AS per job (0: none).
-    isolate: uid switch, namespaces, no fork (turn off only for trusted code). policy: "azr"
-    (AZR's banned modules refused and hidden: self-play tasks) or "benchmark" (nothing refused,
-    random/hashlib/time/... importable: benchmark programs), or a `Policy`
-    (`lorapop.verify.policy`); OS isolation is the same under every policy.
-    max_output_chars: a longer repr is `output_too_large`. hash_seeds: PYTHONHASHSEED of the
-    main and the determinism server.
+    isolate: True enters every kernel layer the machine allows and warns once about the rest;
+    "strict" raises `SandboxError` when a layer of `kernel.REQUIRED` is missing; False runs
+    jobs with rlimits only (trusted code). policy: "azr" (AZR's banned modules refused and
+    hidden: self-play tasks) or "benchmark" (nothing refused, random/hashlib/time/...
+    importable: benchmark programs), or a `Policy` (`lorapop.verify.policy`); OS isolation is
+    the same under every policy. max_output_chars: a longer repr is `output_too_large`.
+    hash_seeds: PYTHONHASHSEED of the main and the determinism server.
     """
 
     def __init__(
@@ -153,31 +186,39 @@ class Sandbox:
         workers: int = 2,
         timeout_s: float = 2.0,
         memory_mb: int = 1024,
-        isolate: bool = True,
+        isolate: bool | str = True,
         *,
         max_output_chars: int = 100_000,
         hash_seeds: tuple[int, int] = (1, 2),
         policy: str | Policy = "azr",
     ) -> None:
-        if workers < 1 or workers > 999:
+        if not isinstance(workers, int) or not 1 <= workers <= 999:
             raise ValueError("workers must be in 1..999")
-        if timeout_s <= 0:
-            raise ValueError("timeout_s must be positive")
+        timeout_s = check_timeout(timeout_s)
+        if not isinstance(memory_mb, int) or not 0 <= memory_mb <= 1 << 20:
+            raise ValueError("memory_mb must be in 0..1048576 (0: no cap)")
+        if not isinstance(max_output_chars, int) or not 1 <= max_output_chars <= 1 << 27:
+            raise ValueError("max_output_chars must be in 1..134217728")
+        if isolate not in (True, False, "strict"):
+            raise ValueError(f"isolate must be true, false or 'strict', not {isolate!r}")
         self.workers, self.timeout_s, self.isolate = workers, timeout_s, isolate
         self.hash_seeds = hash_seeds
         self.policy = resolve(policy)
+        self.max_output_chars = max_output_chars
         self._limits = {
             "timeout_s": timeout_s,
             "memory_mb": memory_mb,
             "max_output_chars": max_output_chars,
-            "isolate": isolate,
+            "isolate": bool(isolate),
         }
         self._servers: list[_Server | None] = [None, None]
         self._lock = threading.Lock()
         self._next_id = 0
         self._closed = False
-        self._server(0)  # start the main server now: fail early, and be warm for the first run
+        #: Jobs that got no verdict (their server died on them twice); `lorapop verify` fails.
+        self.lost = 0
         self._finalizer = weakref.finalize(self, Sandbox._shutdown, self._servers)
+        self._server(0)  # start the main server now: fail early, and be warm for the first run
 
     # --- servers ----------------------------------------------------------------------------
     def _server(self, i: int) -> _Server:
@@ -189,22 +230,29 @@ class Sandbox:
         config = {
             "workers": self.workers,
             "limits": self._limits,
-            "uid_base": UID_BASE + UID_SPAN * i if self.isolate else None,
-            "gid": NOGROUP,
+            "clock_skew_s": CLOCK_SKEW_S * i,
             "modules": list(self.policy.modules),
             "hidden": list(self.policy.hidden),
         }
         srv = _Server(config, self.hash_seeds[i])
         self._servers[i] = srv
-        for note in srv.info.get("notes", []) if self.isolate else []:
-            if note not in _warned:
-                _warned.add(note)
-                log.warning("lorapop sandbox: %s", note)
+        if self.isolate:
+            missing = [name for name in REQUIRED if not srv.info["layers"].get(name)]
+            if missing and self.isolate == "strict":
+                self._servers[i] = None
+                srv.close()
+                notes = "; ".join(srv.info.get("notes", []))
+                raise SandboxError(
+                    f"isolate=strict: this machine lacks sandbox layers {', '.join(missing)}"
+                    f" ({notes})"
+                )
+            _report(srv.info)
         return srv
 
     @property
     def isolation(self) -> dict:
-        """What the main fork server achieved: net_isolated, fs_isolated, uid_isolated, notes."""
+        """What the main fork server achieved: "layers" (name -> active, `kernel.LAYERS`),
+        "notes" (why a layer is missing), "outer_uid" (the jobs' uid outside their namespace)."""
         return dict(self._server(0).info)
 
     @staticmethod
@@ -215,7 +263,9 @@ class Sandbox:
 
     # --- running ----------------------------------------------------------------------------
     def run(self, jobs: Sequence[Job]) -> list[Verdict]:
-        """Verdicts for `jobs`, in order. Never raises for bad programs."""
+        """Verdicts for `jobs`, in order. Never raises for bad programs. Jobs of a server that
+        dies are re-run once on a fresh one; a job left without a verdict then is `crashed`
+        with the error `NO_VERDICT` and counted in `lost`."""
         if self._closed:
             raise RuntimeError("Sandbox is closed")
         with self._lock:
@@ -239,7 +289,14 @@ class Sandbox:
                     batches[s][self._next_id] = i
                     head = b"%d %s" % (self._next_id, repr(limit).encode())
                     payloads[s].append((self._next_id, encode_frame(head, data)))
-            results = self._exchange(payloads, stall + 15.0)
+            results: dict[int, dict[int, Verdict]] = {0: {}, 1: {}}
+            for _ in range(2):  # the first try, and a re-run of what a dead server lost
+                lost = self._exchange(payloads, stall + 15.0, results)
+                payloads = {s: [p for p in payloads[s] if p[0] in lost[s]] for s in (0, 1)}
+            for s in (0, 1):
+                for rid, _ in payloads[s]:
+                    results[s][rid] = Verdict(Status.CRASHED, None, NO_VERDICT, 0.0)
+                    self.lost += 1
             runs: dict[int, list[Verdict]] = {}
             for s in (0, 1):
                 for rid, i in batches[s].items():
@@ -249,11 +306,15 @@ class Sandbox:
             return [v for v in verdicts if v is not None]
 
     def _exchange(
-        self, payloads: dict[int, list[tuple[int, bytes]]], stall: float
-    ) -> dict[int, dict[int, Verdict]]:
-        """Send each server its request frames (from a thread) and collect all answers; a
-        server silent for `stall` seconds is killed and its jobs crashed."""
-        out: dict[int, dict[int, Verdict]] = {0: {}, 1: {}}
+        self,
+        payloads: dict[int, list[tuple[int, bytes]]],
+        stall: float,
+        out: dict[int, dict[int, Verdict]],
+    ) -> dict[int, set[int]]:
+        """Send each server its request frames (from a thread) and collect the answers into
+        `out`; a server that dies, or is silent for `stall` seconds (then killed), loses its
+        unanswered requests: their ids are returned."""
+        lost: dict[int, set[int]] = {0: set(), 1: set()}
         active = [s for s in (0, 1) if payloads[s]]
         servers = {s: self._server(s) for s in active}
         waiting = {s: {rid for rid, _ in payloads[s]} for s in active}
@@ -273,30 +334,23 @@ class Sandbox:
             for s in active:
                 if not waiting[s]:
                     continue
-                lines = servers[s].read() if s in ready else []
-                if lines:
+                frames = servers[s].read() if s in ready else []
+                if frames:
                     last[s] = now
-                    self._absorb(lines, waiting[s], out[s])
-                elif lines is None or now - last[s] > stall:
-                    why = "sandbox server died" if lines is None else "sandbox server stalled"
+                    for rid, data in frames:
+                        if rid in waiting[s]:
+                            waiting[s].discard(rid)
+                            out[s][rid] = _parse(data, self.max_output_chars)
+                elif frames is None or now - last[s] > stall:
+                    why = "died" if frames is None else f"was silent for {stall:g} s"
+                    log.warning("lorapop sandbox: a fork server %s; re-running its jobs", why)
                     sel.unregister(servers[s].fd)
                     servers[s].kill()  # restarted on next use
-                    for rid in waiting[s]:
-                        out[s][rid] = Verdict(Status.CRASHED, None, why, 0.0)
-                    waiting[s] = set()
+                    lost[s], waiting[s] = waiting[s], set()
         sel.close()
         for t in writers:
             t.join(timeout=5.0)
-        return out
-
-    @staticmethod
-    def _absorb(
-        frames: list[tuple[int, bytes]], waiting: set[int], out: dict[int, Verdict]
-    ) -> None:
-        for rid, data in frames:
-            if rid in waiting:
-                waiting.discard(rid)
-                out[rid] = _parse(data)
+        return lost
 
     def close(self) -> None:
         """Stop the fork servers (their running children are killed)."""
@@ -308,6 +362,20 @@ class Sandbox:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _report(info: dict) -> None:
+    """Say once per process (per distinct outcome) which kernel layers are active."""
+    on = [name for name in LAYERS if info["layers"].get(name)]
+    off = [name for name in LAYERS if not info["layers"].get(name)]
+    line = f"lorapop sandbox layers: active {', '.join(on) or 'none'}"
+    if off:
+        line += f"; missing {', '.join(off)} ({'; '.join(info.get('notes', []))})"
+    if line in _reported:
+        return
+    _reported.add(line)
+    missing_required = any(name in off for name in REQUIRED)
+    log.log(logging.WARNING if missing_required else logging.INFO, line)
 
 
 def _write(stream, data: bytes) -> None:  # noqa: ANN001 - a binary pipe

@@ -7,11 +7,12 @@ forks each child ahead of its job: an idle child confines itself and waits on a 
 starting a job is one pipe write and the fork overlaps the jobs that are running. Each child
 still runs exactly one job and never sees another job's state.
 
-When isolating as root it enters a fresh network namespace (no interfaces up: no network) and a
-mount namespace with private tmpfs over the world-writable dirs (/tmp, /var/tmp, /dev/shm,
-/run/lock), so a job can neither reach the network nor leave files behind; each child then drops
-to its own unprivileged uid (one per live child, idle or running: workers + max(workers, SPARE)
-uids), so a job cannot signal its siblings or the children waiting for the next jobs.
+Isolation (`lorapop.verify.kernel`): after its imports the server enters its own user, network,
+IPC, UTS, time and mount namespaces, swaps its root for an empty read-only tmpfs holding one
+small tmpfs per child slot, and loads a seccomp allow-list; each child is cloned into its own
+pid namespace, chroots into its slot and drops its capabilities. After a job the server
+remounts the slot's tmpfs (never walking what the job left). What this kernel allowed is in the
+hello line.
 
 Protocol (`lorapop.verify.wire`): stdin carries frames `<id> <wall-clock limit s>` + the job's
 bytes for the child, which the server passes on unread; stdout carries first one JSON line
@@ -29,116 +30,30 @@ import importlib
 import json
 import os
 import selectors
-import shutil
 import signal
 import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from lorapop.verify import kernel
 from lorapop.verify.child import Limits, Prepared, prepare, run_child
 from lorapop.verify.wire import encode_frame, encode_result, split_frames
 
-CLONE_NEWNS = 0x00020000
-CLONE_NEWNET = 0x40000000
-_MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REC, _MS_PRIVATE = 2, 4, 8, 1 << 14, 1 << 18
-_PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
 #: Bytes read back from one child at most; more is a flood and counts as output_too_large.
 _SLACK = 1 << 16
 _HAS_PIDFD = hasattr(os, "pidfd_open")
 #: Idle children a refill makes at least (a refill starts when fewer than `workers` are idle).
 SPARE = 8
-
-
-def _unshare(flags: int) -> None:
-    if hasattr(os, "unshare"):  # Python 3.12+
-        os.unshare(flags)
-        return
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.unshare(flags) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-
-
-def _mount(source: str, target: str, fstype: str | None, flags: int, data: str | None) -> None:
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    enc = [None if s is None else s.encode() for s in (source, target, fstype, data)]
-    if libc.mount(enc[0], enc[1], enc[2], flags, enc[3]) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"mount {target}: {os.strerror(err)}")
-
-
-def _forget_ctypes() -> None:
-    """Drop ctypes from sys.modules (the server keeps what it bound): jobs cannot import it."""
-    for name in [m for m in sys.modules if m.split(".")[0] in ("ctypes", "_ctypes")]:
-        del sys.modules[name]
-
-
-def _plain_fork():
-    """libc's fork() without CPython's at-fork work, or `os.fork` where ctypes cannot do it.
-
-    `os.fork` re-initialises the interpreter's locks and thread states and runs the at-fork
-    hooks (`random` reseeds itself: `statistics` imports it): 65 of a bare child's 106 page
-    faults; in a job's child, where much of it touches pages the job writes anyway, it was 5-7%
-    of the child's CPU (`benchmarks/verify_throughput.py`). None of it is needed here: the
-    server never starts a thread, so no lock can be held by a thread that the child lacks. (A side effect: `random` in a benchmark job
-    starts from the same state in every child, which only makes jobs more reproducible.)
-    PyDLL keeps the GIL held across the call.
-    """
-    try:
-        import ctypes
-
-        libc = ctypes.PyDLL(None, use_errno=True)
-        fork, get_errno = libc.fork, ctypes.get_errno
-        fork.restype, fork.argtypes = ctypes.c_int, []
-    except (ImportError, OSError, AttributeError):
-        return os.fork
-    finally:
-        _forget_ctypes()
-
-    def plain_fork() -> int:
-        pid = fork()
-        if pid < 0:
-            err = get_errno()
-            raise OSError(err, os.strerror(err))
-        return pid
-
-    return plain_fork
-
-
-def _enter_namespaces() -> dict[str, object]:
-    """Network + mount namespaces for this server and its children; report what worked."""
-    info: dict[str, object] = {"net_isolated": False, "fs_isolated": False, "notes": []}
-    notes: list[str] = info["notes"]  # type: ignore[assignment]
-    try:
-        _unshare(CLONE_NEWNET)
-        info["net_isolated"] = True
-    except OSError as e:
-        notes.append(f"no network namespace ({e})")
-    try:
-        _unshare(CLONE_NEWNS)
-        _mount("none", "/", None, _MS_REC | _MS_PRIVATE, None)
-        for d in _PRIVATE_DIRS:
-            if os.path.isdir(d) and not os.path.islink(d):
-                flags = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC
-                _mount("tmpfs", d, "tmpfs", flags, "size=64m,mode=1777")
-        info["fs_isolated"] = True
-    except OSError as e:
-        notes.append(f"no private /tmp ({e})")
-    _forget_ctypes()
-    return info
+#: Modules the server itself loads that no job may import (its own tools into the kernel).
+INTERNAL = ("lorapop", "ctypes", "_ctypes", "pyseccomp", "landlock")
 
 
 @dataclass
 class ServerConfig:
     workers: int
     limits: Limits
-    uid_base: int | None  # first per-slot uid, None: keep the server's uid
-    gid: int
+    clock_skew_s: float  # offset of the jobs' monotonic and boot-time clocks
     modules: tuple[str, ...]  # pre-imported for jobs (the policy's)
     hidden: tuple[str, ...]  # top-level packages removed from the jobs' sys.modules
 
@@ -146,7 +61,7 @@ class ServerConfig:
     def from_json(cls, text: str) -> ServerConfig:
         d = json.loads(text)
         return cls(
-            d["workers"], Limits(**d["limits"]), d["uid_base"], d["gid"],
+            d["workers"], Limits(**d["limits"]), d["clock_skew_s"],
             tuple(d["modules"]), tuple(d["hidden"]),
         )  # fmt: skip
 
@@ -156,8 +71,7 @@ class _Child:
     pid: int
     fd: int | None  # read end of the result pipe
     job_fd: int | None  # write end of the job pipe, until the job is sent
-    slot: int  # index of its uid
-    workdir: str
+    slot: int  # index of its tmpfs slot
     job_id: bytes = b""
     limit: float = 0.0  # the job's wall-clock limit, seconds
     start: float = 0.0
@@ -168,51 +82,57 @@ class _Child:
 
 
 class Server:
-    def __init__(self, cfg: ServerConfig, prep: Prepared) -> None:
-        self.cfg, self.prep = cfg, prep
-        self.fork = _plain_fork()
+    def __init__(
+        self, cfg: ServerConfig, prep: Prepared, jk: kernel.JobKernel, slots: list[str] | None
+    ) -> None:
+        self.cfg, self.prep, self.kernel, self.slots = cfg, prep, jk, slots
         self.sel = selectors.DefaultSelector()
         self.pending: deque[tuple[bytes, float, bytes]] = deque()  # (id, limit, job bytes)
         self.idle: list[_Child] = []  # forked and confined, waiting for a job
         self.running: dict[int, _Child] = {}  # pid -> child
         self.spare = max(cfg.workers, SPARE)  # idle children after a refill
-        self.free = list(range(cfg.workers + self.spare))  # uid slots: one per live child
+        self.free = list(range(cfg.workers + self.spare))  # slots: one per live child
         self.inbuf = bytearray()
         self.outbuf: list[bytes] = []
-        self.seq = 0
         self.closing = False
-        self.root = f"/tmp/lorapop-sandbox-{os.getpid()}-{os.urandom(4).hex()}"
-        os.mkdir(self.root, 0o711)
 
     # --- children ---------------------------------------------------------------------------
-    def _fork(self) -> None:
-        """Fork an idle child: it confines itself and waits for its job on a pipe."""
+    def _fork(self) -> bool:
+        """Fork an idle child: it confines itself and waits for its job on a pipe. False when
+        the kernel refuses (no free slot, no memory for a process or a pipe)."""
+        if not self.free:
+            return False
         slot = self.free.pop()
-        self.seq += 1
-        workdir = f"{self.root}/{slot}-{self.seq}"
-        os.mkdir(workdir, 0o700)
-        uid = None if self.cfg.uid_base is None else self.cfg.uid_base + slot
-        if uid is not None:
-            os.chown(workdir, uid, self.cfg.gid)
-        res_r, res_w = os.pipe()
-        job_r, job_w = os.pipe()
-        pid = self.fork()
+        fds: list[int] = []
+        try:
+            res_r, res_w = os.pipe()
+            fds += (res_r, res_w)
+            job_r, job_w = os.pipe()
+            fds += (job_r, job_w)
+            pid = self.kernel.fork()
+        except OSError:
+            for fd in fds:
+                os.close(fd)
+            self.free.append(slot)
+            return False
         if pid == 0:  # child
             try:
-                run_child((res_w, job_r), self.prep, workdir, uid, self.cfg.gid)
+                where = None if self.slots is None else self.slots[slot]
+                run_child((res_w, job_r), self.prep, self.kernel, where)
             finally:
                 os._exit(70)
         os.close(res_w)
         os.close(job_r)
         with contextlib.suppress(OSError):  # the child did it first, or already exited
             os.setpgid(pid, pid)
-        self.idle.append(_Child(pid, res_r, job_w, slot, workdir))
+        self.idle.append(_Child(pid, res_r, job_w, slot))
+        return True
 
     def _start(self, job_id: bytes, limit: float, data: bytes) -> None:
         """Hand a job to an idle child; a child that died idle is replaced (never reused)."""
         for _ in range(3):
-            if not self.idle:
-                self._fork()
+            if not self.idle and not self._fork():
+                continue
             child = self.idle.pop(0)
             try:
                 view = memoryview(data)
@@ -224,7 +144,7 @@ class Server:
             except OSError:
                 self._discard(child)
         else:
-            why = "sandbox children die before their job"
+            why = "sandbox children die before their job, or none can be started"
             self._send(job_id, encode_result("crashed", None, why, 0.0))
             return
         now = time.monotonic()
@@ -244,11 +164,14 @@ class Server:
         self._release(child)
 
     def _release(self, child: _Child) -> None:
+        """Return a dead child's slot, with a fresh tmpfs (a slot that cannot get one is
+        dropped: the server runs on with fewer idle children)."""
+        if self.slots is not None:
+            try:
+                self.kernel.new_slot(self.slots[child.slot])
+            except OSError:
+                return
         self.free.append(child.slot)
-        try:
-            os.rmdir(child.workdir)
-        except OSError:
-            shutil.rmtree(child.workdir, ignore_errors=True)
 
     def _close_fd(self, run: _Child) -> None:
         if run.fd is not None:
@@ -377,8 +300,8 @@ class Server:
             if open_stdin and len(self.idle) < workers:
                 # Refill in a burst: after each fork the server's own next writes copy pages
                 # it shares with the children, and forks in a row share that cost.
-                while len(self.idle) < self.spare and self.free:
-                    self._fork()
+                while len(self.idle) < self.spare and self._fork():
+                    pass
             if self.outbuf:
                 self._flush()
             now = time.monotonic()
@@ -409,34 +332,34 @@ class Server:
         if self.outbuf:
             self._flush()
 
-    def close(self) -> None:
-        shutil.rmtree(self.root, ignore_errors=True)
-
 
 def main() -> None:
     cfg = ServerConfig.from_json(sys.argv[1])
-    info: dict[str, object] = {"net_isolated": False, "fs_isolated": False, "notes": []}
-    if cfg.limits.isolate and os.geteuid() == 0:
-        info = _enter_namespaces()
-    elif cfg.limits.isolate:
-        info["notes"] = ["not root: no namespaces, no uid switch"]
-    info["uid_isolated"] = cfg.limits.isolate and cfg.uid_base is not None and os.geteuid() == 0
-    if not info["uid_isolated"]:
-        cfg.uid_base = None
     for name in cfg.modules:
         importlib.import_module(name)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
-    prep = prepare(cfg.limits, cfg.hidden)
+    devnull = os.open(os.devnull, os.O_RDWR)  # before the host's filesystem goes
+    n_slots = cfg.workers + max(cfg.workers, SPARE)
+    if cfg.limits.isolate:
+        info, jk, slots = kernel.confine_server(n_slots, cfg.clock_skew_s)
+    else:
+        info = {
+            "layers": dict.fromkeys(kernel.LAYERS, False),
+            "notes": ["isolation is off"],
+            "outer_uid": os.geteuid(),
+        }
+        jk, slots = kernel.JobKernel(signal.SIGCHLD, drop_caps=False), None
+    # Identical in both determinism runs (the hash seed was read at start-up).
+    os.environ.clear()
+    os.environ.update({"PATH": os.defpath, "LC_ALL": "C.UTF-8"})
+    prep = prepare(cfg.limits, cfg.hidden + INTERNAL, devnull, tmpfs=slots is not None)
     gc.collect()
     gc.freeze()  # keep pre-imported objects out of the collector: fewer copy-on-write faults
-    server = Server(cfg, prep)
-    hello = {"hello": info, "pid": os.getpid(), "hash_seed": os.environ.get("PYTHONHASHSEED")}
+    server = Server(cfg, prep, jk, slots)
+    hello = {"hello": info, "pid": os.getpid()}
     server.outbuf.append((json.dumps(hello) + "\n").encode())
     server._flush()
-    try:
-        server.serve()
-    finally:
-        server.close()
+    server.serve()
 
 
 if __name__ == "__main__":

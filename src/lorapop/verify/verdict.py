@@ -5,6 +5,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+#: The longest time limit a job, a Sandbox or `lorapop verify` accepts (one day).
+MAX_TIMEOUT_S = 86_400.0
+
+
+def check_timeout(seconds: object, what: str = "timeout_s") -> float:
+    """`seconds` as a float in (0, MAX_TIMEOUT_S], else ValueError with a one-line reason."""
+    ok = isinstance(seconds, int | float) and not isinstance(seconds, bool)
+    if not ok or not 0 < seconds <= MAX_TIMEOUT_S:  # also false for nan
+        raise ValueError(
+            f"{what} must be a number of seconds in (0, {MAX_TIMEOUT_S:g}], not {seconds!r}"
+        )
+    return float(seconds)
+
 
 class Status(str, Enum):
     """Why a program was accepted or rejected. A `str` enum so it serialises as its value."""
@@ -37,11 +50,8 @@ class Job:
     timeout_s: float | None = None
 
     def __post_init__(self) -> None:
-        t = self.timeout_s
-        if t is not None and (
-            isinstance(t, bool) or not isinstance(t, int | float) or not 0 < t < 1e6
-        ):
-            raise ValueError(f"Job.timeout_s must be a positive number of seconds, not {t!r}")
+        if self.timeout_s is not None:
+            check_timeout(self.timeout_s, "Job.timeout_s")
 
 
 @dataclass(frozen=True)
