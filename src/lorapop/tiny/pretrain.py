@@ -88,7 +88,7 @@ SIZES: dict[str, Recipe] = {
                    variant_share=0.0),
     # about 26M parameters, for the regime world on one GPU (a few minutes on an H100)
     "small": Recipe(ModelSize(hidden=512, layers=8, heads=8, kv_heads=4, intermediate=1536),
-                    steps=4000, n_per_level=1500, lr=1e-3, teacher_max_level=5,
+                    steps=3000, n_per_level=1000, lr=1e-3, teacher_max_level=5,
                     variant_share=0.5),
 }  # fmt: skip
 
