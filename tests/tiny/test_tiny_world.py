@@ -30,7 +30,7 @@ def test_extended_program_calls_the_reference_and_keeps_its_signature() -> None:
         assert var == extend_program(random.Random(seed), ref.source, ref.returns, 4)
         head, _, body = var.source.partition("\n\ndef f(")
         assert head.strip() == ref.source.strip().replace("def f(", "def g(", 1)
-        assert "def f(" + body.split(":", 1)[0] + ":" == ref.source.splitlines()[0]
+        assert "def f(" + body.splitlines()[0] == ref.source.splitlines()[0]
         assert "g(" in body and var.params == ref.params and "helper" in var.features
         compile(var.source, "<variant>", "exec")
     with_helper = generate_program(random.Random(0), 5)

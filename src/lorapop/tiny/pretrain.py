@@ -186,7 +186,7 @@ class Examples:
         """(role, prompt, completion) of one random example."""
         role = ROLES[self.rng.randrange(len(ROLES))]
         who, kind = role.split("/")
-        if (who == "teacher" and kind != "code_f" and self.variants
+        if (who == "teacher" and kind != "code_f" and self.variants and self.variant_share > 0
                 and self.rng.random() < self.variant_share):  # fmt: skip
             return role, *self._variant(role, kind)
         src = self.rng.choice(self.teach if who == "teacher" else self.all)
