@@ -6,7 +6,6 @@ import random
 import pytest
 
 from lorapop.tasks import FormatError, Task, get_family
-from lorapop.tiny import generate_tasks
 from lorapop.tiny.generator import generate_variants, normalize
 from lorapop.tiny.grammar import extend_program, generate_program
 from lorapop.tiny.pretrain import SIZES, Examples, ModelSize, build_corpus, pretrain_size

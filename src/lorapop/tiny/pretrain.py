@@ -195,7 +195,6 @@ class Examples:
         refs = self._refs(kind, n) if who == "teacher" else []
         return role, prompt(role, task, refs), completion(role, task)
 
-
     def _variant(self, role: str, kind: str) -> tuple[str, str]:
         """A teacher example whose completion extends one of the references it shows."""
         anchor, variant = self.rng.choice(self.variants)
