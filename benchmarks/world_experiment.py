@@ -377,7 +377,11 @@ def run_all(args: argparse.Namespace) -> None:
                              "recent_steps": args.recent_steps, "recent_tasks": args.recent_tasks})
 
     def train(job: dict) -> dict:
-        rec = _subprocess("--train-one", job, out / "jobs" / f"{job['name']}.json")
+        path = out / "jobs" / f"{job['name']}.json"
+        done = path.with_suffix(".out.json")
+        if done.is_file() and json.loads(done.read_text())["done"]:
+            return json.loads(done.read_text())  # trained and scored by an earlier call
+        rec = _subprocess("--train-one", job, path)
         print(f"{job['name']}: {rec['steps']} steps{' (done)' if rec['done'] else ''}", flush=True)
         return rec
 
@@ -488,7 +492,8 @@ def main() -> None:
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
     ap.add_argument("--parallel", type=int, default=21, help="runs trained at once")
     ap.add_argument("--deadline", type=float, default=540.0,
-                    help="seconds after start at which runs checkpoint and stop (call budget)")
+                    help="seconds after start at which runs checkpoint and stop; runs that finish "
+                    "then score their students, so leave room for that in the last call")
     ap.add_argument("--per-level", type=int, default=20, help="held-out tasks per type and level")
     ap.add_argument("--recent-steps", type=int, default=30, help="cross-play: tasks of the last N steps")
     ap.add_argument("--recent-tasks", type=int, default=60, help="cross-play: tasks per run")
