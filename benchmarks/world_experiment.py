@@ -215,15 +215,16 @@ def paired_bootstrap(a: list[list[float]], b: list[list[float]], idx: list[int],
                      n_boot: int = 2000, seed: int = 0) -> dict:  # fmt: skip
     """Mean of a - b over seeds and the tasks in `idx`, with a 95% CI that resamples seeds and
     tasks (the same tasks for both sides: paired)."""
-    rng = random.Random(seed)
-    point = fmean(fmean(x[i] - y[i] for i in idx) for x, y in zip(a, b, strict=True))
-    stats = []
-    for _ in range(n_boot):
-        seeds = [rng.randrange(len(a)) for _ in a]
-        tasks = [idx[rng.randrange(len(idx))] for _ in idx]
-        stats.append(fmean(fmean(a[s][i] - b[s][i] for i in tasks) for s in seeds))
-    stats.sort()
-    return {"diff": point, "ci95": [stats[int(0.025 * n_boot)], stats[int(0.975 * n_boot) - 1]]}
+    import numpy as np
+
+    d = (np.asarray(a, dtype=float) - np.asarray(b, dtype=float))[:, idx]  # seeds x tasks
+    rng = np.random.default_rng(seed)
+    tasks = rng.integers(0, d.shape[1], size=(n_boot, d.shape[1]))
+    seeds = rng.integers(0, d.shape[0], size=(n_boot, d.shape[0]))
+    per_seed = d[:, tasks].mean(axis=2)  # seeds x n_boot: each resample's task mean per seed
+    stats = np.sort(per_seed[seeds, np.arange(n_boot)[:, None]].mean(axis=1))
+    return {"diff": float(d.mean()),
+            "ci95": [float(stats[int(0.025 * n_boot)]), float(stats[int(0.975 * n_boot) - 1])]}
 
 
 def summarize(runs: list[dict], cross: dict, levels: list[int], seeds: list[int]) -> dict:
