@@ -397,7 +397,7 @@ def run_all(args: argparse.Namespace) -> None:
 
     task_levels = [t.meta.get("difficulty") for t in load_jsonl(paths["heldout"])]
     for rec, job in zip(recs, jobs, strict=True):
-        rec["curves"] = curves(read_metrics(job["run_dir"]))
+        rec["curves"] = curves(read_metrics(Path(job["run_dir"])))
         rec["heldout_levels"] = task_levels
     cross_jobs = []
     for seed in args.seeds:  # cross-play: every arm's students on the pooled recent tasks
