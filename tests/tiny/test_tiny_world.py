@@ -107,3 +107,16 @@ def test_measure_world_on_the_shipped_model(tiny_sandbox) -> None:
         assert 0 <= dep["unshown_similarity"] <= 1 and 0 <= dep["shown_similarity"] <= 1
     checks = regime_checks(m)
     assert checks["solves_fewer_at_levels_4_5"] is None  # levels 4-5 not measured here
+
+
+def test_pretrain_with_reference_conditioned_examples_records_its_variants(tmp_path, corpus) -> None:
+    from lorapop.tiny.pretrain import pretrain_tiny
+
+    size = ModelSize(hidden=32, layers=1, heads=2, kv_heads=1, intermediate=64, max_positions=1024)
+    rec = pretrain_tiny(tmp_path / "m", seed=1, steps=2, device="cpu", vocab_size=300, size=size,
+                        batch_size=4, corpus=corpus, teacher_max_level=5, variant_share=0.5,
+                        log=None)  # fmt: skip
+    assert rec["variant_share"] == 0.5 and rec["variants"] > 0 and rec["teacher_max_level"] == 5
+    assert (tmp_path / "m" / "model.safetensors").is_file()
+    with pytest.raises(ValueError, match="variant_share"):
+        pretrain_tiny(tmp_path / "x", steps=1, corpus=corpus, variant_share=1.5, log=None)
