@@ -79,3 +79,10 @@ def test_errors_are_one_line(tmp_path, run_dir, args, message):
     assert result.exit_code == 2
     assert message in result.output
     assert len(result.output.strip().splitlines()) == 1
+
+
+def test_pretrain_tiny_refuses_a_bad_size_and_never_overwrites_the_shipped_model():
+    bad = run("pretrain-tiny", "--size", "huge", "--out", "x")
+    assert bad.exit_code != 0 and "unknown --size 'huge'" in bad.output
+    no_out = run("pretrain-tiny", "--size", "small")
+    assert no_out.exit_code != 0 and "--out is needed" in no_out.output

@@ -66,6 +66,10 @@ def test_members_matchups_and_programs_come_from_the_records():
     assert (prog["coverage"], prog["coverage_new"], prog["distinct_in_step"]) == (5, 1, 1)
     assert prog["loc"] == 2
     assert row["phase_s"] == {"update": 0.1235} and row["tokens_per_s"] == 6.5
+    # the one own task was solved by 1 of 3 answers: informative (0 < s < 1)
+    assert row["task_solve_rates"] == {"tasks": 1, "partial": 1.0, "unsolved": 0.0,
+                                       "all_solved": 0.0}
+    assert row["teacher_reward_var"] == pytest.approx(0.5625)  # rewards 0.5 and -1.0
 
 
 def test_the_row_changes_nothing_and_repeats():

@@ -300,18 +300,24 @@ def _eval_tiny(target: str, out: str | None, device: str, workers: int, base: st
 @app.command("pretrain-tiny")
 def pretrain_tiny(
     out: str = typer.Option(None, "--out", help="Model directory (default: the shipped one)."),
+    size: str = typer.Option(
+        "tiny", help="tiny (the shipped 3.5M model) or small (~26M, the regime world; GPU)."
+    ),
     seed: int = typer.Option(0, help="Seed for the corpus, tokenizer and training."),
-    steps: int = typer.Option(3000, help="Optimizer steps (batch 64)."),
+    steps: int = typer.Option(None, help="Optimizer steps, batch 64 (default: the size's)."),
     device: str = typer.Option("auto", help="auto, cpu or cuda."),
-    n_per_level: int = typer.Option(1000, help="Generated programs per difficulty level."),
+    n_per_level: int = typer.Option(None, help="Programs per difficulty level (default: the size's)."),
     workers: int = typer.Option(2, help="Sandbox processes verifying generated programs."),
 ) -> None:
     """Re-make the tiny world's base model: corpus, tokenizer, supervised warm start."""
     import sys
 
-    from lorapop.tiny.pretrain import TINY_MODEL_DIR
-    from lorapop.tiny.pretrain import pretrain_tiny as run
+    from lorapop.tiny.pretrain import SIZES, TINY_MODEL_DIR, pretrain_size
 
-    record = run(out or TINY_MODEL_DIR, seed=seed, steps=steps, device=device,
-                 n_per_level=n_per_level, workers=workers, command=" ".join(sys.argv))
+    if size not in SIZES:
+        raise _fail(f"unknown --size {size!r}; known: {', '.join(SIZES)}")
+    if out is None and size != "tiny":
+        raise _fail("--out is needed for sizes other than tiny (the shipped model's directory)")
+    record = pretrain_size(out or TINY_MODEL_DIR, size, seed=seed, steps=steps, device=device,
+                           n_per_level=n_per_level, workers=workers, command=" ".join(sys.argv))
     typer.echo(f"saved {out or TINY_MODEL_DIR} (final loss {record['final_loss']:.3f})")

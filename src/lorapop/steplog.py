@@ -8,7 +8,7 @@ training state, so logging a step (or not) never changes the run.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from statistics import fmean
+from statistics import fmean, pvariance
 from typing import Any
 
 from lorapop.league import Role
@@ -135,6 +135,12 @@ def step_metrics(rec: StepRecord, league: dict[str, MemberInfo]) -> dict[str, An
                and a.own]
         matchups.append({"teacher": teacher, "student": student, "answers": len(own),
                          "solve_rate": solve_rate(a.grade.outcome for a in own)})
+    own: dict[tuple[str, str], list[Outcome]] = {}  # (teacher, task) -> its answers
+    for a in rec.attempts:
+        if a.own:
+            own.setdefault((a.teacher, a.task.key), []).append(a.grade.outcome)
+    rates = [r for r in map(solve_rate, own.values()) if r is not None]
+    rewards = rec.update.teacher_rewards
     programs = {}
     for t, cov in rec.verification.coverage.items():
         accepted = [(p, v.task) for p, v in zip(rec.proposals, rec.verification.validities,
@@ -158,6 +164,13 @@ def step_metrics(rec: StepRecord, league: dict[str, MemberInfo]) -> dict[str, An
         "members": members,
         "matchups": matchups,
         "programs": programs,
+        # how informative the teacher signal is: solve rates of this step's own valid tasks
+        # (a task at 0 or 1 earns its teacher nothing) and the spread of teacher rewards
+        "task_solve_rates": {"tasks": len(rates),
+                             "partial": fmean(0 < r < 1 for r in rates) if rates else None,
+                             "unsolved": fmean(r == 0 for r in rates) if rates else None,
+                             "all_solved": fmean(r == 1 for r in rates) if rates else None},
+        "teacher_reward_var": pvariance(rewards) if len(rewards) > 1 else None,
         "replacements": rec.replacements,
         "phase_s": {k: round(v, 4) for k, v in rec.phase_s.items()},
         "tokens_per_s": rec.generated_tokens / rec.generation_s if rec.generation_s else 0.0,

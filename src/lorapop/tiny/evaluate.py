@@ -44,6 +44,16 @@ def score(
     template: str = "compact",
 ) -> dict:
     """Grade `texts[member][i]` as the answer to `tasks[i]`; returns the table (see `table`)."""
+    return table(tasks, grade(tasks, texts, runner, template))
+
+
+def grade(
+    tasks: Sequence[Task],
+    texts: Mapping[str, Sequence[str]],
+    runner: Runner,
+    template: str = "compact",
+) -> dict[str, list[bool]]:
+    """Whether `texts[member][i]` answers `tasks[i]` correctly, per member."""
     grades: dict[str, list[bool]] = {}
     for member, answers in texts.items():
         if len(answers) != len(tasks):
@@ -58,7 +68,7 @@ def score(
             for i, g in zip(idx, gs, strict=True):
                 ok[i] = g.outcome == Outcome.CORRECT
         grades[member] = ok
-    return table(tasks, grades)
+    return grades
 
 
 def table(tasks: Sequence[Task], grades: Mapping[str, Sequence[bool]]) -> dict:
@@ -110,13 +120,15 @@ def evaluate_tiny(
     batch_size: int | None = 64,
     seed: int = 0,
     keep_texts: bool = False,
+    keep_grades: bool = False,
 ) -> dict:
     """Greedy pass@1 of each member on `tasks` (e.g. `build_heldout()`).
 
     `slots`: member name -> adapter slot of `bank` (a list of slots names them "slot<i>");
     None scores the plain model as "base" (with a bank, its slot 0). Every member answers every
     task; rows of all members decode together in one `generate` call per task type.
-    `keep_texts` adds "texts": {member: [answer text per task]} to the table.
+    `keep_texts` adds "texts": {member: [answer text per task]} to the table; `keep_grades`
+    adds "grades": {member: [correct per task]} (for paired statistics).
     """
     members = _members(slots)
     budget = {**MAX_NEW, **(max_new_tokens or {})}
@@ -134,9 +146,12 @@ def evaluate_tiny(
                         batch_size=batch_size)  # fmt: skip
         for (m, i, _), g in zip(rows, gens, strict=True):
             texts[m][i] = g.text
-    result = score(tasks, texts, runner, template)
+    grades = grade(tasks, texts, runner, template)
+    result = table(tasks, grades)
     if keep_texts:
         result["texts"] = texts
+    if keep_grades:
+        result["grades"] = grades
     return result
 
 

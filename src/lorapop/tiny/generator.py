@@ -25,6 +25,7 @@ from lorapop.tiny.grammar import (
     Knobs,
     Program,
     describe,
+    extend_program,
     generate_input,
     generate_program,
     knobs_for,
@@ -186,6 +187,57 @@ def _task(kind: str, cand: _Candidate, outputs: list[str], seed: int | str, spli
         message=describe(cand.program) if kind == "code_f" else "",
         meta=meta,
     )
+
+
+_RESULT_TYPES = {int: "int", str: "str", list: "list", dict: "dict"}
+
+
+def generate_variants(
+    anchors: Sequence[Task],
+    seed: int | str,
+    sandbox: Sandbox,
+    *,
+    level_up: int = 1,
+    max_output_chars: int = 60,
+) -> list[tuple[Task, Task]]:
+    """(anchor, variant) pairs: each variant is `extend_program` of its anchor at the anchor's
+    level + `level_up` (capped at 5), run by the sandbox on the anchor's inputs and kept under
+    the same rules as `generate_tasks` (train split, all `ok`, short and not all equal outputs).
+
+    Anchors must be helper-free grammar code_f tasks (levels 1..3); others are skipped. The
+    variant of anchor `i` is drawn from `random.Random(f"variant/{seed}/{i}")`.
+    """
+    cands: list[tuple[Task, Program]] = []
+    for i, a in enumerate(anchors):
+        level = a.meta.get("difficulty")
+        kind = type(_literal(a.outputs[0])) if a.outputs else None
+        if not isinstance(level, int) or kind not in _RESULT_TYPES:
+            continue
+        rng = random.Random(f"variant/{seed}/{i}")
+        try:
+            prog = extend_program(rng, a.program, _RESULT_TYPES[kind], min(5, level + level_up))
+        except ValueError:
+            continue
+        if program_split(prog.source) == "train":
+            cands.append((a, prog))
+    jobs = [Job(p.source, f"f({x})", deterministic=True) for a, p in cands for x in a.inputs]
+    verdicts = iter(sandbox.run(jobs))
+    out = []
+    for a, prog in cands:
+        vs = [next(verdicts) for _ in a.inputs]
+        if _acceptable(vs, max_output_chars):
+            level = min(5, a.meta["difficulty"] + level_up)
+            cand = _Candidate(prog, a.inputs, level)
+            variant = _task("code_f", cand, [v.output or "" for v in vs], seed, "train")
+            out.append((a, variant))
+    return out
+
+
+def _literal(text: str) -> object:
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return None
 
 
 def generate_triples(

@@ -615,6 +615,41 @@ def generate_program(rng: random.Random, difficulty: int | Knobs) -> Program:
     )
 
 
+def extend_program(
+    rng: random.Random, source: str, returns: str, difficulty: int | Knobs
+) -> Program:
+    """A harder program built on `source`: its `f` becomes the helper `g`, and a new `f` with
+    the same parameters calls `g` and does more (body written at `difficulty`).
+
+    This is the "harder variant of a reference" that reference-conditioned teacher examples
+    complete: the shown reference is visibly inside the answer. `source` must be one grammar
+    function `f` with typed parameters and no helpers; `returns` is its result type.
+    """
+    tree = ast.parse(source)
+    fns = [n for n in tree.body if isinstance(n, ast.FunctionDef)]
+    if len(tree.body) != 1 or len(fns) != 1 or fns[0].name != "f":
+        raise ValueError("source must be exactly one function `f` (no helpers)")
+    params = [(a.arg, ast.unparse(a.annotation) if a.annotation else "") for a in fns[0].args.args]
+    used = {t for _, t in params} | {returns}
+    if not used <= set(TYPES):
+        raise ValueError(f"untyped or unknown parameter/result types in {sorted(used)}")
+    knobs = knobs_for(difficulty)
+    types = tuple(t for t in TYPES if t in used or t in knobs.types)
+    body_knobs = Knobs(statements=knobs.statements, depth=knobs.depth, params=len(params),
+                       types=types, loops=knobs.loops, conditionals=knobs.conditionals,
+                       helpers=0, expr_depth=knobs.expr_depth)  # fmt: skip
+    helper = _Helper(_HELPER_NAMES[0], tuple(t for _, t in params), returns)
+    lines, ret, features = _function(rng, body_knobs, "f", params, [helper], is_helper=False)
+    inner = source.strip().splitlines()
+    inner[0] = inner[0].replace("def f(", f"def {helper.name}(", 1)
+    return Program(
+        source="\n".join([*inner, "", *lines]) + "\n",
+        params=tuple(params),
+        returns=ret,
+        features=tuple(sorted(features | {"helper"})),
+    )
+
+
 def _param_names(rng: random.Random, types: list[str]) -> list[tuple[str, str]]:
     taken: set[str] = set()
     out = []

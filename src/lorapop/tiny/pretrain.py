@@ -14,6 +14,13 @@ pair, 0..K references, a random n for code_f) from one `random.Random(seed)`, so
 function of its arguments: the same seed gives the same loss curve and the same weights on CPU
 (GPU kernels may add float noise). Teachers learn programs of levels 1..`teacher_max_level`
 (short enough to sample on a laptop); students learn all five levels.
+
+Sizes (`SIZES`, `lorapop pretrain-tiny --size`): `tiny` is the shipped 3.5M model, made exactly
+as above. Larger sizes are for a world in the paper's regime (GPU): teachers learn all five
+levels, and a share of their code_o/code_i examples are *reference-conditioned*: one of the
+shown references is an anchor program and the completion is a harder variant of it
+(`generate_variants`: the anchor becomes helper `g` of a new, longer `f`), so what a teacher
+proposes depends on what it is shown and it has a cue to raise difficulty.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from transformers import PreTrainedTokenizerFast
 
 from lorapop.engine.model import TINY_DIR, random_qwen2, resolve_device
 from lorapop.tasks import Task, get_family
-from lorapop.tiny.generator import generate_tasks
+from lorapop.tiny.generator import generate_tasks, generate_variants
 from lorapop.tiny.grammar import LEVELS
 from lorapop.tiny.heldout import fingerprint
 from lorapop.tiny.tokenizer import corpus_texts, save_tokenizer, train_tokenizer
@@ -61,6 +68,29 @@ class ModelSize:
     kv_heads: int = 4
     intermediate: int = 704
     max_positions: int = 2048
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A named size: the model shape and the pretraining choices that go with it."""
+
+    size: ModelSize
+    steps: int
+    n_per_level: int
+    lr: float
+    teacher_max_level: int
+    variant_share: float  # share of code_o/code_i teacher examples that extend a shown reference
+
+
+SIZES: dict[str, Recipe] = {
+    # today's shipped model (src/lorapop/assets/tiny), rebuilt exactly by these settings
+    "tiny": Recipe(ModelSize(), steps=3000, n_per_level=1000, lr=2e-3, teacher_max_level=3,
+                   variant_share=0.0),
+    # about 26M parameters, for the regime world on one GPU (a few minutes on an H100)
+    "small": Recipe(ModelSize(hidden=512, layers=8, heads=8, kv_heads=4, intermediate=1536),
+                    steps=3000, n_per_level=1000, lr=1e-3, teacher_max_level=5,
+                    variant_share=0.5),
+}  # fmt: skip
 
 
 # -- the corpus and its examples --------------------------------------------------------------
@@ -115,13 +145,21 @@ def prompt(role: str, task: Task, refs: Sequence[Task]) -> str:
 
 
 class Examples:
-    """Draws (prompt, completion) pairs for all six roles from a corpus with one RNG."""
+    """Draws (prompt, completion) pairs for all six roles from a corpus with one RNG.
+
+    With `variants` ((anchor, variant) pairs) and `variant_share` > 0, that share of code_o /
+    code_i teacher examples shows the anchor among the references and completes its variant.
+    With none, the draws are exactly those of the shipped tiny model's recipe.
+    """
 
     def __init__(
         self, corpus: Sequence[Task], rng: random.Random, max_refs: int = 2,
         teacher_max_level: int = 3, ref_max_chars: int = 400,
+        variants: Sequence[tuple[Task, Task]] = (), variant_share: float = 0.0,
     ) -> None:  # fmt: skip
         self.rng, self.max_refs = rng, max_refs
+        self.variants = [(a, v) for a, v in variants if len(a.program) <= ref_max_chars]
+        self.variant_share = variant_share
         self.all = list(corpus)
         easy = [t for t in corpus if (t.meta.get("difficulty") or 5) <= teacher_max_level]
         self.teach = easy or self.all
@@ -148,11 +186,23 @@ class Examples:
         """(role, prompt, completion) of one random example."""
         role = ROLES[self.rng.randrange(len(ROLES))]
         who, kind = role.split("/")
+        if (who == "teacher" and kind != "code_f" and self.variants and self.variant_share > 0
+                and self.rng.random() < self.variant_share):  # fmt: skip
+            return role, *self._variant(role, kind)
         src = self.rng.choice(self.teach if who == "teacher" else self.all)
         n = self.rng.choice(CODE_F_NS)
         task = as_type(src, kind, self.rng.randrange(len(src.inputs)), n)
         refs = self._refs(kind, n) if who == "teacher" else []
         return role, prompt(role, task, refs), completion(role, task)
+
+    def _variant(self, role: str, kind: str) -> tuple[str, str]:
+        """A teacher example whose completion extends one of the references it shows."""
+        anchor, variant = self.rng.choice(self.variants)
+        task = as_type(variant, kind, self.rng.randrange(len(variant.inputs)))
+        refs = self._refs(kind, 0)[: self.max_refs - 1]
+        refs.insert(self.rng.randint(0, len(refs)),
+                    as_type(anchor, kind, self.rng.randrange(len(anchor.inputs))))  # fmt: skip
+        return prompt(role, task, refs), completion(role, task)
 
 
 def encode(
@@ -255,6 +305,7 @@ def pretrain_tiny(
     batch_size: int = 64,
     lr: float = 2e-3,
     teacher_max_level: int = 3,
+    variant_share: float = 0.0,
     workers: int = 2,
     corpus: Sequence[Task] | None = None,
     command: str | None = None,
@@ -266,25 +317,34 @@ def pretrain_tiny(
     files and training.json (the record returned: seed, steps, device, final loss, loss curve,
     corpus fingerprint, versions). `corpus` skips generation (tests); `workers` sizes the
     sandbox that verifies generated programs; `command` is recorded as given (default: argv).
+    `variant_share` > 0 adds reference-conditioned teacher examples (see the module doc).
     Training on CPU is bit-for-bit reproducible; on GPU, kernels may add float noise.
     """
     if steps < 1 or n_per_level < 1 or batch_size < 1:
         raise ValueError("steps, n_per_level and batch_size must be >= 1")
+    if not 0.0 <= variant_share <= 1.0 or teacher_max_level not in LEVELS:
+        raise ValueError("variant_share must be in [0, 1] and teacher_max_level in 1..5")
     size = size or ModelSize()
     dev = resolve_device(device)  # ModelLoadError (one line) for cuda without a GPU
     t0 = time.perf_counter()
-    if corpus is None:
+    variants: list[tuple[Task, Task]] = []
+    if corpus is None or variant_share > 0:
         with Sandbox(workers=workers, timeout_s=2.0) as sb:
-            corpus = build_corpus(n_per_level, seed, sb)
+            corpus = build_corpus(n_per_level, seed, sb) if corpus is None else corpus
+            if variant_share > 0:
+                anchors = [t for t in corpus if (t.meta.get("difficulty") or 5) <= 3]
+                variants = generate_variants(anchors, f"pretrain/{seed}", sb)
     corpus = list(corpus)
     t_corpus = time.perf_counter() - t0
     if log:
-        log(f"corpus: {len(corpus)} programs in {t_corpus:.1f}s")
-    texts = list(corpus_texts([as_type(t, k) for t in corpus for k in ("code_o", "code_i")]))
-    texts += list(corpus_texts(corpus))
+        log(f"corpus: {len(corpus)} programs, {len(variants)} variants in {t_corpus:.1f}s")
+    progs = corpus + [v for _, v in variants]
+    texts = list(corpus_texts([as_type(t, k) for t in progs for k in ("code_o", "code_i")]))
+    texts += list(corpus_texts(progs))
     tok = train_tokenizer(texts, vocab_size=vocab_size)
     model = build_model(tok, size, seed)
-    examples = Examples(corpus, random.Random(f"pretrain/{seed}"), teacher_max_level=teacher_max_level)
+    examples = Examples(corpus, random.Random(f"pretrain/{seed}"), teacher_max_level=teacher_max_level,
+                        variants=variants, variant_share=variant_share)  # fmt: skip
     losses = train(model, tok, examples, steps, dev, batch_size=batch_size, lr=lr, log=log)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -300,6 +360,8 @@ def pretrain_tiny(
         "lr": lr,
         "n_per_level": n_per_level,
         "teacher_max_level": teacher_max_level,
+        "variant_share": variant_share,
+        "variants": len(variants),
         "vocab_size": len(tok),
         "size": size.__dict__,
         "parameters": sum(p.numel() for p in model.parameters()),
@@ -316,20 +378,42 @@ def pretrain_tiny(
     return record
 
 
+def pretrain_size(
+    out_dir: str | Path, size: str = "tiny", seed: int = 0, device: str = "auto", *,
+    steps: int | None = None, n_per_level: int | None = None, lr: float | None = None,
+    **kwargs: object,
+) -> dict:  # fmt: skip
+    """`pretrain_tiny` with the settings of `SIZES[size]`; given values override the recipe."""
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; known: {', '.join(SIZES)}")
+    r = SIZES[size]
+    record = pretrain_tiny(
+        out_dir, seed, steps or r.steps, device, n_per_level=n_per_level or r.n_per_level,
+        size=r.size, lr=lr or r.lr, teacher_max_level=r.teacher_max_level,
+        variant_share=r.variant_share, **kwargs,  # type: ignore[arg-type]
+    )  # fmt: skip
+    record["size_name"] = size
+    (Path(out_dir) / "training.json").write_text(json.dumps(record, indent=1) + "\n")
+    return record
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m lorapop.tiny.pretrain", description=__doc__)
     p.add_argument("--out", default=str(TINY_MODEL_DIR))
+    p.add_argument("--size", default="tiny", choices=sorted(SIZES))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--steps", type=int, help="default: the size's recipe")
     p.add_argument("--device", default="auto")
-    p.add_argument("--n-per-level", type=int, default=1000)
+    p.add_argument("--n-per-level", type=int, help="default: the size's recipe")
     p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--lr", type=float, help="default: the size's recipe")
     p.add_argument("--workers", type=int, default=2)
     a = p.parse_args(argv)
+    if a.size != "tiny" and a.out == str(TINY_MODEL_DIR):
+        p.error("--out is needed for sizes other than tiny (the shipped model's directory)")
     args = sys.argv[1:] if argv is None else list(argv)
-    rec = pretrain_tiny(a.out, a.seed, a.steps, a.device, n_per_level=a.n_per_level,
-                        batch_size=a.batch_size, lr=a.lr, workers=a.workers,
+    rec = pretrain_size(a.out, a.size, a.seed, a.device, steps=a.steps, n_per_level=a.n_per_level,
+                        lr=a.lr, batch_size=a.batch_size, workers=a.workers,
                         command=" ".join(["python -m lorapop.tiny.pretrain", *args]))  # fmt: skip
     print(f"saved to {a.out}: final loss {rec['final_loss']:.4f}")
     return 0

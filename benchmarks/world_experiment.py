@@ -1,0 +1,519 @@
+"""Issue 15's experiment: PopuLoRA vs its controls in the regime world, several seeds, one GPU.
+
+Arms (all with the same generation compute per step: proposals and answers):
+  population   (a) PopuLoRA, T teachers + S students (configs/world.yaml: 4 + 4)
+  single       (b) the single agent (AZR), proposals_per_type x T and answers x students_per_teacher
+  independent  (c) T independent single agents, each proposals_per_type and answers x k
+  noevolve     (d) the population without evolution (evolve.every=0)
+
+    PYTHONPATH=src python benchmarks/world_experiment.py --model runs/world/small --out runs/world \\
+        --seeds 0 1 2 --parallel 21 --deadline 540          # trains; re-run to continue
+    python benchmarks/world_experiment.py --plot runs/world/world_experiment.json
+
+Every run trains in its own process (many share one GPU; the sandboxes share the CPUs), stops
+at `--deadline` seconds after the call began with a checkpoint, and resumes from it when the
+same command runs again, so a long experiment spans several calls. When every run is done,
+each scores its students on the held-out set (levels 1-5) and on a selection set (which picks
+the best and weakest student), then on the other arms' recent tasks (cross-play), and the
+summary is written: per-step curves, the gate, the pre-registered criterion (README), paired
+bootstrap CIs. `--model` builds the base with `--size` when the directory holds no model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import platform
+import random
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from statistics import fmean
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "world.yaml"
+ARMS = ("population", "single", "independent", "noevolve")
+SELECT_SEED = "world-select-v1"
+COMPLEXITY = ("cyclomatic", "ast_depth", "loc", "variables")
+CURVES = (*COMPLEXITY, "solve_rate", "valid_rate", "partial_share", "teacher_reward_var",
+          "entropy", "coverage", "valid_programs", "replacements")
+
+
+# -- the runs ---------------------------------------------------------------------------------
+
+
+def arm_runs(arm: str, seed: int, overrides: list[str]) -> list[tuple[str, list[str]]]:
+    """(run name, config overrides) of one arm and seed, compute-matched to the population."""
+    from lorapop.config import load_config
+
+    cfg = load_config(CONFIG, overrides)
+    t, k = cfg.league.teachers, cfg.league.students_per_teacher
+    p, n = cfg.tasks.proposals_per_type, cfg.tasks.answers_per_task
+    single = ["league.mode=single", f"tasks.answers_per_task={n * k}"]
+    if arm == "population":
+        return [(f"population_s{seed}", [f"seed={seed}"])]
+    if arm == "noevolve":
+        return [(f"noevolve_s{seed}", [f"seed={seed}", "evolve.every=0"])]
+    if arm == "single":
+        return [(f"single_s{seed}", [f"seed={seed}", *single, f"tasks.proposals_per_type={p * t}"])]
+    if arm == "independent":
+        return [(f"independent_s{seed}_a{j}",
+                 [f"seed={1000 * (j + 1) + seed}", *single, f"tasks.proposals_per_type={p}"])
+                for j in range(t)]  # fmt: skip
+    raise ValueError(f"unknown arm {arm!r}")
+
+
+def train_one(job: dict) -> dict:
+    """Train (or resume) one run until done or the deadline; when done, score its students."""
+    import torch
+
+    from lorapop.checkpoint import latest_checkpoint
+    from lorapop.config import load_config
+    from lorapop.loop import SelfPlay
+    from lorapop.tiny.evaluate import evaluate_tiny
+    from lorapop.tiny.heldout import load_jsonl, save_jsonl
+
+    torch.set_num_threads(1)
+    cfg = load_config(CONFIG, job["overrides"])
+    run_dir = Path(job["run_dir"])
+    resume = latest_checkpoint(run_dir) is not None
+    if not resume and run_dir.exists():
+        shutil.rmtree(run_dir)  # killed before its first checkpoint: start again
+    sp = SelfPlay(cfg, run_dir, resume=resume)
+    try:
+        saved = sp.step_done
+        while sp.step_done < cfg.train.steps and time.time() < job["deadline_at"]:
+            sp.step()
+            if sp.step_done % cfg.run.save_every == 0:
+                sp.save()
+                saved = sp.step_done
+        if sp.step_done != saved:
+            sp.save()
+        done = sp.step_done >= cfg.train.steps
+        rec: dict = {"name": job["name"], "arm": job["arm"], "seed": job["seed"],
+                     "steps": sp.step_done, "done": done}  # fmt: skip
+        if done:
+            p = sp.parts
+            slots = {m: p.slot[m] for m in p.students}
+            for key in ("heldout", "select"):
+                res = evaluate_tiny(p.model, p.tokenizer, load_jsonl(job[key]), p.sandbox,
+                                    bank=p.bank, slots=slots, keep_grades=True)  # fmt: skip
+                rec[key] = {"grades": res["grades"],
+                            "pass@1": {m: r["pass@1"] for m, r in res["members"].items()}}
+            recent = max(1, cfg.train.steps - job["recent_steps"])
+            tasks = [t for b in p.buffers.values() for t in b if (t.step or 0) >= recent]
+            random.Random(job["name"]).shuffle(tasks)
+            save_jsonl(tasks[: job["recent_tasks"]], run_dir / "recent_tasks.jsonl")
+    finally:
+        sp.close()
+    return rec
+
+
+def cross_one(job: dict) -> dict:
+    """A finished run's students on the pooled recent tasks of every arm of its seed."""
+    import torch
+
+    from lorapop.config import load_config
+    from lorapop.loop import SelfPlay
+    from lorapop.tiny.evaluate import evaluate_tiny
+    from lorapop.tiny.heldout import load_jsonl
+
+    torch.set_num_threads(1)
+    cfg = load_config(CONFIG, job["overrides"])
+    sp = SelfPlay(cfg, Path(job["run_dir"]), resume=True)
+    try:
+        p = sp.parts
+        tasks = load_jsonl(job["pool"])
+        res = evaluate_tiny(p.model, p.tokenizer, tasks, p.sandbox, bank=p.bank,
+                            slots={m: p.slot[m] for m in p.students}, keep_grades=True)
+    finally:
+        sp.close()
+    by_arm: dict[str, list[float]] = {}
+    for i, t in enumerate(tasks):
+        by_arm.setdefault(t.meta["arm"], []).append(fmean(g[i] for g in res["grades"].values()))
+    return {arm: fmean(v) for arm, v in by_arm.items()}
+
+
+# -- curves and statistics --------------------------------------------------------------------
+
+
+def curves(rows: list[dict]) -> dict[str, list[float | None]]:
+    """Per step: complexity of the teachers' code_o/code_i programs, own-task solve rate, valid
+    rate, share of tasks with 0 < s < 1, teacher reward variance, entropy, cumulative coverage
+    and valid programs (code_o + code_i), cumulative replacements."""
+    out: dict[str, list[float | None]] = {k: [] for k in CURVES}
+    valid = repl = 0
+    for r in rows:
+        progs = [r["programs"][t] for t in ("code_o", "code_i") if t in r["programs"]]
+        for k in COMPLEXITY:
+            pairs = [(p[k], p["valid"]) for p in progs if p.get(k) is not None and p["valid"]]
+            w = sum(v for _, v in pairs)
+            out[k].append(sum(x * v for x, v in pairs) / w if w else None)
+        m = r["matchups"]
+        answers = sum(x["answers"] for x in m if x["solve_rate"] is not None)
+        out["solve_rate"].append(sum(x["solve_rate"] * x["answers"] for x in m
+                                     if x["solve_rate"] is not None) / answers if answers else None)
+        vr = [x["valid_rate"] for x in r["members"].values() if x.get("valid_rate") is not None]
+        out["valid_rate"].append(fmean(vr) if vr else None)
+        out["partial_share"].append((r.get("task_solve_rates") or {}).get("partial"))
+        out["teacher_reward_var"].append(r.get("teacher_reward_var"))
+        ent = [x["entropy"] for x in r["members"].values() if x.get("entropy") is not None]
+        out["entropy"].append(fmean(ent) if ent else None)
+        valid += sum(p["valid"] for p in progs)
+        out["coverage"].append(sum(p["coverage"] for p in progs))
+        out["valid_programs"].append(valid)
+        repl += len(r.get("replacements") or [])
+        out["replacements"].append(repl)
+    return out
+
+
+def slope(ys: list[float | None]) -> float | None:
+    """Least-squares slope per step of the non-missing values."""
+    pts = [(i, y) for i, y in enumerate(ys) if y is not None]
+    if len(pts) < 2:
+        return None
+    mx, my = fmean(i for i, _ in pts), fmean(y for _, y in pts)
+    den = sum((i - mx) ** 2 for i, _ in pts)
+    return sum((i - mx) * (y - my) for i, y in pts) / den if den else None
+
+
+def window(ys: list[float | None], last: bool, frac: float = 0.1) -> float | None:
+    vals = [y for y in ys if y is not None]
+    n = max(1, int(len(vals) * frac))
+    vals = vals[-n:] if last else vals[:n]
+    return fmean(vals) if vals else None
+
+
+def coverage_at(c: dict[str, list], grid: list[int]) -> list[float | None]:
+    """Distinct program shapes once `g` valid code_o/code_i programs were proposed, per g."""
+    out = []
+    for g in grid:
+        hit = next((cov for cov, v in zip(c["coverage"], c["valid_programs"], strict=True)
+                    if v >= g), None)  # fmt: skip
+        out.append(hit)
+    return out
+
+
+def solver_vectors(runs: list[dict], key: str) -> dict[str, list[float]]:
+    """Per-task held-out scores of one arm-seed's mean, best and weakest student (best and
+    weakest picked on the selection set, so the pick is not fitted to the test)."""
+    grades = {f"{r['name']}/{m}": g for r in runs for m, g in r[key]["grades"].items()}
+    select = {f"{r['name']}/{m}": v for r in runs for m, v in r["select"]["pass@1"].items()}
+    best, worst = max(select, key=select.__getitem__), min(select, key=select.__getitem__)
+    n = len(next(iter(grades.values())))
+    return {"mean": [fmean(g[i] for g in grades.values()) for i in range(n)],
+            "best": [float(x) for x in grades[best]], "weakest": [float(x) for x in grades[worst]]}
+
+
+def paired_bootstrap(a: list[list[float]], b: list[list[float]], idx: list[int],
+                     n_boot: int = 2000, seed: int = 0) -> dict:  # fmt: skip
+    """Mean of a - b over seeds and the tasks in `idx`, with a 95% CI that resamples seeds and
+    tasks (the same tasks for both sides: paired)."""
+    import numpy as np
+
+    d = (np.asarray(a, dtype=float) - np.asarray(b, dtype=float))[:, idx]  # seeds x tasks
+    rng = np.random.default_rng(seed)
+    tasks = rng.integers(0, d.shape[1], size=(n_boot, d.shape[1]))
+    seeds = rng.integers(0, d.shape[0], size=(n_boot, d.shape[0]))
+    per_seed = d[:, tasks].mean(axis=2)  # seeds x n_boot: each resample's task mean per seed
+    stats = np.sort(per_seed[seeds, np.arange(n_boot)[:, None]].mean(axis=1))
+    return {"diff": float(d.mean()),
+            "ci95": [float(stats[int(0.025 * n_boot)]), float(stats[int(0.975 * n_boot) - 1])]}
+
+
+def summarize(runs: list[dict], cross: dict, levels: list[int], seeds: list[int]) -> dict:
+    """Curves per arm and seed, the gate, the criterion and the end points."""
+    by: dict[tuple[str, int], list[dict]] = {}
+    for r in runs:
+        by.setdefault((r["arm"], r["seed"]), []).append(r)
+    arm_curves = {arm: {s: _merge([r["curves"] for r in by[(arm, s)]]) for s in seeds}
+                  for arm in ARMS if all((arm, s) in by for s in seeds)}  # fmt: skip
+    if not {"population", "single"} <= set(arm_curves):
+        raise ValueError("the gate and the criterion need the population and single arms")
+    gate_seeds = []
+    for s in seeds:
+        c = arm_curves["single"][s]
+        sl, solve = slope(c["cyclomatic"]), window(c["solve_rate"], last=True)
+        gate_seeds.append({"seed": s, "final_solve_rate": solve, "complexity_slope": sl,
+                           "collapsed": solve is not None and solve >= 0.8
+                           and sl is not None and sl < 0})  # fmt: skip
+    need = math.ceil(2 * len(seeds) / 3)
+    gate = {"seeds": gate_seeds, "passed": sum(g["collapsed"] for g in gate_seeds) >= need,
+            "rule": f"single agent: last-10% own solve rate >= 0.8 and cyclomatic slope < 0 "
+                    f"in >= {need} of {len(seeds)} seeds"}  # fmt: skip
+    slopes = {arm: {s: slope(c[s]["cyclomatic"]) for s in seeds} for arm, c in arm_curves.items()}
+    majority = len(seeds) // 2 + 1
+    c1 = (sum((slopes["population"][s] or 0) > (slopes["single"][s] or 0) for s in seeds)
+          >= majority and sum((slopes["population"][s] or 0) >= 0 for s in seeds) >= majority)
+    vecs = {(arm, s): solver_vectors(by[(arm, s)], "heldout") for arm in arm_curves for s in seeds}
+    task_levels = runs[0]["heldout_levels"]
+    subsets = {"levels_1_5": [i for i, lv in enumerate(task_levels) if lv in levels],
+               "levels_3_5": [i for i, lv in enumerate(task_levels) if lv >= 3],
+               **{f"level_{lv}": [i for i, x in enumerate(task_levels) if x == lv]
+                  for lv in levels}}  # fmt: skip
+    endpoints: dict = {}
+    for stat in ("mean", "best", "weakest"):
+        for ctrl in ("single", "independent", "noevolve"):
+            if ctrl not in arm_curves:
+                continue
+            endpoints[f"population_{stat}_vs_{ctrl}"] = {
+                name: paired_bootstrap([vecs[("population", s)][stat] for s in seeds],
+                                       [vecs[(ctrl, s)][stat] for s in seeds], idx)
+                for name, idx in subsets.items() if idx
+            }  # fmt: skip
+    passk = {arm: {stat: {name: fmean(fmean(vecs[(arm, s)][stat][i] for i in idx) for s in seeds)
+                          for name, idx in subsets.items() if idx}
+                   for stat in ("mean", "best", "weakest")} for arm in arm_curves}  # fmt: skip
+    c2 = endpoints["population_weakest_vs_single"]["levels_3_5"]
+    c2_verdict = ("supported" if c2["ci95"][0] > 0 else
+                  "refuted" if c2["ci95"][1] < 0 else "inconclusive")  # fmt: skip
+    if not gate["passed"]:
+        verdict = "not tested: the gate failed (the single agent did not collapse)"
+    elif c1 and c2_verdict == "supported":
+        verdict = "supported"
+    elif not c1 or c2_verdict == "refuted":
+        verdict = "not supported"
+    else:
+        verdict = "inconclusive"
+    return {
+        "gate": gate,
+        "criterion": {"C1_complexity": {"holds": c1, "slopes": slopes},
+                      "C2_weakest_vs_single_levels_3_5": {**c2, "verdict": c2_verdict},
+                      "verdict": verdict},
+        "heldout_pass@1": passk,
+        "endpoints": endpoints,
+        "crossplay": cross,
+        "coverage_at_valid": _coverage_table(arm_curves, seeds),
+        "curves": {arm: {str(s): c for s, c in cs.items()} for arm, cs in arm_curves.items()},
+    }
+
+
+def _merge(cs: list[dict]) -> dict:
+    """One arm-seed's curves from its runs (arm c has several): means, sums for counts."""
+    if len(cs) == 1:
+        return cs[0]
+    out = {}
+    for k in CURVES:
+        n = min(len(c[k]) for c in cs)
+        cols = [[c[k][i] for c in cs if c[k][i] is not None] for i in range(n)]
+        add = k in ("coverage", "valid_programs", "replacements")  # coverage: an upper bound
+        out[k] = [(sum(v) if add else fmean(v)) if v else None for v in cols]
+    return out
+
+
+def _coverage_table(arm_curves: dict, seeds: list[int]) -> dict:
+    ends = [c[s]["valid_programs"][-1] for c in arm_curves.values() for s in seeds
+            if c[s]["valid_programs"]]  # fmt: skip
+    top = min(ends) if ends else 0
+    grid = [g for g in (25, 50, 100, 200, 400, 800, 1600, 3200, 6400) if g <= top]
+    return {"valid_programs": grid,
+            **{arm: {str(s): coverage_at(c[s], grid) for s in seeds}
+               for arm, c in arm_curves.items()}}  # fmt: skip
+
+
+# -- orchestration ----------------------------------------------------------------------------
+
+
+def _subprocess(mode: str, job: dict, path: Path) -> dict:
+    path.write_text(json.dumps(job))
+    proc = subprocess.run([sys.executable, __file__, mode, str(path)], capture_output=True,
+                          text=True)  # fmt: skip
+    if proc.returncode:
+        raise RuntimeError(f"{job['name']} ({mode}) failed:\n{proc.stderr[-3000:]}")
+    return json.loads(path.with_suffix(".out.json").read_text())
+
+
+def ensure_model(args: argparse.Namespace) -> str:
+    if args.model in ("tiny", "tiny-random") or (Path(args.model) / "config.json").is_file():
+        return args.model
+    from lorapop.tiny.pretrain import pretrain_size
+
+    print(f"building the {args.size} base model in {args.model}", flush=True)
+    pretrain_size(args.model, args.size, seed=0, workers=args.workers,
+                  command=" ".join(sys.argv))  # fmt: skip
+    return args.model
+
+
+def prepare(out: Path, per_level: int, workers: int) -> dict[str, str]:
+    """Held-out and selection sets, and the buffers' seed tasks (built once, then reused)."""
+    from lorapop.tiny import generate_tasks
+    from lorapop.tiny.heldout import build_heldout, save_jsonl
+    from lorapop.verify import Sandbox
+
+    paths = {k: str(out / f"{k}.jsonl") for k in ("heldout", "select", "seed_tasks")}
+    if all(Path(p).is_file() for p in paths.values()):
+        return paths
+    with Sandbox(workers=workers) as sb:
+        held = build_heldout(per_level, sandbox=sb)
+        save_jsonl(held, paths["heldout"])
+        save_jsonl(build_heldout(per_level, seed=SELECT_SEED, sandbox=sb,
+                                 exclude=[t.program for t in held]), paths["select"])  # fmt: skip
+        seeds = [t for k in ("code_o", "code_i", "code_f") for lv in (1, 2, 3)
+                 for t in generate_tasks(k, 8, lv, "world-seed-tasks", sandbox=sb, n_inputs=4)]
+        save_jsonl(seeds, paths["seed_tasks"])
+    return paths
+
+
+def run_all(args: argparse.Namespace) -> None:
+    t0 = time.time()
+    out = Path(args.out)
+    (out / "jobs").mkdir(parents=True, exist_ok=True)
+    model = ensure_model(args)
+    paths = prepare(out, args.per_level, args.workers)
+    base = [f"model.name_or_path={Path(model).resolve() if Path(model).exists() else model}",
+            f"tasks.seed_tasks={Path(paths['seed_tasks']).resolve()}", *args.overrides]
+    jobs = []
+    for arm in args.arms:
+        for seed in args.seeds:
+            for name, ov in arm_runs(arm, seed, base):
+                jobs.append({"name": name, "arm": arm, "seed": seed, "overrides": [*base, *ov],
+                             "run_dir": str(out / "runs" / name), "heldout": paths["heldout"],
+                             "select": paths["select"], "deadline_at": t0 + args.deadline,
+                             "recent_steps": args.recent_steps, "recent_tasks": args.recent_tasks})
+
+    def train(job: dict) -> dict:
+        path = out / "jobs" / f"{job['name']}.json"
+        done = path.with_suffix(".out.json")
+        if done.is_file() and json.loads(done.read_text())["done"]:
+            return json.loads(done.read_text())  # trained and scored by an earlier call
+        rec = _subprocess("--train-one", job, path)
+        print(f"{job['name']}: {rec['steps']} steps{' (done)' if rec['done'] else ''}", flush=True)
+        return rec
+
+    with ThreadPoolExecutor(args.parallel) as pool:
+        recs = list(pool.map(train, jobs))
+    if not all(r["done"] for r in recs):
+        left = sum(not r["done"] for r in recs)
+        print(f"{left} of {len(recs)} runs not finished: run the same command again to continue")
+        return
+    from lorapop.report import read_metrics
+    from lorapop.tiny.heldout import load_jsonl, save_jsonl
+
+    task_levels = [t.meta.get("difficulty") for t in load_jsonl(paths["heldout"])]
+    for rec, job in zip(recs, jobs, strict=True):
+        rec["curves"] = curves(read_metrics(Path(job["run_dir"])))
+        rec["heldout_levels"] = task_levels
+    cross_jobs = []
+    for seed in args.seeds:  # cross-play: every arm's students on the pooled recent tasks
+        pool_tasks = []
+        for job in jobs:
+            if job["seed"] == seed:
+                for t in load_jsonl(Path(job["run_dir"]) / "recent_tasks.jsonl"):
+                    pool_tasks.append(dataclasses.replace(t, meta={**t.meta, "arm": job["arm"]}))
+        pool_path = out / f"crossplay_pool_s{seed}.jsonl"
+        save_jsonl(pool_tasks, pool_path)
+        cross_jobs += [{**j, "pool": str(pool_path)} for j in jobs if j["seed"] == seed]
+    with ThreadPoolExecutor(args.parallel) as pool:
+        cross_recs = list(pool.map(
+            lambda j: _subprocess("--cross-one", j, out / "jobs" / f"{j['name']}.cross.json"),
+            cross_jobs))  # fmt: skip
+    cross: dict[str, dict[str, list[float]]] = {}
+    for j, res in zip(cross_jobs, cross_recs, strict=True):
+        for task_arm, v in res.items():
+            cross.setdefault(j["arm"], {}).setdefault(task_arm, []).append(v)
+    crossplay = {a: {t: fmean(v) for t, v in row.items()} for a, row in cross.items()}
+    summary = {
+        "benchmark": "world_experiment",
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "config": str(CONFIG.relative_to(ROOT)),
+        "base_overrides": base,
+        "seeds": args.seeds,
+        "arms": {arm: [n for n, _ in arm_runs(arm, 0, base)] for arm in args.arms},
+        "device": _device(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        **summarize(recs, crossplay, [1, 2, 3, 4, 5], args.seeds),
+    }
+    path = out / "world_experiment.json"
+    path.write_text(json.dumps(summary) + "\n")
+    print(json.dumps({"gate": summary["gate"]["passed"],
+                      "verdict": summary["criterion"]["verdict"]}))  # fmt: skip
+    plot(path)
+
+
+def _device() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def plot(path: Path) -> None:
+    """One panel per metric, arms overlaid, seeds as a min-max band around the mean."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s = json.loads(Path(path).read_text())
+    keys = ("cyclomatic", "ast_depth", "solve_rate", "valid_rate", "partial_share",
+            "teacher_reward_var", "entropy", "replacements")
+    fig, axes = plt.subplots(3, 3, figsize=(15, 11))
+    for ax, key in zip(axes.flat, keys, strict=False):
+        for color, (arm, cs) in zip(("C0", "C3", "C2", "C1"), s["curves"].items(), strict=False):
+            series = [c[key] for c in cs.values()]
+            n = min(len(x) for x in series)
+            cols = [[x[i] for x in series if x[i] is not None] for i in range(n)]
+            mean = [fmean(c) if c else float("nan") for c in cols]
+            lo = [min(c) if c else float("nan") for c in cols]
+            hi = [max(c) if c else float("nan") for c in cols]
+            ax.plot(range(1, n + 1), mean, color=color, lw=1.5, label=arm)
+            ax.fill_between(range(1, n + 1), lo, hi, color=color, alpha=0.2)
+        ax.set(title=key.replace("_", " "), xlabel="step")
+    ax = axes.flat[8]
+    grid = s["coverage_at_valid"]["valid_programs"]
+    for color, arm in zip(("C0", "C3", "C2", "C1"), s["curves"], strict=False):
+        rows = list(s["coverage_at_valid"][arm].values())
+        ax.plot(grid, [fmean([r[i] for r in rows if r[i] is not None] or [float("nan")])
+                       for i in range(len(grid))], color=color, marker="o", label=arm)
+    ax.set(title="coverage at equal valid programs", xlabel="valid code_o/code_i programs")
+    axes.flat[0].legend(fontsize=8)
+    fig.suptitle(f"Regime world, seeds {s['seeds']}: verdict {s['criterion']['verdict']}")
+    fig.tight_layout()
+    png = Path(path).with_suffix(".png")
+    fig.savefig(png, dpi=80)
+    print(f"wrote {png}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n", 2)[2])  # fmt: skip
+    ap.add_argument("--model", default="runs/world/small",
+                    help="base model directory (built with --size when empty), or `tiny`")
+    ap.add_argument("--size", default="small", help="pretrain-tiny size used to build --model")
+    ap.add_argument("--out", default="runs/world")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
+    ap.add_argument("--parallel", type=int, default=21, help="runs trained at once")
+    ap.add_argument("--deadline", type=float, default=540.0,
+                    help="seconds after start at which runs checkpoint and stop; runs that finish "
+                    "then score their students, so leave room for that in the last call")
+    ap.add_argument("--per-level", type=int, default=20, help="held-out tasks per type and level")
+    ap.add_argument("--recent-steps", type=int, default=30, help="cross-play: tasks of the last N steps")
+    ap.add_argument("--recent-tasks", type=int, default=60, help="cross-play: tasks per run")
+    ap.add_argument("--workers", type=int, default=4, help="sandbox workers for set-up")
+    ap.add_argument("--plot", type=Path, help="plot a finished world_experiment.json")
+    ap.add_argument("--train-one", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--cross-one", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("overrides", nargs="*", help="key.path=value for every run (before matching)")
+    args = ap.parse_args()
+    if args.plot:
+        plot(args.plot)
+    elif args.train_one or args.cross_one:
+        path = args.train_one or args.cross_one
+        job = json.loads(path.read_text())
+        rec = train_one(job) if args.train_one else cross_one(job)
+        path.with_suffix(".out.json").write_text(json.dumps(rec))
+    else:
+        run_all(args)
+
+
+if __name__ == "__main__":
+    main()

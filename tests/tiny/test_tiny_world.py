@@ -1,0 +1,122 @@
+"""The regime world: harder variants of a reference, reference-conditioned pretraining
+examples, and the regime measurement on the shipped model."""
+
+import random
+
+import pytest
+
+from lorapop.tasks import FormatError, Task, get_family
+from lorapop.tiny.generator import generate_variants, normalize
+from lorapop.tiny.grammar import extend_program, generate_program
+from lorapop.tiny.pretrain import SIZES, Examples, ModelSize, build_corpus, pretrain_size
+from lorapop.tiny.world import measure_world, regime_checks, similarity, world_pools
+
+
+@pytest.fixture(scope="module")
+def corpus(tiny_sandbox) -> list[Task]:
+    return build_corpus(4, 0, tiny_sandbox, levels=(1, 2, 3))
+
+
+@pytest.fixture(scope="module")
+def variants(corpus, tiny_sandbox) -> list[tuple[Task, Task]]:
+    return generate_variants(corpus, 0, tiny_sandbox)
+
+
+def test_extended_program_calls_the_reference_and_keeps_its_signature() -> None:
+    for seed in range(20):
+        ref = generate_program(random.Random(seed), 1 + seed % 3)
+        var = extend_program(random.Random(seed), ref.source, ref.returns, 4)
+        assert var == extend_program(random.Random(seed), ref.source, ref.returns, 4)
+        head, _, body = var.source.partition("\n\ndef f(")
+        assert head.strip() == ref.source.strip().replace("def f(", "def g(", 1)
+        assert "def f(" + body.splitlines()[0] == ref.source.splitlines()[0]
+        assert "g(" in body and var.params == ref.params and "helper" in var.features
+        compile(var.source, "<variant>", "exec")
+    with_helper = generate_program(random.Random(0), 5)
+    with pytest.raises(ValueError):
+        extend_program(random.Random(0), with_helper.source, with_helper.returns, 5)
+
+
+def test_variants_are_verified_harder_train_programs_on_the_anchors_inputs(
+    corpus, variants, tiny_sandbox
+) -> None:
+    assert len(variants) >= len(corpus) // 2
+    for anchor, v in variants:
+        assert v.inputs == anchor.inputs and len(set(v.outputs)) > 1
+        assert v.meta["difficulty"] == anchor.meta["difficulty"] + 1
+        assert v.meta["split"] == "train"
+    anchor, v = variants[0]
+    fam = get_family("code_o", template="compact")
+    (verdict,) = fam.verify([f"{v.program}</f><i>{v.inputs[1]}</i>"], tiny_sandbox)
+    assert verdict.valid and verdict.task.output == v.outputs[1]  # the sandbox's output
+
+
+def test_reference_conditioned_examples_extend_a_shown_reference(corpus, variants) -> None:
+    # with no variants (or share 0) the draws are exactly the shipped tiny model's recipe
+    plain = Examples(corpus, random.Random(3))
+    off = Examples(corpus, random.Random(3), variants=variants, variant_share=0.0)
+    assert [plain.draw() for _ in range(50)] == [off.draw() for _ in range(50)]
+    ex = Examples(corpus, random.Random(3), teacher_max_level=5, variants=variants,
+                  variant_share=1.0)  # fmt: skip
+    seen = 0
+    for _ in range(200):
+        role, prompt, completion = ex.draw()
+        if role not in ("teacher/code_o", "teacher/code_i"):
+            continue
+        seen += 1
+        program = completion.split("</f>")[0]
+        shown = [r.split("</f>")[0] for r in prompt.split("<f>")[1:-1]]
+        assert any(program.startswith(r.replace("def f(", "def g(", 1)) for r in shown)
+        fam = get_family(role.split("/")[1], template="compact")
+        assert not isinstance(fam.parse_proposal(completion, None), FormatError)
+    assert seen > 20
+
+
+def test_sizes_keep_tiny_as_shipped_and_reject_unknown(tmp_path) -> None:
+    tiny = SIZES["tiny"]
+    assert tiny.size == ModelSize() and (tiny.steps, tiny.n_per_level, tiny.lr) == (3000, 1000, 2e-3)
+    assert (tiny.teacher_max_level, tiny.variant_share) == (3, 0.0)
+    assert SIZES["small"].teacher_max_level == 5 and SIZES["small"].variant_share > 0
+    with pytest.raises(ValueError, match="unknown size"):
+        pretrain_size(tmp_path, "huge")
+
+
+def test_similarity_ignores_formatting() -> None:
+    a = "def f(n):\n    return n + 1\n"
+    assert similarity(a, "def f(n):\n    return (n + 1)  # same\n") == 1.0
+    assert similarity(a, "def f(s):\n    return s[::-1].upper()\n") < 0.8
+    assert normalize(a) == "def f(n):\n    return n + 1"
+
+
+def test_measure_world_on_the_shipped_model(tiny_sandbox) -> None:
+    from lorapop.engine.model import load_base_model, load_tokenizer
+
+    tok = load_tokenizer("tiny")
+    tok.padding_side = "left"
+    model = load_base_model("tiny", tok, "cpu", "float32")
+    pools = world_pools(4, tiny_sandbox, levels=(1,))
+    m = measure_world(model, tok, tiny_sandbox, pools, proposals=4, answers=2,
+                      teacher_max_new_tokens=96, seed=0)  # fmt: skip
+    assert set(m["valid_rate"]) == {"code_o", "code_i", "code_f"}
+    assert all(0 <= v <= 1 for v in m["valid_rate"].values())
+    assert m["valid_tasks"] > 0 and set(m["solve_rate_by_level"]) == {"1"}
+    shares = m["share_partial"] + m["share_unsolved"] + m["share_all_solved"]
+    assert shares == pytest.approx(1.0)
+    dep = m["reference_dependence"]
+    if dep["n"]:
+        assert 0 <= dep["unshown_similarity"] <= 1 and 0 <= dep["shown_similarity"] <= 1
+    checks = regime_checks(m)
+    assert checks["solves_fewer_at_levels_4_5"] is None  # levels 4-5 not measured here
+
+
+def test_pretrain_with_reference_conditioned_examples_records_its_variants(tmp_path, corpus) -> None:
+    from lorapop.tiny.pretrain import pretrain_tiny
+
+    size = ModelSize(hidden=32, layers=1, heads=2, kv_heads=1, intermediate=64, max_positions=1024)
+    rec = pretrain_tiny(tmp_path / "m", seed=1, steps=2, device="cpu", vocab_size=300, size=size,
+                        batch_size=4, corpus=corpus, teacher_max_level=5, variant_share=0.5,
+                        log=None)  # fmt: skip
+    assert rec["variant_share"] == 0.5 and rec["variants"] > 0 and rec["teacher_max_level"] == 5
+    assert (tmp_path / "m" / "model.safetensors").is_file()
+    with pytest.raises(ValueError, match="variant_share"):
+        pretrain_tiny(tmp_path / "x", steps=1, corpus=corpus, variant_share=1.5, log=None)
