@@ -97,20 +97,32 @@ def _fail(message: str) -> typer.Exit:
 
 
 def _run(cfg: Config, run_dir: Path, resume: bool) -> int:
-    """Train one run with the live display (and TensorBoard when asked); return steps done.
+    """Train one run with progress, run.json and the logging backends; return steps done.
     Ctrl-C stops it; `--resume` continues from the last checkpoint (`run.save_every`)."""
+    import sys
+
+    from lorapop.backends import TensorBoardLog, WandbLog
     from lorapop.checkpoint import latest_checkpoint
     from lorapop.engine.memory import GenerationMemoryError
     from lorapop.engine.model import ModelLoadError
     from lorapop.loop import SelfPlay
-    from lorapop.progress import RunDisplay, TensorBoardLog
+    from lorapop.progress import RunDisplay
+    from lorapop.runinfo import RunInfo
 
     try:
-        tb = TensorBoardLog(str(run_dir / "tensorboard")) if cfg.run.tensorboard else None
         sp = SelfPlay(cfg, run_dir, resume=resume)
     except (ModelLoadError, FileNotFoundError, ValueError, RuntimeError) as e:
         raise _fail(str(e)) from None
-    hooks = [tb] if tb else []
+    hooks: list = [RunInfo(run_dir, " ".join(["lorapop", *sys.argv[1:]]), sp.step_done)]
+    config = cfg.model_dump(mode="json")
+    try:
+        if cfg.run.tensorboard:
+            hooks.append(TensorBoardLog(run_dir / "tensorboard", config))
+        if cfg.run.wandb:
+            hooks.append(WandbLog(run_dir, config, cfg.run.wandb_project))
+    except RuntimeError as e:  # a backend's package is missing
+        sp.close()
+        raise _fail(str(e)) from None
     try:
         with RunDisplay(cfg.train.steps, sp.step_done, enabled=cfg.run.progress) as display:
             hooks.append(display.update)
@@ -126,8 +138,9 @@ def _run(cfg: Config, run_dir: Path, resume: bool) -> int:
         raise _fail(str(e)) from None
     finally:
         sp.close()
-        if tb:
-            tb.close()
+        for h in hooks:
+            if hasattr(h, "close"):
+                h.close()
     typer.echo(f"run: {run_dir} ({sp.step_done} steps, {cfg.league.mode})")
     return sp.step_done
 

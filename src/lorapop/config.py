@@ -97,7 +97,9 @@ class EvolveConfig(Section):
 
 class TasksConfig(Section):
     types: list[Literal["code_o", "code_i", "code_f"]] = ["code_o", "code_i", "code_f"]
-    template: Literal["azr", "compact"] = "compact"
+    template: Literal["azr", "compact", "chat"] = "compact"
+    """`compact` for the tiny model, `azr` (R1 text) for base models, `chat` wraps the azr prompts
+    in the tokenizer's chat template (Instruct/chat models)."""
     proposals_per_type: int = Field(1, ge=1)
     """Tasks each teacher proposes per task type and step."""
     references: int = Field(6, ge=0)
@@ -165,7 +167,18 @@ class RunConfig(Section):
     """After a population run, train the single-agent baseline with the same per-adapter
     compute in RUN_DIR/baseline (the report then compares the two)."""
     tensorboard: bool = False
+    """Log every metric, and the config as hyperparameters, to RUN_DIR/tensorboard."""
+    wandb: bool = False
+    """Log the same metrics to Weights & Biases (`WANDB_MODE=offline` works without a network)."""
+    wandb_project: str = "lorapop"
     progress: bool = True
+    """A progress bar on a terminal; one plain line per step otherwise (batch logs)."""
+    keep_last: int = Field(2, ge=1)
+    """Checkpoints kept: the last `keep_last` ..."""
+    keep_every: int = Field(0, ge=0)
+    """... and every checkpoint whose step is a multiple of `keep_every` (0: none), for later eval."""
+    rollouts: float = Field(1.0, ge=0, le=1)
+    """Share of each step's rollouts saved to RUN_DIR/rollouts/step_N.jsonl.gz (0: none)."""
 
 
 class Config(Section):
