@@ -9,6 +9,7 @@ not metrics and are left out; the run's config goes in as hyperparameters.
 from __future__ import annotations
 
 import json
+import secrets
 from collections import defaultdict
 from collections.abc import Mapping
 from pathlib import Path
@@ -115,7 +116,7 @@ class WandbLog:
             ) from e
         run_dir = Path(run_dir)
         id_file = run_dir / "wandb_id"
-        run_id = id_file.read_text().strip() if id_file.is_file() else wandb.util.generate_id()
+        run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4)
         id_file.write_text(run_id)
         self.wandb = wandb
         self.run = wandb.init(project=project, name=run_dir.name, id=run_id, resume="allow",
