@@ -249,9 +249,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")
         try:
-            data = yaml.safe_load(p.read_text()) or {}
+            data = yaml.safe_load(p.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{p}: not UTF-8 text (byte {e.start})") from None
         except yaml.YAMLError as e:
-            raise ConfigError(f"{p}: not valid YAML ({e})") from e
+            raise ConfigError(f"{p}: not valid YAML ({' '.join(str(e).split())})") from None
+        if data is None:  # an empty file would silently train the defaults
+            raise ConfigError(f"{p}: the config file is empty")
         if not isinstance(data, dict):
             raise ConfigError(f"{p}: top level must be a mapping of sections")
     for o in overrides:
