@@ -97,11 +97,9 @@ def _fail(message: str) -> typer.Exit:
     return typer.Exit(2)
 
 
-def _run(cfg: Config, run_dir: Path, resume: bool) -> int:
+def _run(cfg: Config, run_dir: Path, resume: bool, command: str) -> int:
     """Train one run with progress, run.json and the logging backends; return steps done.
     Ctrl-C stops it; `--resume` continues from the last checkpoint (`run.save_every`)."""
-    import sys
-
     from lorapop.backends import TensorBoardLog, WandbLog
     from lorapop.checkpoint import latest_checkpoint
     from lorapop.engine.memory import GenerationMemoryError
@@ -114,7 +112,7 @@ def _run(cfg: Config, run_dir: Path, resume: bool) -> int:
         sp = SelfPlay(cfg, run_dir, resume=resume)
     except (ModelLoadError, FileNotFoundError, ValueError, RuntimeError) as e:
         raise _fail(str(e)) from None
-    hooks: list = [RunInfo(run_dir, " ".join(["lorapop", *sys.argv[1:]]), sp.step_done)]
+    hooks: list = [RunInfo(run_dir, command, sp.step_done)]
     config = cfg.model_dump(mode="json")
     try:
         if cfg.run.tensorboard:
@@ -166,10 +164,16 @@ def train(
     with the same per-adapter compute.
     """
 
+    import shlex
+
     from lorapop.config import ConfigError, load_config
     from lorapop.report import write_report
 
     overrides = list(ctx.args)
+    flags = {"--steps": steps, "--out": out, "--resume": resume}
+    command = shlex.join(["lorapop", "train", *([config] if config else []),
+                          *(x for k, v in flags.items() if v is not None for x in (k, str(v))),
+                          *overrides, *([] if report else ["--no-report"])])
     if config is not None and "=" in config and not Path(config).is_file():
         overrides.insert(0, config)  # `--resume DIR key=value`: no CONFIG was given
         config = None
@@ -186,13 +190,14 @@ def train(
         cfg = load_config(config, overrides)
     except ConfigError as e:
         raise _fail(str(e)) from None
-    done = _run(cfg, run_dir, bool(resume))
+    done = _run(cfg, run_dir, bool(resume), command)
     baseline_dir = run_dir / "baseline"
     if cfg.run.with_baseline and cfg.league.mode == "population":
         base = cfg.model_copy(deep=True)
         base.league.mode = "single"
         base.run.with_baseline = False
-        _run(base, baseline_dir, resume=bool(resume) and (baseline_dir / "checkpoints").is_dir())
+        _run(base, baseline_dir, bool(resume) and (baseline_dir / "checkpoints").is_dir(),
+             command)
     if report and done:
         from lorapop.report import summary_table
 
