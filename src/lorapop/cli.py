@@ -330,7 +330,8 @@ def _eval_tiny(target: str, out: str | None, device: str, workers: int, base: st
     from lorapop.tiny.evaluate import evaluate_run, markdown
 
     try:
-        result = evaluate_run(target, base_model=base, device=device, workers=workers)
+        result = evaluate_run(target, base_model=base, device=device, workers=workers,
+                              log=lambda m: typer.echo(m, err=True))
     except EvalError as e:
         raise _fail(str(e)) from None
     table = markdown(result)
