@@ -14,7 +14,6 @@ replacement. Rows of runs from before individuals were logged count every slot a
 from __future__ import annotations
 
 import base64
-import gzip
 import html
 import io
 import json
@@ -31,7 +30,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.colors import Normalize  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from lorapop import runinfo  # noqa: E402
+from lorapop import rollouts, runinfo  # noqa: E402
 
 PROGRAM_METRICS = ("ast_depth", "cyclomatic", "loc", "variables")
 #: Per-member learning curves, in page order: key -> axis label. A key no row has is skipped.
@@ -454,23 +453,6 @@ def _facts(run_dir: Path, rows: list[dict]) -> str:
 
 
 # ---------------------------------------------------------------- rollout samples
-def read_rollouts(path: Path) -> list[dict[str, Any]]:
-    """The records of one rollouts/step_N.jsonl.gz (a torn or foreign file gives fewer)."""
-    out = []
-    try:
-        with gzip.open(path, "rt", encoding="utf-8", errors="replace") as fh:
-            for line in fh:
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if isinstance(rec, dict):
-                    out.append(rec)
-    except (OSError, EOFError):
-        pass
-    return out
-
-
 def latest_rollouts(run_dir: Path) -> tuple[int, list[dict[str, Any]]] | None:
     files = []
     for p in (run_dir / "rollouts").glob("step_*.jsonl.gz"):
@@ -478,7 +460,7 @@ def latest_rollouts(run_dir: Path) -> tuple[int, list[dict[str, Any]]] | None:
         if digits.isdigit():
             files.append((int(digits), p))
     for step, p in sorted(files, reverse=True):
-        recs = read_rollouts(p)
+        recs = rollouts.read(p)
         if recs:
             return step, recs
     return None
