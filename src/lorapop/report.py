@@ -176,13 +176,13 @@ def plot_individuals(rows: list[dict]) -> str | None:
     slots = _slots(rows)
     colors = _colors(slots)
     events = replacement_steps(rows)
-    n_individuals = len({individual(s, m) for r in rows for s, m in r["members"].items()})
-    per_individual = n_individuals <= 16
+    per_individual = _per_individual(rows)
     fig, axes = _panels(len(keys))
     for ax, key in zip(axes, keys, strict=True):
         for slot in slots:
             for g, (ind, steps, vals) in enumerate(_segments(rows, slot, key)):
-                _line(ax, steps, vals, color=colors[slot], lw=1.5, ls=_STYLES[g % 4],
+                _line(ax, steps, vals, color=colors[slot], lw=1.5,
+                      ls=_STYLES[g % 4] if per_individual else "-",
                       label=ind if per_individual else slot)
         _mark_replacements(ax, events)
         ax.set(xlabel="step", ylabel=CURVES[key])
@@ -222,13 +222,28 @@ def plot_arms(runs: dict[str, list[dict]]) -> str | None:
 
 
 def _unique(axes: list[plt.Axes], by_slot: bool = False) -> tuple[list, list]:
-    """Legend entries of all panels, once each (in slot order for individuals)."""
+    """Legend entries of all panels, once each (`by_slot`: T0.g0, T0.g2, T0.g10, T1.g0, ...)."""
     seen: dict[str, Any] = {}
     for ax in axes:
         for h, label in zip(*ax.get_legend_handles_labels(), strict=True):
             seen.setdefault(label, h)
-    labels = sorted(seen, key=lambda x: (_slot_order(x), x)) if by_slot else list(seen)
+    labels = sorted(seen, key=_individual_order) if by_slot else list(seen)
     return [seen[x] for x in labels], labels
+
+
+def _individual_order(label: str) -> tuple[tuple[int, str], int]:
+    slot, _, gen = label.partition(".g")
+    return _slot_order(slot), int(gen) if gen.isdigit() else 0
+
+
+#: Above this many individuals a legend lists slots and every individual of a slot is drawn
+#: alike (the replacement lines show where one ends); below, each has its own line style.
+MAX_LEGEND_INDIVIDUALS = 16
+
+
+def _per_individual(rows: list[dict]) -> bool:
+    ids = {individual(s, m) for r in rows for s, m in r.get("members", {}).items()}
+    return len(ids) <= MAX_LEGEND_INDIVIDUALS
 
 
 def plot_ratings(rows: list[dict]) -> str | None:
@@ -238,24 +253,26 @@ def plot_ratings(rows: list[dict]) -> str | None:
         return None
     fig, ax = plt.subplots(figsize=(8, 3.6), layout="constrained")
     colors = _colors(slots)
+    per_individual = _per_individual(rows)
     markers = "osD^v<>ph*"
     # thick lines first, thinner on top: members with equal ratings stay visible
     for i, slot in enumerate(slots):
         lw = 3.2 - 2.4 * i / max(1, len(slots) - 1)
         sigmas = _segments(rows, slot, "sigma")
         for g, (ind, steps, mu) in enumerate(_segments(rows, slot, "mu")):
-            ax.plot(steps, mu, color=colors[slot], lw=lw, ls=_STYLES[g % 4],
-                    marker=markers[i % len(markers)], ms=4,
-                    markevery=max(1, len(steps) // 8), label=ind, alpha=0.9)
+            ax.plot(steps, mu, color=colors[slot], lw=lw,
+                    ls=_STYLES[g % 4] if per_individual else "-",
+                    marker=markers[i % len(markers)], ms=4, markevery=max(1, len(steps) // 8),
+                    label=ind if per_individual else slot, alpha=0.9)
             sig = sigmas[g][2] if g < len(sigmas) else []
             if len(sig) == len(mu):
                 ax.fill_between(steps, [m - s for m, s in zip(mu, sig, strict=True)],
                                 [m + s for m, s in zip(mu, sig, strict=True)],
-                                color=colors[slot], alpha=0.08)
+                                color=colors[slot], alpha=0.06)
     _mark_replacements(ax, replacement_steps(rows))
     ax.set(xlabel="step", ylabel="TrueSkill μ (band ±σ)")
     fig.legend(*_unique([ax], by_slot=True), loc="outside right upper", fontsize=8,
-               title="individual")
+               title="individual" if per_individual else "slot")
     return _svg(fig)
 
 
@@ -562,17 +579,18 @@ def write_report(run_dir: str | Path, extra_html: str = "") -> Path:
          "Mean over task types; coverage: distinct program structures seen so far."),
         ("phases", "Wall time per phase", lambda: plot_phases(rows), ""),
     ]
-    figs = []
+    figs, nav = [], ["<a href='#facts'>run</a>"]
     for anchor, title, plot, caption in sections:
         svg = plot()
         if svg is not None:
+            nav.append(f"<a href='#{anchor}'>{anchor}</a>")
             figs.append(f"<h2 id='{anchor}'>{title}</h2><p class='note'>{caption}</p>"
                         f"<img alt='{html.escape(title)}' src='data:image/svg+xml;base64,{svg}'/>")
-    nav = " ".join(f"<a href='#{a}'>{t.split(':')[0]}</a>" for a, t, _, _ in sections)
+    nav += ["<a href='#replacements'>replacements</a>", "<a href='#samples'>samples</a>"]
     page = f"""<!doctype html><html><head><meta charset="utf-8">
 <title>lorapop report: {html.escape(run_dir.name)}</title><style>{CSS}</style></head>
 <body><h1>lorapop run: {html.escape(str(run_dir))}</h1>
-<nav>{nav} <a href='#replacements'>Replacements</a> <a href='#samples'>Samples</a></nav>
+<nav>{" ".join(nav)}</nav>
 <h2 id='facts'>Run</h2>{_facts(run_dir, rows)}{comparison}{"".join(figs)}
 <h2 id='replacements'>Replacement history</h2>{_replacement_table(rows)}
 <h2 id='samples'>Sampled tasks and answers</h2>{_samples(run_dir)}{extra_html}</body></html>"""
