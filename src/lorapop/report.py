@@ -42,6 +42,7 @@ CURVES = {
     "teacher_reward": "teacher reward",
     "entropy": "entropy estimate (nats/token)",
     "kl": "KL to the base (nats/token)",
+    "loss": "policy loss",
     "grad_norm": "gradient norm (before clip)",
     "response_tokens": "response length (tokens)",
     "answer_format_error_rate": "unparsable answers",
