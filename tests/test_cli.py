@@ -15,6 +15,7 @@ TINY = str(Path(__file__).parents[1] / "configs" / "tiny.yaml")
 FAST = ["tasks.types=[code_o]", "sampling.teacher_max_new_tokens=8",
         "sampling.student_max_new_tokens=4", "run.progress=false"]
 BACKENDS = ["run.tensorboard=true", "run.wandb=true", "run.progress=true"]
+KEEP = ["run.save_every=1", "run.keep_last=1"]
 
 
 def run(*args):
@@ -44,7 +45,7 @@ def trained(tmp_path_factory):
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        result = run("train", TINY, "--steps", 2, "--out", out, *FAST, *BACKENDS,
+        result = run("train", TINY, "--steps", 2, "--out", out, *FAST, *BACKENDS, *KEEP,
                      "run.with_baseline=true")
     finally:
         for k, v in saved.items():
@@ -149,6 +150,8 @@ def test_eval_run_dir_scores_members_and_baseline(run_dir):
         (["train", "LATIN1"], "not UTF-8 text"),
         (["train", "EMPTY"], "the config file is empty"),
         (["pretrain-tiny"], "give --out DIR"),
+        (["train", TINY, "tasks.template=chat"], "needs a tokenizer with a chat template"),
+        (["train", TINY, "--from-step", "1"], "--from-step goes with --resume"),
         (["eval", "/nonexistent-run", "--bench", "tiny"], "not found"),
     ],
 )
@@ -169,4 +172,60 @@ def test_pretrain_tiny_refuses_a_bad_size_and_never_overwrites_the_shipped_model
     bad = run("pretrain-tiny", "--size", "huge", "--out", "x")
     assert bad.exit_code != 0 and "unknown --size 'huge'" in bad.output
     no_out = run("pretrain-tiny", "--size", "small")
-    assert no_out.exit_code != 0 and "--out is needed" in no_out.output
+    assert no_out.exit_code != 0 and "give --out DIR" in no_out.output
+
+
+def test_rollouts_dumped_every_step_and_shown(run_dir):
+    from lorapop.rollouts import read
+
+    for step in (1, 2):
+        recs = read(run_dir / "rollouts" / f"step_{step}.jsonl.gz")
+        # 2 teachers x 4 code_o proposals (8-token proposals: students rarely get a valid task)
+        assert sum(r["role"] == "teacher" for r in recs) == 8
+        assert {r["individual"] for r in recs} <= {"T0.g0", "T1.g0", "S0.g0", "S1.g0"}
+        for r in recs:
+            assert r["step"] == step and r["prompt"] and isinstance(r["reward"], float)
+            assert r["verdict"] and "advantage" in r and "parsed" in r
+    page = (run_dir / "report.html").read_text()
+    assert "rollouts/step_2.jsonl.gz" in page and "verdict" in page
+
+
+def test_checkpoints_kept_by_run_keep_last(run_dir):
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_000002"]
+
+
+def test_resume_from_damaged_checkpoint_names_the_file(run_dir, tmp_path):
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns("wandb", "tensorboard"))
+    ck = copy / "checkpoints"
+    shutil.copytree(ck / "step_000002", ck / "step_000001")  # an intact earlier one
+    weights = ck / "step_000002" / "adapters" / "S0" / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    result = run("train", "--resume", copy, "--steps", 3)
+    assert result.exit_code == 2
+    line = result.output.strip()
+    assert len(line.splitlines()) == 1 and "adapters/S0/adapter_model.safetensors" in line
+    assert f"step_000001 is intact: `lorapop train --resume {copy} --from-step 1`" in line
+    # LATEST naming a folder that is gone: the newest one there is used, not "no checkpoint"
+    shutil.rmtree(ck / "step_000002")
+    result = run("train", "--resume", copy, "--steps", 2, "--no-report")
+    assert result.exit_code == 0, result.output
+
+
+def test_chat_template_run(tmp_path):
+    from transformers import AutoTokenizer
+
+    from lorapop.engine.model import TINY_DIR
+    from lorapop.rollouts import read
+
+    tok = AutoTokenizer.from_pretrained(TINY_DIR)
+    tok.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+                         "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    tok.save_pretrained(tmp_path / "tok")
+    result = run("train", TINY, "--steps", 1, "--out", tmp_path / "run", *FAST,
+                 "tasks.template=chat", f"model.tokenizer={tmp_path / 'tok'}", "--no-report")
+    assert result.exit_code == 0, result.output
+    recs = read(tmp_path / "run" / "rollouts" / "step_1.jsonl.gz")
+    assert recs and all(r["prompt"].startswith("<|user|>First reason step by step") for r in recs)

@@ -97,7 +97,8 @@ def _fail(message: str) -> typer.Exit:
     return typer.Exit(2)
 
 
-def _run(cfg: Config, run_dir: Path, resume: bool, command: str) -> int:
+def _run(cfg: Config, run_dir: Path, resume: bool, command: str,
+         from_step: int | None = None) -> int:
     """Train one run with progress, run.json and the logging backends; return steps done.
     Ctrl-C stops it; `--resume` continues from the last checkpoint (`run.save_every`)."""
     from lorapop.backends import TensorBoardLog, WandbLog
@@ -109,7 +110,7 @@ def _run(cfg: Config, run_dir: Path, resume: bool, command: str) -> int:
     from lorapop.runinfo import RunInfo
 
     try:
-        sp = SelfPlay(cfg, run_dir, resume=resume)
+        sp = SelfPlay(cfg, run_dir, resume=resume, from_step=from_step)
     except (ModelLoadError, FileNotFoundError, ValueError, RuntimeError) as e:
         raise _fail(str(e)) from None
     hooks: list = [RunInfo(run_dir, command, sp.step_done)]
@@ -155,6 +156,9 @@ def train(
     resume: str = typer.Option(
         None, "--resume", help="Continue the run in this directory from its last checkpoint."
     ),
+    from_step: int = typer.Option(
+        None, "--from-step", help="With --resume: continue from the checkpoint of this step "
+        "instead of the last (e.g. when the last is damaged)."),
     report: bool = typer.Option(True, help="Write report.html when training ends."),
 ) -> None:
     """Run population self-play (or the single-agent baseline) and checkpoint as it goes.
@@ -170,7 +174,7 @@ def train(
     from lorapop.report import write_report
 
     overrides = list(ctx.args)
-    flags = {"--steps": steps, "--out": out, "--resume": resume}
+    flags = {"--steps": steps, "--out": out, "--resume": resume, "--from-step": from_step}
     command = shlex.join(["lorapop", "train", *([config] if config else []),
                           *(x for k, v in flags.items() if v is not None for x in (k, str(v))),
                           *overrides, *([] if report else ["--no-report"])])
@@ -190,7 +194,9 @@ def train(
         cfg = load_config(config, overrides)
     except ConfigError as e:
         raise _fail(str(e)) from None
-    done = _run(cfg, run_dir, bool(resume), command)
+    if from_step is not None and not resume:
+        raise _fail("--from-step goes with --resume RUN_DIR")
+    done = _run(cfg, run_dir, bool(resume), command, from_step)
     baseline_dir = run_dir / "baseline"
     if cfg.run.with_baseline and cfg.league.mode == "population":
         base = cfg.model_copy(deep=True)

@@ -17,9 +17,12 @@ import gzip
 import json
 import os
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lorapop.steplog import StepRecord
 
 
 def path(run_dir: str | Path, step: int) -> Path:
@@ -35,7 +38,7 @@ def sample(records: Sequence[dict[str, Any]], fraction: float, seed: int) -> lis
     return [records[i] for i in keep]
 
 
-def write(run_dir: str | Path, step: int, records: Sequence[dict[str, Any]]) -> Path:
+def write_records(run_dir: str | Path, step: int, records: Sequence[dict[str, Any]]) -> Path:
     """Write one step's records atomically (a kill leaves the old file or the new one)."""
     out = path(run_dir, step)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -62,3 +65,38 @@ def read(file: str | Path) -> list[dict[str, Any]]:
     except (OSError, EOFError):
         pass
     return out
+
+
+def individuals_during(row: dict[str, Any]) -> dict[str, str]:
+    """The individual each slot held while it generated this step's rollouts: the row's
+    (read after replacement), except replaced slots, which held the `replaced` one."""
+    ids = {m: v.get("individual") or f"{m}.g0" for m, v in row["members"].items()}
+    for e in row.get("replacements", []):
+        if e.get("replaced"):
+            ids[e["target"]] = e["replaced"]
+    return ids
+
+
+def step_records(rec: StepRecord, row: dict[str, Any], decode: Callable[[list[int]], str],
+                 fraction: float, seed: int) -> list[dict[str, Any]]:
+    """The dump of one step: a `fraction` of its proposals and answers (sampled before any
+    prompt is decoded)."""
+    items: list[tuple[Any, ...]] = [
+        (p.rollout, v.task.to_json() if v.valid and v.task else None,
+         "valid" if v.valid else v.reason, r, a)
+        for p, v, r, a in zip(rec.proposals, rec.verification.validities,
+                              rec.update.teacher_rewards, rec.update.teacher_advantages,
+                              strict=True)
+    ] + [
+        (t.rollout, t.grade.answer, t.grade.outcome.value, r, a)
+        for t, r, a in zip(rec.attempts, rec.update.student_rewards,
+                           rec.update.student_advantages, strict=True)
+    ]
+    ids = individuals_during(row)
+    return [
+        {"step": rec.step, "member": ro.member, "individual": ids.get(ro.member),
+         "role": ro.role, "type": ro.type, "prompt": decode(ro.prompt_ids),
+         "completion": ro.text, "parsed": parsed, "verdict": verdict, "reward": reward,
+         "advantage": adv, "tokens": len(ro.token_ids)}
+        for ro, parsed, verdict, reward, adv in sample(items, fraction, seed)
+    ]
