@@ -206,18 +206,25 @@ def arm_series(rows: list[dict], key: str, role: str | None = None) -> list[tupl
 def plot_arms(runs: dict[str, list[dict]]) -> str | None:
     """One panel per metric: the mean over each arm's members (population vs baseline)."""
     keys = _present([r for rows in runs.values() for r in rows], CURVES)
-    if not keys:
+    return _arm_panels(runs, {k: CURVES[k] for k in keys}, arm_series)
+
+
+def _arm_panels(runs: dict[str, list[dict]], labels: dict[str, str],
+                series: Callable[[list[dict], str], list[tuple[int, float]]],
+                size: tuple[float, float] = (3.6, 2.5)) -> str | None:
+    """One panel per key of `labels` (its y label), one line per run from `series(rows, key)`."""
+    if not labels:
         return None
-    fig, axes = _panels(len(keys))
+    fig, axes = _panels(len(labels), size=size)
     colors = dict(zip(runs, plt.get_cmap("Dark2").colors, strict=False))
-    for ax, key in zip(axes, keys, strict=True):
+    for ax, (key, ylabel) in zip(axes, labels.items(), strict=True):
         for label, rows in runs.items():
-            pts = arm_series(rows, key)
+            pts = series(rows, key)
             if pts:
                 steps, vals = map(list, zip(*pts, strict=True))
                 _line(ax, steps, vals, color=colors[label], lw=1.6, label=label)
             _mark_replacements(ax, replacement_steps(rows))
-        ax.set(xlabel="step", ylabel=CURVES[key])
+        ax.set(xlabel="step", ylabel=ylabel)
     fig.legend(*_unique(axes), loc="outside right upper", fontsize=8, title="arm")
     return _svg(fig)
 
@@ -326,20 +333,8 @@ def plot_programs(runs: dict[str, list[dict]]) -> str | None:
     """Teacher program complexity and coverage over time, one line per run."""
     keys = [k for k in (*PROGRAM_METRICS, "coverage")
             if any(_program_series(rows, k) for rows in runs.values())]
-    if not keys:
-        return None
-    fig, axes = _panels(len(keys), ncols=3, size=(3.4, 2.4))
-    colors = dict(zip(runs, plt.get_cmap("Dark2").colors, strict=False))
-    for ax, key in zip(axes, keys, strict=True):
-        for label, rows in runs.items():
-            pts = _program_series(rows, key)
-            if pts:
-                steps, vals = map(list, zip(*pts, strict=True))
-                _line(ax, steps, vals, color=colors[label], lw=1.6, label=label)
-            _mark_replacements(ax, replacement_steps(rows))
-        ax.set(xlabel="step", ylabel=PROGRAM_LABELS[key])
-    fig.legend(*_unique(axes), loc="outside right upper", fontsize=8, title="arm")
-    return _svg(fig)
+    return _arm_panels(runs, {k: PROGRAM_LABELS[k] for k in keys}, _program_series,
+                       size=(3.4, 2.4))
 
 
 def plot_phases(rows: list[dict]) -> str | None:
