@@ -213,7 +213,8 @@ def train(
 
 @app.command()
 def report(run_dir: str = typer.Argument(..., help="A run directory written by `lorapop train`.")) -> None:
-    """Write RUN_DIR/report.html: ratings, matchups, program complexity, timings, replacements."""
+    """Write RUN_DIR/report.html: run facts, learning curves per individual and arm, ratings,
+    matchups, program complexity, timings, replacements, sampled rollouts (works mid-run)."""
     from lorapop.report import write_report
 
     try:
