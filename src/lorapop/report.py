@@ -407,16 +407,13 @@ def _replacement_table(rows: list[dict]) -> str:
              if isinstance(x, dict)]
     if not items:
         return "<p>No replacements in this run.</p>"
-    body = []
-    for step, x in items:
-        target = x.get("target", "?")
-        body.append([
-            step, target, x.get("replaced") or "", x.get("child") or "",
-            ", ".join(x.get("parents", [])), x.get("operator", ""),
-            x.get("seed", ""), x.get("failed") or "",
-        ])
-    return _table(["step", "slot", "replaced", "child", "parents", "operator", "seed",
-                   "operator failed (fell back to copy)"], body)
+    head = ["step", "slot", "replaced", "child", "parents", "operator", "seed",
+            "operator failed (fell back to copy)"]
+    body = [[step, x.get("target", "?"), x.get("replaced") or "", x.get("child") or "",
+             ", ".join(x.get("parents", [])), x.get("operator", ""), x.get("seed", ""),
+             x.get("failed") or ""] for step, x in items]
+    shown = [j for j in range(len(head)) if j < 2 or any(r[j] != "" for r in body)]
+    return _table([head[j] for j in shown], ([r[j] for j in shown] for r in body))
 
 
 def markdown_table(text: str) -> str:
@@ -523,7 +520,8 @@ def _samples(run_dir: Path) -> str:
         return ("<p>No rollouts saved (<code>run.rollouts=0</code>, or a run from before "
                 "rollout dumps).</p>")
     step, recs = found
-    roles = sorted({str(r.get("role")) for r in recs})
+    roles = sorted({str(r.get("role")) for r in recs},
+                   key=lambda x: ({"teacher": 0, "student": 1}.get(x, 2), x))
     out = [f"<p>From <code>rollouts/step_{step}.jsonl.gz</code> ({len(recs)} rollouts); "
            f"all steps' dumps lie in <code>{html.escape(str(run_dir / 'rollouts'))}</code>.</p>"]
     for role in roles:
@@ -536,7 +534,7 @@ def _samples(run_dir: Path) -> str:
 CSS = """body{font-family:system-ui,sans-serif;max-width:1200px;margin:auto;padding:0 1em;
 color:#222}h1{font-size:1.5em}h2{border-bottom:1px solid #ddd;padding-top:.5em}
 table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;padding:2px 8px;
-text-align:left;vertical-align:top}table.facts pre{margin:0;white-space:pre-wrap}
+text-align:left;vertical-align:top}table.facts th{white-space:nowrap}table.facts pre{margin:0;white-space:pre-wrap}
 img{max-width:100%;height:auto}pre{white-space:pre-wrap;word-break:break-all;background:#f7f7f7;
 padding:4px;margin:2px 0}.sample{border-left:3px solid #8ab;padding-left:8px;margin:8px 0}
 nav a{margin-right:1em}p.note{color:#555;font-size:.9em}"""
