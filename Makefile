@@ -20,11 +20,11 @@ demo: install
 	$(BIN)/lorapop train configs/tiny.yaml --out runs/tiny run.with_baseline=true
 
 test: install
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks scripts
 	$(BIN)/pytest
 
 lint: install
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks scripts
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info

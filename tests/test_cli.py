@@ -1,15 +1,22 @@
 """The command line as a user drives it: train, report, export, eval, and its errors."""
 
+import html
+import json
+import os
+import stat
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from lorapop.cli import app
+from lorapop.config import load_config
 
 TINY = str(Path(__file__).parents[1] / "configs" / "tiny.yaml")
 FAST = ["tasks.types=[code_o]", "sampling.teacher_max_new_tokens=8",
         "sampling.student_max_new_tokens=4", "run.progress=false"]
+BACKENDS = ["run.tensorboard=true", "run.wandb=true", "run.progress=true"]
+KEEP = ["run.save_every=1", "run.keep_last=1"]
 
 
 def run(*args):
@@ -23,12 +30,52 @@ def test_help_lists_commands():
         assert cmd in result.output
 
 
+@pytest.mark.parametrize("cmd", [[], ["train"], ["export"], ["eval"]])
+def test_help_shows_no_type_for_flags(cmd):
+    result = run(*cmd, "--help")
+    assert result.exit_code == 0 and "<bool>" not in result.output
+    assert "--help" in result.output
+
+
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
+def trained(tmp_path_factory):
+    """A 2-step population run with its baseline, TensorBoard and W&B (offline) on, and
+    progress on while stdout is not a terminal."""
     out = tmp_path_factory.mktemp("run")
-    result = run("train", TINY, "--steps", 2, "--out", out, *FAST, "run.with_baseline=true")
+    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        result = run("train", TINY, "--steps", 2, "--out", out, *FAST, *BACKENDS, *KEEP,
+                     "run.with_baseline=true")
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
     assert result.exit_code == 0, result.output
-    return out
+    return out, result.output
+
+
+@pytest.fixture(scope="module")
+def run_dir(trained):
+    return trained[0]
+
+
+def test_batch_log_has_one_plain_line_per_step(trained):
+    _, output = trained
+    lines = [x for x in output.splitlines() if x.startswith("step ")]
+    assert [x.split(" |")[0] for x in lines] == ["step 1/2", "step 2/2"] * 2  # run + baseline
+    assert all("propose" in x and "tok/s" in x and "ETA 0:" in x for x in lines)
+    assert "\x1b" not in output
+
+
+def test_backends_and_run_facts_written(run_dir):
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert (run_dir / "wandb_id").is_file() and list((run_dir / "wandb").glob("offline-run-*"))
+    info = json.loads((run_dir / "run.json").read_text())["sessions"]
+    assert len(info) == 1 and info[0]["command"].startswith("lorapop train")
+    assert info[0]["last_step"] == 2 and info[0]["end_unix"] >= info[0]["start_unix"]
+    page = (run_dir / "report.html").read_text()
+    assert "wall time" in page and html.escape(info[0]["command"]) in page
 
 
 def test_train_with_baseline_writes_runs_and_report(run_dir):
@@ -41,10 +88,40 @@ def test_train_with_baseline_writes_runs_and_report(run_dir):
 def test_export_member_as_peft_dir(run_dir, tmp_path):
     result = run("export", run_dir, "S1", tmp_path / "s1")
     assert result.exit_code == 0, result.output
-    assert {p.name for p in (tmp_path / "s1").iterdir()} >= {
-        "adapter_config.json", "adapter_model.safetensors"}
+    files = {p.name: p for p in (tmp_path / "s1").iterdir()}
+    assert set(files) >= {"adapter_config.json", "adapter_model.safetensors"}
+    for f in files.values():  # others on a shared cluster can read it
+        assert f.stat().st_mode & stat.S_IROTH, f
     bad = run("export", run_dir, "S9", tmp_path / "s9")
     assert bad.exit_code == 2 and "no member 'S9'" in bad.output and "S1" in bad.output
+
+
+def test_checkpoint_adapters_are_readable_by_others(run_dir):
+    weights = list((run_dir / "checkpoints").glob("step_*/adapters/*/adapter_model.safetensors"))
+    assert weights and all(w.stat().st_mode & stat.S_IROTH for w in weights)
+
+
+def test_exported_adapter_loads_with_auto_peft(run_dir, tmp_path):
+    from peft import AutoPeftModelForCausalLM
+
+    assert run("export", run_dir, "T0", tmp_path / "t0").exit_code == 0
+    cfg = json.loads((tmp_path / "t0" / "adapter_config.json").read_text())
+    assert Path(cfg["base_model_name_or_path"]).is_dir()  # not the lorapop-only name "tiny"
+    model = AutoPeftModelForCausalLM.from_pretrained(tmp_path / "t0")
+    assert model.peft_config["default"].r == 8
+
+
+def test_export_baseline_member_a0(run_dir, tmp_path):
+    result = run("export", run_dir, "A0", tmp_path / "a0")
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "a0" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("member", ["..", ".", "../checkpoints", ""])
+def test_export_rejects_paths_as_members(run_dir, tmp_path, member):
+    result = run("export", run_dir, member, tmp_path / "x")
+    assert result.exit_code == 2 and "no member" in result.output
+    assert not (tmp_path / "x").exists()
 
 
 def test_eval_run_dir_scores_members_and_baseline(run_dir):
@@ -70,10 +147,21 @@ def test_eval_run_dir_scores_members_and_baseline(run_dir):
         (["train", "--resume", "/nonexistent-run"], "config file not found"),
         (["report", "/nonexistent-run"], "no metrics.jsonl"),
         (["train", TINY, "--out", "EXISTING"], "already holds a run"),
+        (["train", TINY, "--steps", "-5"], "bad value for 'train.steps'"),
+        (["train", "LATIN1"], "not UTF-8 text"),
+        (["train", "EMPTY"], "the config file is empty"),
+        (["pretrain-tiny"], "give --out DIR"),
+        (["train", TINY, "tasks.template=chat"], "needs a tokenizer with a chat template"),
+        (["train", TINY, "--from-step", "1"], "--from-step goes with --resume"),
+        (["eval", "/nonexistent-run", "--bench", "tiny"], "not found"),
     ],
 )
 def test_errors_are_one_line(tmp_path, run_dir, args, message):
-    args = [str(run_dir) if a == "EXISTING" else a for a in args]
+    (tmp_path / "latin1.yaml").write_bytes("seed: 0  # r\xe9sum\xe9\n".encode("latin-1"))
+    (tmp_path / "empty.yaml").write_text("# nothing\n")
+    files = {"EXISTING": run_dir, "LATIN1": tmp_path / "latin1.yaml",
+             "EMPTY": tmp_path / "empty.yaml"}
+    args = [str(files.get(a, a)) for a in args]
     needs_out = args[0] == "train" and "--resume" not in args and "--out" not in args
     result = run(*args, "--out", tmp_path / "r") if needs_out else run(*args)
     assert result.exit_code == 2
@@ -85,4 +173,61 @@ def test_pretrain_tiny_refuses_a_bad_size_and_never_overwrites_the_shipped_model
     bad = run("pretrain-tiny", "--size", "huge", "--out", "x")
     assert bad.exit_code != 0 and "unknown --size 'huge'" in bad.output
     no_out = run("pretrain-tiny", "--size", "small")
-    assert no_out.exit_code != 0 and "--out is needed" in no_out.output
+    assert no_out.exit_code != 0 and "give --out DIR" in no_out.output
+
+
+def test_rollouts_dumped_every_step_and_shown(run_dir):
+    from lorapop.rollouts import read
+
+    for step in (1, 2):
+        recs = read(run_dir / "rollouts" / f"step_{step}.jsonl.gz")
+        # 2 teachers x the config's code_o proposals (8-token proposals rarely make a valid task)
+        per_type = load_config(TINY).tasks.proposals_per_type
+        assert sum(r["role"] == "teacher" for r in recs) == 2 * per_type
+        assert {r["individual"] for r in recs} <= {"T0.g0", "T1.g0", "S0.g0", "S1.g0"}
+        for r in recs:
+            assert r["step"] == step and r["prompt"] and isinstance(r["reward"], float)
+            assert r["verdict"] and "advantage" in r and "parsed" in r
+    page = (run_dir / "report.html").read_text()
+    assert "rollouts/step_2.jsonl.gz" in page and "verdict" in page
+
+
+def test_checkpoints_kept_by_run_keep_last(run_dir):
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_000002"]
+
+
+def test_resume_from_damaged_checkpoint_names_the_file(run_dir, tmp_path):
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns("wandb", "tensorboard"))
+    ck = copy / "checkpoints"
+    shutil.copytree(ck / "step_000002", ck / "step_000001")  # an intact earlier one
+    weights = ck / "step_000002" / "adapters" / "S0" / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    result = run("train", "--resume", copy, "--steps", 3)
+    assert result.exit_code == 2
+    line = result.output.strip()
+    assert len(line.splitlines()) == 1 and "adapters/S0/adapter_model.safetensors" in line
+    assert f"step_000001 is intact: `lorapop train --resume {copy} --from-step 1`" in line
+    # LATEST naming a folder that is gone: the newest one there is used, not "no checkpoint"
+    shutil.rmtree(ck / "step_000002")
+    result = run("train", "--resume", copy, "--steps", 2, "--no-report")
+    assert result.exit_code == 0, result.output
+
+
+def test_chat_template_run(tmp_path):
+    from transformers import AutoTokenizer
+
+    from lorapop.engine.model import TINY_DIR
+    from lorapop.rollouts import read
+
+    tok = AutoTokenizer.from_pretrained(TINY_DIR)
+    tok.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+                         "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    tok.save_pretrained(tmp_path / "tok")
+    result = run("train", TINY, "--steps", 1, "--out", tmp_path / "run", *FAST,
+                 "tasks.template=chat", f"model.tokenizer={tmp_path / 'tok'}", "--no-report")
+    assert result.exit_code == 0, result.output
+    recs = read(tmp_path / "run" / "rollouts" / "step_1.jsonl.gz")
+    assert recs and all(r["prompt"].startswith("<|user|>First reason step by step") for r in recs)

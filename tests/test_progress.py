@@ -1,11 +1,10 @@
-"""The live display's summary line and the TensorBoard scalars of a metrics row."""
+"""Progress as a batch log sees it: one plain line per step with a working ETA."""
 
-import sys
-import types
+import io
 
-import pytest
+from rich.console import Console
 
-from lorapop.progress import TensorBoardLog, summary
+from lorapop.progress import Eta, RunDisplay, duration, summary
 
 ROW = {
     "step": 3,
@@ -14,44 +13,58 @@ ROW = {
         "S0": {"solve_rate": 0.25, "mu": 26.0, "role": "student"},
     },
     "programs": {"code_o": {"ast_depth": 4.0, "coverage": 7}},
-    "phase_s": {"proposal": 1.5},
+    "phase_s": {"proposal": 1.5, "verification": 0.25},
     "tokens_per_s": 120.0,
 }
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
 
 
 def test_summary_line():
     assert summary(ROW) == "valid 0.50  solve 0.25  120 tok/s"
 
 
-def test_tensorboard_scalars(monkeypatch, tmp_path):
-    written = []
-
-    class Writer:
-        def __init__(self, log_dir):
-            self.log_dir = log_dir
-
-        def add_scalar(self, tag, value, step):
-            written.append((tag, value, step))
-
-        def flush(self):
-            pass
-
-        def close(self):
-            pass
-
-    fake = types.ModuleType("torch.utils.tensorboard")
-    fake.SummaryWriter = Writer
-    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", fake)
-    log = TensorBoardLog(str(tmp_path))
-    log(ROW)
-    log.close()
-    assert ("member/T0/valid_rate", 0.5, 3) in written
-    assert ("programs/code_o/ast_depth", 4.0, 3) in written
-    assert ("phase/proposal", 1.5, 3) in written
-    assert not any(tag.endswith("/role") for tag, _, _ in written)
+def test_eta_from_measured_steps():
+    clock = Clock()
+    eta = Eta(total=10, done=2, clock=clock)
+    assert eta.remaining() is None
+    clock.t += 30  # step 3 took 30 s
+    assert eta.update(3) == 7 * 30
+    clock.t += 10
+    assert eta.update(4) == 6 * 20  # mean of the steps seen
+    assert duration(eta.remaining()) == "0:02:00" and duration(None) == "-"
 
 
-def test_tensorboard_missing_is_one_clear_error(monkeypatch, tmp_path):
-    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
-    with pytest.raises(RuntimeError, match="pip install 'lorapop\\[tensorboard\\]'"):
-        TensorBoardLog(str(tmp_path))
+def test_plain_lines_when_not_a_terminal():
+    out = io.StringIO()
+    console = Console(file=io.StringIO(), force_terminal=False)
+    with RunDisplay(total=5, done=2, console=console, stream=out) as display:
+        display.update(ROW)
+        display.update(ROW | {"step": 4})
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2
+    assert lines[0].startswith("step 3/5 | propose 1.5s verify 0.2s | valid 0.50  solve 0.25")
+    assert "120 tok/s" in lines[0] and "s/step ETA 0:00:0" in lines[0]
+    assert "\x1b" not in out.getvalue()  # no terminal control codes in a log file
+
+
+def test_disabled_prints_nothing():
+    out = io.StringIO()
+    console = Console(file=io.StringIO(), force_terminal=False)
+    with RunDisplay(total=5, enabled=False, console=console, stream=out) as display:
+        display.update(ROW)
+    assert out.getvalue() == ""
+
+
+def test_terminal_bar_shows_eta():
+    term = io.StringIO()
+    console = Console(file=term, force_terminal=True, width=150)
+    with RunDisplay(total=5, done=2, console=console, stream=io.StringIO()) as display:
+        display.update(ROW)
+    assert "ETA 0:00:0" in term.getvalue() and "valid 0.50" in term.getvalue()

@@ -40,7 +40,7 @@ def record():
                                    {"code_o": 9}),
         attempts=attempts,
         update=Update([0.5, -1.0], [1.0, -0.5, -1.0, 1.0], {"T0": 0.25, "S0": -0.1},
-                      {"T0": 0.3, "S0": 0.2}),
+                      {"T0": 0.3, "S0": 0.2}, [0.7, -0.7], [1.1, -0.2, -0.9, None]),
         replacements=[], phase_s={"update": 0.123456}, generated_tokens=13, generation_s=2.0,
     )
 

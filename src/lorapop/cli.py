@@ -14,6 +14,7 @@ app = typer.Typer(
     help="lorapop: population-based self-play RL of LLMs on LoRA adapters (PopuLoRA).",
     no_args_is_help=True,
     add_completion=False,
+    rich_markup_mode=None,  # plain help: no `<bool>` beside flags, no boxes in log files
 )
 
 
@@ -96,21 +97,32 @@ def _fail(message: str) -> typer.Exit:
     return typer.Exit(2)
 
 
-def _run(cfg: Config, run_dir: Path, resume: bool) -> int:
-    """Train one run with the live display (and TensorBoard when asked); return steps done.
+def _run(cfg: Config, run_dir: Path, resume: bool, command: str,
+         from_step: int | None = None) -> int:
+    """Train one run with progress, run.json and the logging backends; return steps done.
     Ctrl-C stops it; `--resume` continues from the last checkpoint (`run.save_every`)."""
+    from lorapop.backends import TensorBoardLog, WandbLog
     from lorapop.checkpoint import latest_checkpoint
     from lorapop.engine.memory import GenerationMemoryError
     from lorapop.engine.model import ModelLoadError
     from lorapop.loop import SelfPlay
-    from lorapop.progress import RunDisplay, TensorBoardLog
+    from lorapop.progress import RunDisplay
+    from lorapop.runinfo import RunInfo
 
     try:
-        tb = TensorBoardLog(str(run_dir / "tensorboard")) if cfg.run.tensorboard else None
-        sp = SelfPlay(cfg, run_dir, resume=resume)
+        sp = SelfPlay(cfg, run_dir, resume=resume, from_step=from_step)
     except (ModelLoadError, FileNotFoundError, ValueError, RuntimeError) as e:
         raise _fail(str(e)) from None
-    hooks = [tb] if tb else []
+    hooks: list = [RunInfo(run_dir, command, sp.step_done)]
+    config = cfg.model_dump(mode="json")
+    try:
+        if cfg.run.tensorboard:
+            hooks.append(TensorBoardLog(run_dir / "tensorboard", config))
+        if cfg.run.wandb:
+            hooks.append(WandbLog(run_dir, config, cfg.run.wandb_project))
+    except RuntimeError as e:  # a backend's package is missing
+        sp.close()
+        raise _fail(str(e)) from None
     try:
         with RunDisplay(cfg.train.steps, sp.step_done, enabled=cfg.run.progress) as display:
             hooks.append(display.update)
@@ -126,8 +138,9 @@ def _run(cfg: Config, run_dir: Path, resume: bool) -> int:
         raise _fail(str(e)) from None
     finally:
         sp.close()
-        if tb:
-            tb.close()
+        for h in hooks:
+            if hasattr(h, "close"):
+                h.close()
     typer.echo(f"run: {run_dir} ({sp.step_done} steps, {cfg.league.mode})")
     return sp.step_done
 
@@ -143,6 +156,9 @@ def train(
     resume: str = typer.Option(
         None, "--resume", help="Continue the run in this directory from its last checkpoint."
     ),
+    from_step: int = typer.Option(
+        None, "--from-step", help="With --resume: continue from the checkpoint of this step "
+        "instead of the last (e.g. when the last is damaged)."),
     report: bool = typer.Option(True, help="Write report.html when training ends."),
 ) -> None:
     """Run population self-play (or the single-agent baseline) and checkpoint as it goes.
@@ -152,10 +168,16 @@ def train(
     with the same per-adapter compute.
     """
 
+    import shlex
+
     from lorapop.config import ConfigError, load_config
     from lorapop.report import write_report
 
     overrides = list(ctx.args)
+    flags = {"--steps": steps, "--out": out, "--resume": resume, "--from-step": from_step}
+    command = shlex.join(["lorapop", "train", *([config] if config else []),
+                          *(x for k, v in flags.items() if v is not None for x in (k, str(v))),
+                          *overrides, *([] if report else ["--no-report"])])
     if config is not None and "=" in config and not Path(config).is_file():
         overrides.insert(0, config)  # `--resume DIR key=value`: no CONFIG was given
         config = None
@@ -166,19 +188,22 @@ def train(
         raise _fail("give a CONFIG file, or --resume RUN_DIR")
     else:
         run_dir = Path(out) if out else Path("runs") / Path(config).stem
+    if steps is not None:
+        overrides.append(f"train.steps={steps}")  # validated like any other value
     try:
         cfg = load_config(config, overrides)
     except ConfigError as e:
         raise _fail(str(e)) from None
-    if steps is not None:
-        cfg.train.steps = steps
-    done = _run(cfg, run_dir, bool(resume))
+    if from_step is not None and not resume:
+        raise _fail("--from-step goes with --resume RUN_DIR")
+    done = _run(cfg, run_dir, bool(resume), command, from_step)
     baseline_dir = run_dir / "baseline"
     if cfg.run.with_baseline and cfg.league.mode == "population":
         base = cfg.model_copy(deep=True)
         base.league.mode = "single"
         base.run.with_baseline = False
-        _run(base, baseline_dir, resume=bool(resume) and (baseline_dir / "checkpoints").is_dir())
+        _run(base, baseline_dir, bool(resume) and (baseline_dir / "checkpoints").is_dir(),
+             command)
     if report and done:
         from lorapop.report import summary_table
 
@@ -188,7 +213,8 @@ def train(
 
 @app.command()
 def report(run_dir: str = typer.Argument(..., help="A run directory written by `lorapop train`.")) -> None:
-    """Write RUN_DIR/report.html: ratings, matchups, program complexity, timings, replacements."""
+    """Write RUN_DIR/report.html: run facts, learning curves per individual and arm, ratings,
+    matchups, program complexity, timings, replacements, sampled rollouts (works mid-run)."""
     from lorapop.report import write_report
 
     try:
@@ -200,25 +226,50 @@ def report(run_dir: str = typer.Argument(..., help="A run directory written by `
 @app.command()
 def export(
     run_dir: str = typer.Argument(..., help="A run directory written by `lorapop train`."),
-    member: str = typer.Argument(..., help="Member name, e.g. T0, S1 or A0 (the baseline)."),
+    member: str = typer.Argument(
+        ..., help="Member name, e.g. T0 or S1; A0 is the single-agent baseline (from "
+        "RUN_DIR/baseline when the run trained one)."),
     out_dir: str = typer.Argument(..., help="Where to write the PEFT adapter directory."),
 ) -> None:
-    """Copy one member of the last checkpoint out as a standard PEFT LoRA adapter directory."""
-    import shutil
-
+    """Copy one member of the last checkpoint out as a standard PEFT LoRA adapter directory
+    (files readable by others; the base model recorded so that PEFT's Auto classes load it)."""
     from lorapop.checkpoint import latest_checkpoint
 
-    ckpt = latest_checkpoint(Path(run_dir))
+    run = Path(run_dir)
+    ckpt = latest_checkpoint(run)
+    if member == "A0" and not (ckpt and (ckpt / "adapters" / "A0").is_dir()):
+        ckpt = latest_checkpoint(run / "baseline") or ckpt
     if ckpt is None:
         raise _fail(f"no checkpoint in {run_dir}")
-    src = ckpt / "adapters" / member
-    if not src.is_dir():
-        known = sorted(p.name for p in (ckpt / "adapters").iterdir())
+    known = sorted(p.name for p in (ckpt / "adapters").iterdir() if p.is_dir())
+    if member not in known:
         raise _fail(f"no member {member!r} in {ckpt}; members: {', '.join(known)}")
-    if Path(out_dir).exists() and any(Path(out_dir).iterdir()):
-        raise _fail(f"{out_dir} exists and is not empty")
-    shutil.copytree(src, out_dir, dirs_exist_ok=True)
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise _fail(f"{out_dir} exists and is not an empty directory")
+    _copy_adapter(ckpt / "adapters" / member, out)
     typer.echo(f"{member} -> {out_dir} (load with peft.PeftModel.from_pretrained)")
+
+
+def _copy_adapter(src: Path, out: Path) -> None:
+    """Copy an adapter directory with default file modes (checkpoint files may be 0600) and
+    the base model as a name PEFT can load (`tiny` becomes the shipped model's path)."""
+    import json
+    import shutil
+
+    from lorapop.engine.model import TINY, TINY_DIR
+
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file():
+            shutil.copyfile(f, out / f.name)  # new files: the user's umask, not the source's mode
+    cfg_path = out / "adapter_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    base = cfg.get("base_model_name_or_path")
+    if base:
+        path = TINY_DIR if base == TINY else Path(base)
+        cfg["base_model_name_or_path"] = str(path.resolve()) if path.is_dir() else base
+        cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True))
 
 
 @app.command("eval")
@@ -286,7 +337,8 @@ def _eval_tiny(target: str, out: str | None, device: str, workers: int, base: st
     from lorapop.tiny.evaluate import evaluate_run, markdown
 
     try:
-        result = evaluate_run(target, base_model=base, device=device, workers=workers)
+        result = evaluate_run(target, base_model=base, device=device, workers=workers,
+                              log=lambda m: typer.echo(m, err=True))
     except EvalError as e:
         raise _fail(str(e)) from None
     table = markdown(result)
@@ -299,7 +351,9 @@ def _eval_tiny(target: str, out: str | None, device: str, workers: int, base: st
 
 @app.command("pretrain-tiny")
 def pretrain_tiny(
-    out: str = typer.Option(None, "--out", help="Model directory (default: the shipped one)."),
+    out: str = typer.Option(
+        None, "--out", help="Model directory to write (required: the shipped model is not "
+        "overwritten by accident; name its directory to replace it)."),
     size: str = typer.Option(
         "tiny", help="tiny (the shipped 3.5M model) or small (~26M, the regime world; GPU)."
     ),
@@ -316,8 +370,8 @@ def pretrain_tiny(
 
     if size not in SIZES:
         raise _fail(f"unknown --size {size!r}; known: {', '.join(SIZES)}")
-    if out is None and size != "tiny":
-        raise _fail("--out is needed for sizes other than tiny (the shipped model's directory)")
-    record = pretrain_size(out or TINY_MODEL_DIR, size, seed=seed, steps=steps, device=device,
+    if out is None:
+        raise _fail(f"give --out DIR (to replace the shipped model: --out {TINY_MODEL_DIR})")
+    record = pretrain_size(out, size, seed=seed, steps=steps, device=device,
                            n_per_level=n_per_level, workers=workers, command=" ".join(sys.argv))
-    typer.echo(f"saved {out or TINY_MODEL_DIR} (final loss {record['final_loss']:.3f})")
+    typer.echo(f"saved {out} (final loss {record['final_loss']:.3f})")

@@ -97,7 +97,9 @@ class EvolveConfig(Section):
 
 class TasksConfig(Section):
     types: list[Literal["code_o", "code_i", "code_f"]] = ["code_o", "code_i", "code_f"]
-    template: Literal["azr", "compact"] = "compact"
+    template: Literal["azr", "compact", "chat"] = "compact"
+    """`compact` for the tiny model, `azr` (R1 text) for base models, `chat` wraps the azr prompts
+    in the tokenizer's chat template (Instruct/chat models)."""
     proposals_per_type: int = Field(1, ge=1)
     """Tasks each teacher proposes per task type and step."""
     references: int = Field(6, ge=0)
@@ -165,7 +167,18 @@ class RunConfig(Section):
     """After a population run, train the single-agent baseline with the same per-adapter
     compute in RUN_DIR/baseline (the report then compares the two)."""
     tensorboard: bool = False
+    """Log every metric, and the config as hyperparameters, to RUN_DIR/tensorboard."""
+    wandb: bool = False
+    """Log the same metrics to Weights & Biases (`WANDB_MODE=offline` works without a network)."""
+    wandb_project: str = "lorapop"
     progress: bool = True
+    """A progress bar on a terminal; one plain line per step otherwise (batch logs)."""
+    keep_last: int = Field(2, ge=1)
+    """Checkpoints kept: the last `keep_last` ..."""
+    keep_every: int = Field(0, ge=0)
+    """... and every checkpoint whose step is a multiple of `keep_every` (0: none), for later eval."""
+    rollouts: float = Field(1.0, ge=0, le=1)
+    """Share of each step's rollouts saved to RUN_DIR/rollouts/step_N.jsonl.gz (0: none)."""
 
 
 class Config(Section):
@@ -236,9 +249,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")
         try:
-            data = yaml.safe_load(p.read_text()) or {}
+            data = yaml.safe_load(p.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{p}: not UTF-8 text (byte {e.start})") from None
         except yaml.YAMLError as e:
-            raise ConfigError(f"{p}: not valid YAML ({e})") from e
+            raise ConfigError(f"{p}: not valid YAML ({' '.join(str(e).split())})") from None
+        if data is None:  # an empty file would silently train the defaults
+            raise ConfigError(f"{p}: the config file is empty")
         if not isinstance(data, dict):
             raise ConfigError(f"{p}: top level must be a mapping of sections")
     for o in overrides:

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from lorapop.checkpoint import latest_checkpoint, save_checkpoint, truncate_jsonl
+from lorapop.checkpoint import load_checkpoint, resume_point, save_checkpoint, truncate_jsonl
 from lorapop.config import Config, dump_config
 from lorapop.engine.generate import Generation, SamplingParams, generate
 from lorapop.engine.logprobs import micro_batches, sequence_logprobs
@@ -41,6 +41,7 @@ from lorapop.rl import (
     trr_advantages,
 )
 from lorapop.rl.loss import group_token_counts, policy_loss
+from lorapop.rollouts import step_records, write_records
 from lorapop.steplog import (
     Attempt,
     MemberInfo,
@@ -57,22 +58,27 @@ from lorapop.tasks.task import Grade, Task, Validity
 class SelfPlay:
     """A run: its parts (`lorapop.parts`), `run()` trains and checkpoints, `step()` does one step."""
 
-    def __init__(self, cfg: Config, run_dir: str | Path, resume: bool = False) -> None:
+    def __init__(self, cfg: Config, run_dir: str | Path, resume: bool = False,
+                 from_step: int | None = None) -> None:
+        """`resume` continues from the last checkpoint, or from the one of `from_step`."""
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.metrics_path = self.run_dir / "metrics.jsonl"
         if not resume and self.metrics_path.exists():
             raise ValueError(f"{self.run_dir} already holds a run: --resume it or pick another --out")
-        ckpt = latest_checkpoint(self.run_dir) if resume else None
-        if resume and ckpt is None:
-            raise FileNotFoundError(f"no checkpoint to resume from in {self.run_dir}")
+        ckpt = resume_point(self.run_dir, from_step) if resume else None
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.parts = build(cfg)
         self.rewards = RewardScheme(teacher_conversion=cfg.train.teacher_conversion,
                                     teacher_format_penalty=cfg.train.teacher_format_penalty)
         self.step_done = 0
         if ckpt is not None:
-            self.step_done = load_state(self.parts, ckpt)
+            try:
+                self.step_done = load_checkpoint(self.run_dir, ckpt,
+                                                 lambda folder: load_state(self.parts, folder))
+            except BaseException:
+                self.parts.close()
+                raise
         else:
             (self.run_dir / "config.yaml").write_text(dump_config(cfg))
         truncate_jsonl(self.metrics_path, self.step_done)
@@ -111,6 +117,10 @@ class SelfPlay:
         row = step_metrics(rec, self.league_summary())
         with open(self.metrics_path, "a") as fh:
             fh.write(json.dumps(row) + "\n")
+        if self.cfg.run.rollouts > 0:
+            write_records(self.run_dir, s, step_records(
+                rec, row, self.parts.tokenizer.decode, self.cfg.run.rollouts,
+                derive_seed(self.cfg.seed, s, "rollouts")))
         return row
 
     # ------------------------------------------------------------------ phases
@@ -210,7 +220,7 @@ class SelfPlay:
             for p, v in zip(proposals, validities, strict=True)
         ]
         rollouts = [p.rollout for p in proposals] + [a.rollout for a in attempts]
-        losses, grad_norms = self._policy_step(rollouts, teacher_rewards + student_rewards)
+        losses, grad_norms, advs = self._policy_step(rollouts, teacher_rewards + student_rewards)
         if self.parts.ratings is not None:
             lg = self.cfg.league
             match_rates = [solve_rate(a.grade.outcome for a in attempts
@@ -219,7 +229,8 @@ class SelfPlay:
             results = match_results(match_rates, lg.draw_margin, lg.outcome_center)
             for (teacher, student), result in zip(pairs, results, strict=True):
                 self.parts.ratings.record(teacher, student, result)
-        return Update(teacher_rewards, student_rewards, losses, grad_norms)
+        n = len(proposals)
+        return Update(teacher_rewards, student_rewards, losses, grad_norms, advs[:n], advs[n:])
 
     def replacement(self, step: int) -> list[dict[str, Any]]:
         """The weakest members of each sub-population become children of the strongest; the
@@ -272,17 +283,21 @@ class SelfPlay:
         return gens
 
     def _policy_step(self, rollouts: list[Rollout], rewards: list[float]
-                     ) -> tuple[dict[str, float], dict[str, float]]:
+                     ) -> tuple[dict[str, float], dict[str, float], list[float | None]]:
         """One REINFORCE step with TRR++ advantages for every adapter at once; returns each
-        member's loss and gradient norm (before clipping)."""
+        member's loss and gradient norm (before clipping), and each rollout's advantage (None
+        for an empty completion, which is not trained on)."""
         p = self.parts
         # slot order lets the bank use grouped matmuls (advantages are computed per group)
-        batch = sorted(((r, rew) for r, rew in zip(rollouts, rewards, strict=True) if r.token_ids),
-                       key=lambda x: p.slot[x[0].member])
+        batch = sorted(((i, r, rew) for i, (r, rew) in enumerate(zip(rollouts, rewards, strict=True))
+                        if r.token_ids), key=lambda x: p.slot[x[1].member])
+        per_rollout: list[float | None] = [None] * len(rollouts)
         if not batch:
-            return {}, {}
-        advs = trr_advantages([((r.member, r.role, r.type), rew) for r, rew in batch])
-        rollouts = [r for r, _ in batch]
+            return {}, {}, per_rollout
+        advs = trr_advantages([((r.member, r.role, r.type), rew) for _, r, rew in batch])
+        for (i, _, _), a in zip(batch, advs, strict=True):
+            per_rollout[i] = a
+        rollouts = [r for _, r, _ in batch]
         dev = next(p.model.parameters()).device
         slots = torch.tensor([p.slot[r.member] for r in rollouts], device=dev)
         lengths = torch.tensor([len(r.token_ids) for r in rollouts], device=dev)
@@ -310,7 +325,7 @@ class SelfPlay:
         p.model.eval()
         trained = set(slots.tolist())
         losses = {m: float(slot_loss[i]) for m, i in p.slot.items() if i in trained}
-        return losses, {m: float(norms.get(i, 0.0)) for m, i in p.slot.items()}
+        return losses, {m: float(norms.get(i, 0.0)) for m, i in p.slot.items()}, per_rollout
 
     def _base_program(self, type_: str, rng: random.Random) -> Task | None:
         """code_f writes inputs for a program taken from the other buffers (AZR)."""
@@ -320,8 +335,10 @@ class SelfPlay:
         return picked[0] if picked else None
 
     def save(self) -> Path:
+        rc = self.cfg.run
         return save_checkpoint(self.run_dir, self.step_done,
-                               lambda folder: save_state(self.parts, self.step_done, folder))
+                               lambda folder: save_state(self.parts, self.step_done, folder),
+                               keep_last=rc.keep_last, keep_every=rc.keep_every)
 
     def close(self) -> None:
         self.parts.close()

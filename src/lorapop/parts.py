@@ -28,6 +28,7 @@ from lorapop.lora.peft_io import export_slot, import_slot
 from lorapop.tasks import TaskFamily, get_family
 from lorapop.tasks.buffer import TaskBuffer
 from lorapop.tasks.metrics import Coverage
+from lorapop.tasks.prompts import chat_format
 from lorapop.tasks.task import Task
 from lorapop.verify import Sandbox
 
@@ -93,8 +94,9 @@ def build(cfg: Config) -> Parts:
     tc = cfg.train
     opt = BankOptimizer(bank, lr=tc.lr, betas=tc.betas, weight_decay=tc.weight_decay,
                         max_grad_norm=tc.max_grad_norm)
+    chat = chat_format(tokenizer) if cfg.tasks.template == "chat" else None
     families = {
-        t: get_family(t, template=cfg.tasks.template,
+        t: get_family(t, template=cfg.tasks.template, chat=chat,
                       **({"n_inputs": cfg.tasks.code_f_inputs} if t == "code_f" else {}))
         for t in cfg.tasks.types
     }

@@ -1,13 +1,24 @@
-"""Live terminal display of a run (rich), and optional TensorBoard scalars, fed one metrics row
-per step."""
+"""Progress of a run, fed one metrics row per step.
+
+On a terminal: a rich progress bar with the latest step's summary. Anywhere else (`nohup`, a
+batch scheduler's log file): one plain line per step, flushed, so the log shows the run as it
+goes. Both show an ETA from the measured seconds per step.
+"""
 
 from __future__ import annotations
 
+import sys
+import time
+from collections import deque
+from datetime import timedelta
 from statistics import fmean
-from typing import Any
+from typing import IO, Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+PHASE_NAMES = {"matchmaking": "match", "proposal": "propose", "verification": "verify",
+               "solving": "solve", "update": "update", "replacement": "replace"}
 
 
 def summary(row: dict[str, Any]) -> str:
@@ -20,18 +31,63 @@ def summary(row: dict[str, Any]) -> str:
     return f"valid {v}  solve {s}  {row['tokens_per_s']:.0f} tok/s"
 
 
+def duration(seconds: float | None) -> str:
+    """`1:02:03` (hours may exceed 24), or `-` when unknown."""
+    if seconds is None:
+        return "-"
+    return str(timedelta(seconds=round(seconds)))
+
+
+class Eta:
+    """Seconds left from the mean duration of the last `window` steps of this session (the
+    first counts from the start, so one step is enough for an estimate)."""
+
+    def __init__(self, total: int, done: int = 0, window: int = 20,
+                 clock: Any = time.monotonic) -> None:
+        self.total, self.done, self.clock = total, done, clock
+        self.times: deque[float] = deque([clock()], maxlen=window + 1)
+
+    def update(self, step: int) -> float | None:
+        self.done = step
+        self.times.append(self.clock())
+        return self.remaining()
+
+    def per_step(self) -> float | None:
+        n = len(self.times) - 1
+        return (self.times[-1] - self.times[0]) / n if n else None
+
+    def remaining(self) -> float | None:
+        rate = self.per_step()
+        return None if rate is None else rate * max(0, self.total - self.done)
+
+
+def plain_line(row: dict[str, Any], total: int, eta: Eta) -> str:
+    """The batch-log line of a step: step, phase times, rates, throughput, speed and ETA."""
+    phases = " ".join(f"{PHASE_NAMES.get(k, k)} {v:.1f}s" for k, v in row["phase_s"].items())
+    per_step = eta.per_step()
+    speed = f"{per_step:.1f} s/step" if per_step is not None else "- s/step"
+    return (f"step {row['step']}/{total} | {phases} | {summary(row)} | {speed} "
+            f"ETA {duration(eta.remaining())}")
+
+
 class RunDisplay:
-    """Progress bar with ETA and the latest step's summary; a no-op when disabled."""
+    """A progress bar on a terminal, plain lines elsewhere; nothing when disabled."""
 
     def __init__(self, total: int, done: int = 0, enabled: bool = True,
-                 console: Console | None = None) -> None:
+                 console: Console | None = None, stream: IO[str] | None = None) -> None:
+        self.total = total
         self.enabled = enabled
+        self.console = console or Console()
+        self.stream = stream or sys.stdout
+        self.live = enabled and self.console.is_terminal
+        self.eta = Eta(total, done)
         self.progress = Progress(
             TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
-            TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
-            console=console, disable=not enabled,
+            TextColumn("ETA {task.fields[eta]}"), TextColumn("{task.fields[info]}"),
+            console=self.console, disable=not self.live,
         )
-        self.task = self.progress.add_task("train", total=total, completed=done, info="")
+        self.task = self.progress.add_task("train", total=total, completed=done, info="",
+                                           eta="-")
 
     def __enter__(self) -> RunDisplay:
         self.progress.start()
@@ -41,35 +97,9 @@ class RunDisplay:
         self.progress.stop()
 
     def update(self, row: dict[str, Any]) -> None:
-        self.progress.update(self.task, completed=row["step"], info=summary(row))
-
-
-class TensorBoardLog:
-    """Scalars of each metrics row under member/<name>/<key>, programs/<type>/<key>, phase/."""
-
-    def __init__(self, log_dir: str) -> None:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as e:
-            raise RuntimeError(
-                "run.tensorboard needs the tensorboard package: pip install 'lorapop[tensorboard]'"
-            ) from e
-        self.writer = SummaryWriter(log_dir)
-
-    def __call__(self, row: dict[str, Any]) -> None:
-        step = row["step"]
-        for name, m in row["members"].items():
-            for k, v in m.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool):
-                    self.writer.add_scalar(f"member/{name}/{k}", v, step)
-        for t, m in row["programs"].items():
-            for k, v in m.items():
-                if isinstance(v, (int, float)):
-                    self.writer.add_scalar(f"programs/{t}/{k}", v, step)
-        for k, v in row["phase_s"].items():
-            self.writer.add_scalar(f"phase/{k}", v, step)
-        self.writer.add_scalar("tokens_per_s", row["tokens_per_s"], step)
-        self.writer.flush()
-
-    def close(self) -> None:
-        self.writer.close()
+        left = self.eta.update(row["step"])
+        if self.live:
+            self.progress.update(self.task, completed=row["step"], info=summary(row),
+                                 eta=duration(left))
+        elif self.enabled:
+            print(plain_line(row, self.total, self.eta), file=self.stream, flush=True)

@@ -64,13 +64,15 @@ class Attempt:
 
 @dataclass(frozen=True)
 class Update:
-    """What the update phase computed: rewards (aligned with proposals and attempts), the
-    per-member policy-gradient loss and gradient norm before clipping."""
+    """What the update phase computed: rewards and TRR++ advantages (aligned with proposals
+    and attempts), the per-member policy-gradient loss and gradient norm before clipping."""
 
     teacher_rewards: list[float]
     student_rewards: list[float]
     losses: dict[str, float]  # member -> its loss (members without trained tokens absent)
     grad_norms: dict[str, float]  # member -> norm; empty when nothing was trained
+    teacher_advantages: list[float | None]  # None: an empty completion, not trained on
+    student_advantages: list[float | None]
 
 
 @dataclass(frozen=True)

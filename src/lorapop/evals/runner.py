@@ -152,8 +152,8 @@ def run_eval(
 ) -> dict[str, Any]:
     """Evaluate TARGET on `benches`; returns the results dict and, with `out_dir`, writes
     `eval.json` (per-problem results) and `eval.md` (the table) there."""
-    from lorapop.engine.generate import generate
     from lorapop.engine.sampling import SamplingParams
+    from lorapop.evals.progress import generate_logged
 
     say = log or (lambda s: None)
     unknown = [b for b in benches if b not in data.BENCHES]
@@ -182,9 +182,10 @@ def run_eval(
     rows = [(b, m_i, p) for b, probs in problems.items() for m_i in range(len(members))
             for p in probs]  # fmt: skip
     t0 = time.perf_counter()
-    gens = generate(model, bank, tok, [prompts.render(p, tmpl, tok) for _, _, p in rows],
-                    [m_i if bank is not None else 0 for _, m_i, _ in rows], params, seed=seed,
-                    batch_size=batch_size)  # fmt: skip
+    say(f"{len(rows)} completions to generate ({len(members)} members)")
+    gens = generate_logged(model, bank, tok, [prompts.render(p, tmpl, tok) for _, _, p in rows],
+                           [m_i if bank is not None else 0 for _, m_i, _ in rows], params,
+                           seed=seed, batch_size=batch_size, log=say)  # fmt: skip
     result["generate_s"] = round(time.perf_counter() - t0, 3)
     result["generated_tokens"] = sum(len(g.token_ids) for g in gens)
     say(f"generated {len(rows)} completions in {result['generate_s']:.1f}s")

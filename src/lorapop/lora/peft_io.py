@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 from peft import LoraConfig
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
 from lorapop.lora.bank import AdapterBank
 
@@ -52,7 +52,8 @@ def export_slot(
         for key in ("A", "B"):
             t = ab[key] if dtype is None else ab[key].to(dtype)
             tensors[f"base_model.model.{name}.lora_{key}.weight"] = t.contiguous().cpu()
-    save_file(tensors, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
+    # through bytes: save_file's temporary file leaves mode 0600, unreadable to a shared cluster
+    (out / WEIGHTS_NAME).write_bytes(save(tensors, metadata={"format": "pt"}))
     return out
 
 

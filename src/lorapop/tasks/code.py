@@ -20,7 +20,7 @@ from lorapop.tasks.parsing import (
     tag_blocks,
     value_names,
 )
-from lorapop.tasks.prompts import Caps, check_template
+from lorapop.tasks.prompts import Caps, ChatFormat, check_template
 from lorapop.tasks.task import Draft, FormatError, Grade, Outcome, Task, Validity
 from lorapop.verify import Job, Verdict
 
@@ -35,9 +35,13 @@ class CodeFamily:
     name = ""
     needs_base = False
 
-    def __init__(self, template: str = "azr", caps: Caps | None = None) -> None:
+    def __init__(self, template: str = "azr", caps: Caps | None = None,
+                 chat: ChatFormat | None = None) -> None:
         self.template = check_template(template)
+        if template == "chat" and chat is None:
+            raise ValueError("template 'chat' needs chat=prompts.chat_format(tokenizer)")
         self.caps = caps or Caps()
+        self.chat = chat
 
     # -- helpers shared by the subclasses --------------------------------------------------
 
@@ -196,7 +200,8 @@ class ProgramInputFamily(CodeFamily):
     twice under different hash seeds and its output becomes the gold."""
 
     def teacher_prompt(self, references: Sequence[Task], base: Task | None = None) -> str:
-        return prompts.teacher_io(self.name, references, self.template, self.caps)
+        return prompts.teacher_io(self.name, references, self.template, self.caps,
+                                  self.chat)
 
     def parse_proposal(self, text: str, base: Task | None = None) -> Draft | FormatError:
         parsed = parse_program_input(text, self.template)

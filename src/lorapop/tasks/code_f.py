@@ -51,8 +51,9 @@ class CodeF(CodeFamily):
     name = "code_f"
     needs_base = True
 
-    def __init__(self, template: str = "azr", caps: Caps | None = None, n_inputs: int = 10):
-        super().__init__(template, caps)
+    def __init__(self, template: str = "azr", caps: Caps | None = None, n_inputs: int = 10,
+                 chat: prompts.ChatFormat | None = None):
+        super().__init__(template, caps, chat)
         if n_inputs < 2:
             raise ValueError("code_f needs n_inputs >= 2 (half are shown, half check)")
         self.n_inputs = n_inputs
@@ -65,7 +66,8 @@ class CodeF(CodeFamily):
     def teacher_prompt(self, references: Sequence[Task], base: Task | None = None) -> str:
         if base is None:
             raise ValueError("code_f needs a base task whose program the teacher writes inputs for")
-        return prompts.teacher_f(references, base, self.n_inputs, self.template, self.caps)
+        return prompts.teacher_f(references, base, self.n_inputs, self.template, self.caps,
+                                 self.chat)
 
     def parse_proposal(self, text: str, base: Task | None = None) -> Draft | FormatError:
         if err := self._too_long(text):
@@ -149,7 +151,7 @@ class CodeF(CodeFamily):
 
     def student_prompt(self, task: Task) -> str:
         visible, _ = split_pairs(task)
-        return prompts.student_f(visible, task.message, self.template)
+        return prompts.student_f(visible, task.message, self.template, self.chat)
 
     def parse_answer(self, text: str) -> str | FormatError:
         if err := self._too_long(text):

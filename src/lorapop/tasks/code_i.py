@@ -22,7 +22,7 @@ class CodeI(ProgramInputFamily):
     name = "code_i"
 
     def student_prompt(self, task: Task) -> str:
-        return prompts.student_i(task, self.template)
+        return prompts.student_i(task, self.template, self.chat)
 
     def parse_answer(self, text: str) -> str | FormatError:
         body = self._answer(text, "i")

@@ -25,7 +25,7 @@ class CodeO(ProgramInputFamily):
     name = "code_o"
 
     def student_prompt(self, task: Task) -> str:
-        return prompts.student_o(task, self.template)
+        return prompts.student_o(task, self.template, self.chat)
 
     def parse_answer(self, text: str) -> str | FormatError:
         body = self._answer(text, "o")

@@ -4,6 +4,8 @@
   `<think>…</think>` and answers in `<answer>…</answer>`, with fenced ```python / ```input /
   ```output / ```message blocks. The prompt ends with "Assistant: <think>" as AZR's base-model
   prompts do, so the generation starts inside the thinking.
+- `chat`: the same instructions as `azr`, as one user turn wrapped in the tokenizer's chat
+  template (Instruct/chat models); the answer is parsed as in `azr`.
 - `compact`: for a model of a few million parameters: a one-line header, short tags
   (`<f>` program, `<i>` input, `<o>` output, `<m>` message), and the prompt ends with the
   opening tag of what the model must write.
@@ -15,13 +17,17 @@ families reject proposals whose parts exceed the caps instead.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from lorapop.tasks.parsing import cap
 from lorapop.tasks.task import Task
 
-TEMPLATES = ("azr", "compact")
+TEMPLATES = ("azr", "compact", "chat")
+
+#: A user turn -> the full prompt text (the tokenizer's chat template, generation prompt on).
+ChatFormat = Callable[[str], str]
 
 BANNED_WORDS = (
     "logging, random, multiprocessing, pebble, subprocess, threading, datetime, time, hashlib, "
@@ -42,6 +48,36 @@ _RULES = (
     f"- do not use these modules or names, not even in comments: {BANNED_WORDS}\n"
     "- an input is the argument text of the call `f(<input>)`, e.g. `[3, 1, 2], 'abc'`\n"
 )
+
+
+#: The `azr` system text as the head of a chat user turn.
+_CHAT_HEAD = (
+    "First reason step by step inside <think> </think>, then write your final result inside "
+    "<answer> </answer>, like <think> reasoning </think> <answer> result </answer>.\n\n"
+)
+
+
+def chat_format(tokenizer: Any) -> ChatFormat:
+    """The `chat` template's wrapper for a tokenizer; ValueError when it has no chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+        raise ValueError(f"tasks.template=chat needs a tokenizer with a chat template; "
+                         f"{name} has none (use azr)")
+
+    def wrap(user: str) -> str:
+        return tokenizer.apply_chat_template([{"role": "user", "content": user}],
+                                             tokenize=False, add_generation_prompt=True)
+
+    return wrap
+
+
+def _wrap(body: str, template: str, chat: ChatFormat | None) -> str:
+    """The full prompt of an azr/chat body."""
+    if template == "chat":
+        if chat is None:
+            raise ValueError("template 'chat' needs the tokenizer's chat format (chat_format)")
+        return chat(_CHAT_HEAD + body)
+    return _R1.format(body=body)
 
 
 @dataclass(frozen=True)
@@ -108,7 +144,8 @@ _GOAL = {
 }
 
 
-def teacher_io(kind: str, refs: Sequence[Task], template: str, caps: Caps) -> str:
+def teacher_io(kind: str, refs: Sequence[Task], template: str, caps: Caps,
+               chat: ChatFormat | None = None) -> str:
     """Teacher prompt for code_o / code_i: write a program and one input."""
     if check_template(template) == "compact":
         lines = [f"propose {kind}", *(_compact_reference(t, caps) for t in refs), "new", "<f>"]
@@ -124,10 +161,11 @@ def teacher_io(kind: str, refs: Sequence[Task], template: str, caps: Caps) -> st
         + _fence("input", "...")
         + "\n</answer>"
     )
-    return _R1.format(body=body)
+    return _wrap(body, template, chat)
 
 
-def teacher_f(refs: Sequence[Task], base: Task, n_inputs: int, template: str, caps: Caps) -> str:
+def teacher_f(refs: Sequence[Task], base: Task, n_inputs: int, template: str, caps: Caps,
+              chat: ChatFormat | None = None) -> str:
     """Teacher prompt for code_f: write `n_inputs` inputs and a message for `base.program`."""
     if check_template(template) == "compact":
         lines = [
@@ -155,10 +193,10 @@ def teacher_f(refs: Sequence[Task], base: Task, n_inputs: int, template: str, ca
         + _fence("message", "...")
         + "\n</answer>"
     )
-    return _R1.format(body=body)
+    return _wrap(body, template, chat)
 
 
-def student_o(task: Task, template: str) -> str:
+def student_o(task: Task, template: str, chat: ChatFormat | None = None) -> str:
     """code_o: predict the output of `f(task.input)`."""
     if check_template(template) == "compact":
         return f"solve code_o\n<f>{task.program}</f><i>{task.input}</i>\n<o>"
@@ -171,10 +209,10 @@ def student_o(task: Task, template: str) -> str:
         + "\n\nGive the value as a Python literal, as `repr` would print it, inside "
         "<answer> </answer>, e.g. <answer>[1, 'a']</answer>."
     )
-    return _R1.format(body=body)
+    return _wrap(body, template, chat)
 
 
-def student_i(task: Task, template: str) -> str:
+def student_i(task: Task, template: str, chat: ChatFormat | None = None) -> str:
     """code_i: find an input for which `f` returns `task.output`."""
     if check_template(template) == "compact":
         return f"solve code_i\n<f>{task.program}</f><o>{task.output}</o>\n<i>"
@@ -188,10 +226,11 @@ def student_i(task: Task, template: str) -> str:
         + "\n\nGive the argument text of the call `f(...)` inside <answer> </answer>, "
         "e.g. <answer>[1, 2], 'a'</answer>."
     )
-    return _R1.format(body=body)
+    return _wrap(body, template, chat)
 
 
-def student_f(visible: Sequence[tuple[str, str]], message: str, template: str) -> str:
+def student_f(visible: Sequence[tuple[str, str]], message: str, template: str,
+              chat: ChatFormat | None = None) -> str:
     """code_f: write `f` from the visible pairs and the message."""
     if check_template(template) == "compact":
         pairs = "".join(f"<i>{i}</i><o>{o}</o>" for i, o in visible)
@@ -207,4 +246,4 @@ def student_f(visible: Sequence[tuple[str, str]], message: str, template: str) -
         + f"\n\nDo not use these modules or names: {BANNED_WORDS}.\n"
         "Write the program in a ```python block inside <answer> </answer>."
     )
-    return _R1.format(body=body)
+    return _wrap(body, template, chat)

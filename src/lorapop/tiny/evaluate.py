@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import random
 from collections import Counter, defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from lorapop.engine.generate import SamplingParams, generate
+from lorapop.evals.progress import generate_logged
 from lorapop.tasks import Outcome, Runner, Task, get_family
 from lorapop.tiny.heldout import build_heldout, fingerprint
 from lorapop.verify import Sandbox
@@ -121,12 +122,14 @@ def evaluate_tiny(
     seed: int = 0,
     keep_texts: bool = False,
     keep_grades: bool = False,
+    log: Callable[[str], None] | None = None,
 ) -> dict:
     """Greedy pass@1 of each member on `tasks` (e.g. `build_heldout()`).
 
     `slots`: member name -> adapter slot of `bank` (a list of slots names them "slot<i>");
     None scores the plain model as "base" (with a bank, its slot 0). Every member answers every
-    task; rows of all members decode together in one `generate` call per task type.
+    task; rows of all members decode together, in chunks of `batch_size` per task type, with
+    a progress line to `log` after each chunk.
     `keep_texts` adds "texts": {member: [answer text per task]} to the table; `keep_grades`
     adds "grades": {member: [correct per task]} (for paired statistics).
     """
@@ -141,9 +144,9 @@ def evaluate_tiny(
         prompts = [fam.student_prompt(tasks[i]) for i in idx]
         rows = [(m, i, p) for m in members for i, p in zip(idx, prompts, strict=True)]
         params = SamplingParams(temperature=0.0, max_new_tokens=budget[kind])
-        gens = generate(model, bank, tokenizer, [p for _, _, p in rows],
-                        [members[m] for m, _, _ in rows], params, seed=seed,
-                        batch_size=batch_size)  # fmt: skip
+        gens = generate_logged(model, bank, tokenizer, [p for _, _, p in rows],
+                               [members[m] for m, _, _ in rows], params, seed=seed,
+                               batch_size=batch_size, log=log, what=kind)  # fmt: skip
         for (m, i, _), g in zip(rows, gens, strict=True):
             texts[m][i] = g.text
     grades = grade(tasks, texts, runner, template)
@@ -218,6 +221,7 @@ def evaluate_run(
     seed: int = 0,
     max_new_tokens: Mapping[str, int] | None = None,
     batch_size: int | None = 64,
+    log: Callable[[str], None] | None = None,
 ) -> dict:
     """Held-out pass@1 of every member of `target` on the tiny benchmark, in one mixed batch.
 
@@ -246,7 +250,8 @@ def evaluate_run(
     with Sandbox(workers=workers, timeout_s=2.0) as sb:
         tasks = build_heldout(per_level, sandbox=sb)
         result = evaluate_tiny(model, tok, tasks, sb, bank=bank, slots=slots,
-                               max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed)
+                               max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed,
+                               log=log)
     result["heldout"] = {"n_per_level": per_level, "fingerprint": fingerprint(tasks)}
     result["base_model"] = base
     return result

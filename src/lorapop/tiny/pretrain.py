@@ -399,7 +399,8 @@ def pretrain_size(
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m lorapop.tiny.pretrain", description=__doc__)
-    p.add_argument("--out", default=str(TINY_MODEL_DIR))
+    p.add_argument("--out", required=True,
+                   help=f"model directory (the shipped one is {TINY_MODEL_DIR})")
     p.add_argument("--size", default="tiny", choices=sorted(SIZES))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, help="default: the size's recipe")
@@ -409,8 +410,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--lr", type=float, help="default: the size's recipe")
     p.add_argument("--workers", type=int, default=2)
     a = p.parse_args(argv)
-    if a.size != "tiny" and a.out == str(TINY_MODEL_DIR):
-        p.error("--out is needed for sizes other than tiny (the shipped model's directory)")
     args = sys.argv[1:] if argv is None else list(argv)
     rec = pretrain_size(a.out, a.size, a.seed, a.device, steps=a.steps, n_per_level=a.n_per_level,
                         lr=a.lr, batch_size=a.batch_size, workers=a.workers,
