@@ -33,7 +33,7 @@ from statistics import median
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from loop_step import BENCH, ROOT, seed_tasks  # noqa: E402
+from loop_step import ROOT, bench_overrides  # noqa: E402
 
 # NVLink multicast stays off (shared hosts: see the device notes); children inherit these.
 SMOKE = ["model.name_or_path=tiny-random", "model.device=cpu", "model.dtype=float32",
@@ -195,12 +195,8 @@ def main() -> None:
         sys.exit(f"--gpus {args.gpus}: only {torch.cuda.device_count()} GPUs visible")
     start = time.perf_counter()
     tmp = Path(tempfile.mkdtemp())
-    seeds = Path(args.seed_dir) if args.seed_dir else tmp
-    if not (seeds / "seed.jsonl").exists():
-        seeds.mkdir(parents=True, exist_ok=True)
-        seed_tasks(seeds / "seed.jsonl", seeds / "tok", args.tasks_per_cell)
-    common = [*BENCH, f"tasks.seed_tasks={seeds / 'seed.jsonl'}",
-              f"model.tokenizer={seeds / 'tok'}", *args.overrides]
+    common = [*bench_overrides(Path(args.seed_dir) if args.seed_dir else tmp,
+                               args.tasks_per_cell), *args.overrides]
     result = {
         "benchmark": "loop_step_dist",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
