@@ -59,6 +59,14 @@ def seed_tasks(path: Path, tok_dir: Path, n: int) -> None:
     save_tokenizer(train_tokenizer(corpus_texts(tasks), vocab_size=8192), tok_dir)
 
 
+def bench_overrides(seeds: Path, tasks_per_cell: int) -> list[str]:
+    """BENCH plus the seed tasks and tokenizer in `seeds` (made there unless it holds them)."""
+    if not (seeds / "seed.jsonl").exists():
+        seeds.mkdir(parents=True, exist_ok=True)
+        seed_tasks(seeds / "seed.jsonl", seeds / "tok", tasks_per_cell)
+    return [*BENCH, f"tasks.seed_tasks={seeds / 'seed.jsonl'}", f"model.tokenizer={seeds / 'tok'}"]
+
+
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}  # dense bf16, SXM datasheet
 
 
@@ -231,12 +239,7 @@ def main() -> None:
     if not torch.cuda.is_available() and not args.smoke:
         sys.exit("loop_step.py needs a CUDA GPU (or --smoke for a CPU check of the script)")
     tmp = Path(tempfile.mkdtemp())
-    seeds = Path(args.seed_dir) if args.seed_dir else tmp
-    if not (seeds / "seed.jsonl").exists():
-        seeds.mkdir(parents=True, exist_ok=True)
-        seed_tasks(seeds / "seed.jsonl", seeds / "tok", args.tasks_per_cell)
-    common = [*BENCH, f"tasks.seed_tasks={seeds / 'seed.jsonl'}",
-              f"model.tokenizer={seeds / 'tok'}"]
+    common = bench_overrides(Path(args.seed_dir) if args.seed_dir else tmp, args.tasks_per_cell)
     if args.max_new_tokens:
         common += [f"sampling.teacher_max_new_tokens={args.max_new_tokens}",
                    f"sampling.student_max_new_tokens={args.max_new_tokens}"]

@@ -9,6 +9,7 @@ import typer
 
 if TYPE_CHECKING:
     from lorapop.config import Config
+    from lorapop.dist import World
 
 app = typer.Typer(
     help="lorapop: population-based self-play RL of LLMs on LoRA adapters (PopuLoRA).",
@@ -92,17 +93,20 @@ def sandbox_demo() -> None:
     Console().print(table)
 
 
-def _fail(message: str) -> typer.Exit:
-    typer.echo(f"error: {message}", err=True)
+def _fail(message: str, world: World | None = None) -> typer.Exit:
+    where = f"rank {world.rank}: " if world is not None and world.distributed else ""
+    typer.echo(f"error: {where}{message}", err=True)
     return typer.Exit(2)
 
 
-def _run(cfg: Config, run_dir: Path, resume: bool, command: str,
+def _run(cfg: Config, run_dir: Path, resume: bool, command: str, world: World,
          from_step: int | None = None) -> int:
     """Train one run with progress, run.json and the logging backends; return steps done.
-    Ctrl-C stops it; `--resume` continues from the last checkpoint (`run.save_every`)."""
+    Ctrl-C stops it; `--resume` continues from the last checkpoint (`run.save_every`).
+    Under torchrun every rank trains; rank 0 alone shows progress, logs and writes files."""
     from lorapop.backends import TensorBoardLog, WandbLog
     from lorapop.checkpoint import latest_checkpoint
+    from lorapop.dist import DivergenceError
     from lorapop.engine.memory import GenerationMemoryError
     from lorapop.engine.model import ModelLoadError
     from lorapop.loop import SelfPlay
@@ -110,38 +114,43 @@ def _run(cfg: Config, run_dir: Path, resume: bool, command: str,
     from lorapop.runinfo import RunInfo
 
     try:
-        sp = SelfPlay(cfg, run_dir, resume=resume, from_step=from_step)
+        sp = SelfPlay(cfg, run_dir, resume=resume, from_step=from_step, world=world)
     except (ModelLoadError, FileNotFoundError, ValueError, RuntimeError) as e:
-        raise _fail(str(e)) from None
-    hooks: list = [RunInfo(run_dir, command, sp.step_done)]
+        raise _fail(str(e), world) from None
+    hooks: list = [RunInfo(run_dir, command, sp.step_done)] if world.main else []
     config = cfg.model_dump(mode="json")
     try:
-        if cfg.run.tensorboard:
+        if cfg.run.tensorboard and world.main:
             hooks.append(TensorBoardLog(run_dir / "tensorboard", config))
-        if cfg.run.wandb:
+        if cfg.run.wandb and world.main:
             hooks.append(WandbLog(run_dir, config, cfg.run.wandb_project))
     except RuntimeError as e:  # a backend's package is missing
         sp.close()
         raise _fail(str(e)) from None
     try:
-        with RunDisplay(cfg.train.steps, sp.step_done, enabled=cfg.run.progress) as display:
+        with RunDisplay(cfg.train.steps, sp.step_done,
+                        enabled=cfg.run.progress and world.main) as display:
             hooks.append(display.update)
             sp.run(on_step=lambda row: [h(row) for h in hooks])
+    except (DivergenceError, GenerationMemoryError) as e:  # the latter before any decode
+        raise _fail(str(e), world) from None
     except KeyboardInterrupt:
+        if not world.main:
+            raise typer.Exit(130) from None
         last = latest_checkpoint(run_dir)
         where = f"its checkpoint of step {last.name.split('_')[-1].lstrip('0') or 0}" if last \
             else "the start (no checkpoint yet)"
         typer.echo(f"interrupted in step {sp.step_done + 1}; `lorapop train --resume {run_dir}` "
                    f"continues from {where}", err=True)
         raise typer.Exit(130) from None
-    except GenerationMemoryError as e:  # raised before the step's first decode
-        raise _fail(str(e)) from None
     finally:
         sp.close()
         for h in hooks:
             if hasattr(h, "close"):
                 h.close()
-    typer.echo(f"run: {run_dir} ({sp.step_done} steps, {cfg.league.mode})")
+    if world.main:
+        typer.echo(f"run: {run_dir} ({sp.step_done} steps, {cfg.league.mode}"
+                   f"{f', {world.size} ranks' if world.distributed else ''})")
     return sp.step_done
 
 
@@ -165,11 +174,13 @@ def train(
 
     Extra arguments `key.path=value` override the config, e.g. `lora.rank=16 league.pfsp=hard`.
     With `run.with_baseline=true` the single-agent baseline trains next, in RUN_DIR/baseline,
-    with the same per-adapter compute.
+    with the same per-adapter compute. On several GPUs launch it through torchrun:
+    `torchrun --nproc-per-node 8 -m lorapop train CONFIG` (README: "Several GPUs and nodes").
     """
 
     import shlex
 
+    from lorapop import dist
     from lorapop.config import ConfigError, load_config
     from lorapop.report import write_report
 
@@ -196,15 +207,22 @@ def train(
         raise _fail(str(e)) from None
     if from_step is not None and not resume:
         raise _fail("--from-step goes with --resume RUN_DIR")
-    done = _run(cfg, run_dir, bool(resume), command, from_step)
-    baseline_dir = run_dir / "baseline"
-    if cfg.run.with_baseline and cfg.league.mode == "population":
-        base = cfg.model_copy(deep=True)
-        base.league.mode = "single"
-        base.run.with_baseline = False
-        _run(base, baseline_dir, bool(resume) and (baseline_dir / "checkpoints").is_dir(),
-             command)
-    if report and done:
+    try:
+        world = dist.init(cfg.model.device)
+    except (RuntimeError, ValueError) as e:
+        raise _fail(f"cannot join the torchrun process group: {e}") from None
+    try:
+        done = _run(cfg, run_dir, bool(resume), command, world, from_step)
+        baseline_dir = run_dir / "baseline"
+        if cfg.run.with_baseline and cfg.league.mode == "population":
+            base = cfg.model_copy(deep=True)
+            base.league.mode = "single"
+            base.run.with_baseline = False
+            _run(base, baseline_dir, bool(resume) and (baseline_dir / "checkpoints").is_dir(),
+                 command, world)
+    finally:
+        dist.close(world)
+    if report and done and world.main:
         from lorapop.report import summary_table
 
         typer.echo(summary_table(run_dir, baseline_dir if baseline_dir.is_dir() else None))

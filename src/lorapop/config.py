@@ -179,6 +179,9 @@ class RunConfig(Section):
     """... and every checkpoint whose step is a multiple of `keep_every` (0: none), for later eval."""
     rollouts: float = Field(1.0, ge=0, le=1)
     """Share of each step's rollouts saved to RUN_DIR/rollouts/step_N.jsonl.gz (0: none)."""
+    check_every: int = Field(1, ge=0)
+    """Under torchrun: every this many steps the ranks compare fingerprints of the adapter
+    bank, the optimizer and the league, and stop with an error if they differ (0: never)."""
 
 
 class Config(Section):

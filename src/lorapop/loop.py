@@ -13,9 +13,11 @@ a resumed run replays exactly what an uninterrupted one does.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import time
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -25,6 +27,7 @@ from typing import Any
 
 import torch
 
+from lorapop import dist
 from lorapop.checkpoint import load_checkpoint, resume_point, save_checkpoint, truncate_jsonl
 from lorapop.config import Config, dump_config
 from lorapop.engine.generate import Generation, SamplingParams, generate
@@ -56,12 +59,23 @@ from lorapop.tasks.task import Grade, Task, Validity
 
 
 class SelfPlay:
-    """A run: its parts (`lorapop.parts`), `run()` trains and checkpoints, `step()` does one step."""
+    """A run: its parts (`lorapop.parts`), `run()` trains and checkpoints, `step()` does one step.
+
+    Under torchrun (`world` from `dist.init`) every rank builds the same SelfPlay: rows are
+    split across ranks and their results gathered, so every rank holds the same records,
+    league and bank; only rank 0 writes the run directory.
+    """
 
     def __init__(self, cfg: Config, run_dir: str | Path, resume: bool = False,
-                 from_step: int | None = None) -> None:
+                 from_step: int | None = None, world: dist.World = dist.SINGLE) -> None:
         """`resume` continues from the last checkpoint, or from the one of `from_step`."""
         self.cfg = cfg
+        self.world = world
+        self.allreduce_s = 0.0  # the last step's bank-gradient all-reduce
+        if world.distributed and cfg.lora.dropout > 0:
+            warnings.warn("lora.dropout > 0 under torchrun: dropout masks depend on how rows are "
+                          "split across ranks, so results depend on the number of ranks",
+                          stacklevel=2)
         self.run_dir = Path(run_dir)
         self.metrics_path = self.run_dir / "metrics.jsonl"
         if not resume and self.metrics_path.exists():
@@ -72,16 +86,18 @@ class SelfPlay:
         self.rewards = RewardScheme(teacher_conversion=cfg.train.teacher_conversion,
                                     teacher_format_penalty=cfg.train.teacher_format_penalty)
         self.step_done = 0
-        if ckpt is not None:
-            try:
+        try:
+            if ckpt is not None:
                 self.step_done = load_checkpoint(self.run_dir, ckpt,
                                                  lambda folder: load_state(self.parts, folder))
-            except BaseException:
-                self.parts.close()
-                raise
-        else:
-            (self.run_dir / "config.yaml").write_text(dump_config(cfg))
-        truncate_jsonl(self.metrics_path, self.step_done)
+            self.check_ranks("after loading", base=dist.fingerprint(self.parts.model.parameters()))
+        except BaseException:
+            self.parts.close()
+            raise
+        if world.main:
+            if ckpt is None:
+                (self.run_dir / "config.yaml").write_text(dump_config(cfg))
+            truncate_jsonl(self.metrics_path, self.step_done)
 
     # ------------------------------------------------------------------ the loop
     def run(self, steps: int | None = None, on_step: Callable[[dict], None] | None = None) -> None:
@@ -112,15 +128,20 @@ class SelfPlay:
             with clock.phase("replacement"):
                 replacements = self.replacement(s)
         self.step_done = s
+        if self.cfg.run.check_every and s % self.cfg.run.check_every == 0:
+            self.check_ranks(f"after step {s}")
         rec = StepRecord(s, pairs, proposals, verification, attempts, update, replacements,
                          clock.phase_s, clock.generated_tokens, clock.generation_s)
         row = step_metrics(rec, self.league_summary())
-        with open(self.metrics_path, "a") as fh:
-            fh.write(json.dumps(row) + "\n")
-        if self.cfg.run.rollouts > 0:
-            write_records(self.run_dir, s, step_records(
-                rec, row, self.parts.tokenizer.decode, self.cfg.run.rollouts,
-                derive_seed(self.cfg.seed, s, "rollouts")))
+        if self.world.distributed:
+            row.update(ranks=self.world.size, allreduce_s=round(self.allreduce_s, 4))
+        if self.world.main:  # every rank holds the same records
+            with open(self.metrics_path, "a") as fh:
+                fh.write(json.dumps(row) + "\n")
+            if self.cfg.run.rollouts > 0:
+                write_records(self.run_dir, s, step_records(
+                    rec, row, self.parts.tokenizer.decode, self.cfg.run.rollouts,
+                    derive_seed(self.cfg.seed, s, "rollouts")))
         return row
 
     # ------------------------------------------------------------------ phases
@@ -159,11 +180,10 @@ class SelfPlay:
         for t, fam in self.parts.families.items():
             mine = [i for i, p in enumerate(proposals) if p.type == t]
             if mine:
-                verdicts = fam.verify(
-                    [proposals[i].rollout.text for i in mine], self.parts.sandbox,
-                    bases=[proposals[i].base for i in mine],
-                    teachers=[proposals[i].teacher for i in mine], step=step,
-                )
+                verdicts = self._split(
+                    [proposals[i] for i in mine], lambda ps, fam=fam: fam.verify(
+                        [p.rollout.text for p in ps], self.parts.sandbox, step=step,
+                        bases=[p.base for p in ps], teachers=[p.teacher for p in ps]))
                 validity.update(zip(mine, verdicts, strict=True))
             tasks = [v.task for i in mine if (v := validity[i]).valid and v.task is not None]
             for task in tasks:
@@ -202,9 +222,9 @@ class SelfPlay:
         for t, fam in self.parts.families.items():
             mine = [i for i, (_, _, task, _) in enumerate(asks) if task.type == t]
             if mine:
-                grade.update(zip(mine, fam.check([asks[i][2] for i in mine],
-                                                 [gens[i].text for i in mine],
-                                                 self.parts.sandbox), strict=True))
+                grades = self._split(mine, lambda ix, fam=fam: fam.check(
+                    [asks[i][2] for i in ix], [gens[i].text for i in ix], self.parts.sandbox))
+                grade.update(zip(mine, grades, strict=True))
         return [Attempt(teacher, student, task, own,
                         _rollout(student, "student", task.type, g), grade[i])
                 for i, ((teacher, student, task, own), g) in enumerate(zip(asks, gens, strict=True))]
@@ -255,6 +275,11 @@ class SelfPlay:
                 p.opt.reset_slot(p.slot[r.target])
                 log.append(entry)
             rate_children(p.ratings, plan, ev.child_rating, sigma_scale=ev.sigma_scale)
+        if self.world.distributed:  # operators may round differently on another GPU: rank 0's
+            log = dist.broadcast(log, self.world)
+            for entry in log:
+                dist.broadcast_tensor(p.bank.weights[p.slot[entry["target"]]], self.world)
+            p.bank.invalidate_caches()
         return log
 
     # ------------------------------------------------------------------ helpers
@@ -271,16 +296,32 @@ class SelfPlay:
 
     def _generate(self, prompts: list[str], members: list[str], max_new: int, seed: int,
                   clock: _Clock) -> list[Generation]:
+        """Rows split over ranks by expected tokens; each row keyed by its index in `prompts`,
+        so its sample does not depend on the number of ranks."""
         sp, p = self.cfg.sampling, self.parts
         params = SamplingParams(temperature=sp.temperature, top_p=sp.top_p,
                                 max_new_tokens=max_new, eos_token_ids=() if sp.ignore_eos else None)
-        t0 = time.perf_counter()
-        gens = generate(p.model, p.bank, p.tokenizer, prompts, [p.slot[m] for m in members],
-                        params, seed=seed, batch_size=sp.batch_size,
-                        compile=None if sp.compile else False, prefill_tokens=sp.prefill_tokens)
-        clock.generation_s += time.perf_counter() - t0
+        ids = [list(p.tokenizer(x)["input_ids"]) for x in prompts]
+        slots = [p.slot[m] for m in members]
+
+        def run(idx: list[int]) -> list[Generation]:
+            t0 = time.perf_counter()
+            out = generate(p.model, p.bank, p.tokenizer, [ids[i] for i in idx],
+                           [slots[i] for i in idx], params, seed=seed, batch_size=sp.batch_size,
+                           compile=None if sp.compile else False, row_keys=idx,
+                           prefill_tokens=sp.prefill_tokens)
+            clock.generation_s += time.perf_counter() - t0
+            return out
+
+        gens = dist.sharded([len(x) + max_new for x in ids], run, self.world)
         clock.generated_tokens += sum(len(g.token_ids) for g in gens)
         return gens
+
+    def _split(self, items: list, fn: Callable[[list], list]) -> list:
+        """`fn` over this rank's share of `items` (each the same work: a sandbox run), every
+        rank's results in the order of `items`."""
+        return dist.sharded([1.0] * len(items), lambda idx: fn([items[i] for i in idx]),
+                            self.world)
 
     def _policy_step(self, rollouts: list[Rollout], rewards: list[float]
                      ) -> tuple[dict[str, float], dict[str, float], list[float | None]]:
@@ -307,19 +348,32 @@ class SelfPlay:
         p.model.train()
         p.opt.zero_grad()
         tc = self.cfg.train
-        for group in micro_batches([len(r.prompt_ids) + len(r.token_ids) for r in rollouts],
-                                   tc.micro_batch_tokens, tc.micro_batch_size):
-            part = [rollouts[i] for i in group]
-            idx = torch.tensor(group, device=dev)
+        # this rank's rows (still in slot order); the loss is a sum of rows normalised by the
+        # global per-slot token counts, so summing the ranks' gradients gives the whole batch's
+        lengths = [len(r.prompt_ids) + len(r.token_ids) for r in rollouts]
+        mine = dist.shard(lengths, self.world.size)[self.world.rank]
+        for group in micro_batches([lengths[i] for i in mine], tc.micro_batch_tokens,
+                                   tc.micro_batch_size):
+            rows = [mine[j] for j in group]
+            part = [rollouts[i] for i in rows]
+            idx = torch.tensor(rows, device=dev)
             logprobs, mask = sequence_logprobs(
                 p.model, p.bank, [r.prompt_ids for r in part], [r.token_ids for r in part],
                 slots[idx],
             )
-            adv = torch.tensor([advs[i] for i in group], device=dev, dtype=torch.float32)
-            loss, rows = policy_loss(logprobs.float(), adv, mask, groups=slots[idx],
-                                     token_counts=token_counts)
+            adv = torch.tensor([advs[i] for i in rows], device=dev, dtype=torch.float32)
+            loss, row_loss = policy_loss(logprobs.float(), adv, mask, groups=slots[idx],
+                                         token_counts=token_counts)
             loss.backward()
-            slot_loss.index_add_(0, slots[idx], rows)
+            slot_loss.index_add_(0, slots[idx], row_loss)
+        if self.world.distributed:
+            p.bank.bind_grads_()
+            t0 = time.perf_counter()
+            dist.all_reduce_sum(p.bank.grads, self.world)
+            if p.bank.grads.is_cuda:
+                torch.cuda.synchronize()
+            self.allreduce_s = time.perf_counter() - t0  # with the wait for the slowest rank
+            dist.all_reduce_sum(slot_loss, self.world)
         norms = p.opt.step()
         p.opt.zero_grad()
         p.model.eval()
@@ -334,7 +388,25 @@ class SelfPlay:
         picked = pool[rng.randrange(len(pool))].sample(1, rng)
         return picked[0] if picked else None
 
-    def save(self) -> Path:
+    def check_ranks(self, where: str, **extra: Any) -> None:
+        """Fail loudly if any rank's bank, optimizer or league differs from rank 0's."""
+        if not self.world.distributed:
+            return
+        p = self.parts
+        league = json.dumps([p.ratings.to_dict() if p.ratings else None, p.lineage.to_dict(),
+                             self.step_done,
+                             {t: [task.key for task in b] for t, b in p.buffers.items()}])
+        dist.check_same({
+            "adapter weights": dist.fingerprint(p.bank.weights),
+            "optimizer state": dist.fingerprint([p.opt.exp_avg, p.opt.exp_avg_sq, p.opt.steps]),
+            "league and buffers": hashlib.sha256(league.encode()).hexdigest(),
+            **extra,
+        }, self.world, where)
+
+    def save(self) -> Path | None:
+        """Rank 0 writes the checkpoint (the others hold the same state)."""
+        if not self.world.main:
+            return None
         rc = self.cfg.run
         return save_checkpoint(self.run_dir, self.step_done,
                                lambda folder: save_state(self.parts, self.step_done, folder),
