@@ -183,11 +183,12 @@ def main() -> None:
                 t0 = time.perf_counter()
                 verdicts = box.run([Job(p, e, deterministic=det) for p, e in progs])
                 seconds = time.perf_counter() - t0
-                assert [v.output for v in verdicts] == expected, f"{name}: outputs differ"
+                outputs = [v.output for v in verdicts]
+                assert outputs == expected, f"{name}: outputs differ"
                 d = [b - a for a, b in zip(before, _cpu(pids), strict=True)]
                 per_round[name].append(seconds)
                 if name not in best or seconds < best[name][0]:
-                    best[name] = (seconds, [v.output for v in verdicts], d)
+                    best[name] = (seconds, outputs, d)
         for name, (seconds, outputs, d) in best.items():
             record(name, seconds, outputs)
             cpu[name] = {

@@ -5,7 +5,6 @@ where Landlock and seccomp must still keep jobs off the host and `strict` must r
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import subprocess
@@ -17,6 +16,7 @@ from test_hostile import REACH
 
 import lorapop
 from conftest import ROOT
+from lorapop.verify.kernel import CLONE_NEWNS, mount, unshare
 
 NOBODY = 65534
 ESCAPE = f"/tmp/lorapop-unpriv-escape-{os.getpid()}"
@@ -74,24 +74,16 @@ def _blocked(paths: list[str]) -> list[tuple[str, str]]:
 
 def _drop(no_userns: bool, blocked: list[tuple[str, str]]):  # noqa: ANN202 - a preexec_fn
     def preexec() -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
-
-        def mount(src, dst, fs, flags, data=None):  # noqa: ANN001, ANN202
-            args = [None if x is None else x.encode() for x in (src, dst, fs, data)]
-            if libc.mount(args[0], args[1], args[2], ctypes.c_ulong(flags), args[3]) != 0:
-                raise OSError(ctypes.get_errno(), f"mount {dst}")
-
         if blocked:  # a private mount namespace: the host's directories keep their modes
-            if libc.unshare(0x20000) != 0:
-                raise OSError(ctypes.get_errno(), "unshare")
-            mount(None, "/", None, (1 << 14) | (1 << 18))
+            unshare(CLONE_NEWNS)
+            mount(None, "/", None, (1 << 14) | (1 << 18), None)
             mount("keep", "/mnt", "tmpfs", 0, "mode=755")
             for i, (d, child) in enumerate(blocked):
                 os.mkdir(f"/mnt/{i}")
-                mount(os.path.join(d, child), f"/mnt/{i}", None, 4096 | (1 << 14))
+                mount(os.path.join(d, child), f"/mnt/{i}", None, 4096 | (1 << 14), None)
                 mount("pass", d, "tmpfs", 0, "mode=755")
                 os.mkdir(os.path.join(d, child))
-                mount(f"/mnt/{i}", os.path.join(d, child), None, 4096 | (1 << 14))
+                mount(f"/mnt/{i}", os.path.join(d, child), None, 4096 | (1 << 14), None)
         os.setgroups([])
         os.setresgid(NOBODY, NOBODY, NOBODY)
         os.setresuid(NOBODY, NOBODY, NOBODY)
