@@ -350,9 +350,9 @@ class SelfPlay:
         tc = self.cfg.train
         # this rank's rows (still in slot order); the loss is a sum of rows normalised by the
         # global per-slot token counts, so summing the ranks' gradients gives the whole batch's
-        lengths = [len(r.prompt_ids) + len(r.token_ids) for r in rollouts]
-        mine = dist.shard(lengths, self.world.size)[self.world.rank]
-        for group in micro_batches([lengths[i] for i in mine], tc.micro_batch_tokens,
+        widths = [len(r.prompt_ids) + len(r.token_ids) for r in rollouts]
+        mine = dist.shard(widths, self.world.size)[self.world.rank]
+        for group in micro_batches([widths[i] for i in mine], tc.micro_batch_tokens,
                                    tc.micro_batch_size):
             rows = [mine[j] for j in group]
             part = [rollouts[i] for i in rows]

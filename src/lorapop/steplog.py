@@ -12,7 +12,7 @@ from statistics import fmean, pvariance
 from typing import Any
 
 from lorapop.league import Role
-from lorapop.rl import solve_rate
+from lorapop.rl import solve_rate, solve_rates
 from lorapop.tasks.metrics import CoverageStep, program_metrics
 from lorapop.tasks.task import Grade, Outcome, Task, Validity
 
@@ -137,11 +137,8 @@ def step_metrics(rec: StepRecord, league: dict[str, MemberInfo]) -> dict[str, An
                and a.own]
         matchups.append({"teacher": teacher, "student": student, "answers": len(own),
                          "solve_rate": solve_rate(a.grade.outcome for a in own)})
-    own: dict[tuple[str, str], list[Outcome]] = {}  # (teacher, task) -> its answers
-    for a in rec.attempts:
-        if a.own:
-            own.setdefault((a.teacher, a.task.key), []).append(a.grade.outcome)
-    rates = [r for r in map(solve_rate, own.values()) if r is not None]
+    rates = list(solve_rates(((a.teacher, a.task.key), a.grade.outcome)
+                             for a in rec.attempts if a.own).values())
     rewards = rec.update.teacher_rewards
     programs = {}
     for t, cov in rec.verification.coverage.items():

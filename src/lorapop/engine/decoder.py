@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from lorapop.engine.kvcache import Prefill, StaticKV, static_kv
+from lorapop.engine.kvcache import Prefill, StaticKV, kv_shape, static_kv
 from lorapop.engine.sampling import SamplingParams, sample
 
 # host callback: (prompt index, the row's tokens so far) -> how many tokens to keep if the
@@ -96,17 +96,12 @@ class Decoder:
         compile: bool = False,
         prefill_tokens: int = 8192,
     ) -> None:
-        cfg = model.config.get_text_config()
         param = next(model.parameters())
         dev, steps = param.device, params.max_new_tokens
-        heads = cfg.num_attention_heads
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        layers, kv_heads, head_dim = kv_shape(model)
         self.model, self.bank, self.params = model, bank, params
         self.batch, self.length, self.prefill_tokens = batch, length, prefill_tokens
-        self.kv = StaticKV(
-            cfg.num_hidden_layers, batch, kv_heads, length, head_dim, param.dtype, dev
-        )
+        self.kv = StaticKV(layers, batch, kv_heads, length, head_dim, param.dtype, dev)
         self.tok = torch.zeros(batch, dtype=torch.long, device=dev)
         self.slots = torch.zeros(batch, dtype=torch.long, device=dev)
         self.arange = torch.arange(length, device=dev)

@@ -31,14 +31,20 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 NAME = "lorapop_static_kv"
 
 
-def kv_bytes_per_token(model: Any) -> int:
-    """Bytes one token's keys and values take in the cache, over all layers."""
+def kv_shape(model: Any) -> tuple[int, int, int]:
+    """(layers, kv_heads, head_dim) of the model's cache."""
     cfg = model.config.get_text_config()
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return cfg.num_hidden_layers, kv_heads, head_dim
+
+
+def kv_bytes_per_token(model: Any) -> int:
+    """Bytes one token's keys and values take in the cache, over all layers."""
+    layers, kv_heads, head_dim = kv_shape(model)
     dtype = next(model.parameters()).dtype
-    return 2 * cfg.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
+    return 2 * layers * kv_heads * head_dim * dtype.itemsize
 
 
 @dataclass

@@ -73,8 +73,8 @@ def fit_batch(
 ) -> int:
     """The largest batch <= `want` whose generation memory stays within `budget` bytes.
 
-    Raises `GenerationMemoryError` when not even one row fits; logs once per (want, length)
-    when the batch is lowered.
+    Raises `GenerationMemoryError` when not even one row fits; logs once per (want, length,
+    fit) when the batch is lowered.
     """
     if budget is None:
         return want
