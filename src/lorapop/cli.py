@@ -105,7 +105,7 @@ def _run(cfg: Config, run_dir: Path, resume: bool, command: str, world: World,
     Ctrl-C stops it; `--resume` continues from the last checkpoint (`run.save_every`).
     Under torchrun every rank trains; rank 0 alone shows progress, logs and writes files."""
     from lorapop.backends import TensorBoardLog, WandbLog
-    from lorapop.checkpoint import latest_checkpoint
+    from lorapop.checkpoint import latest_checkpoint, step_of
     from lorapop.dist import DivergenceError
     from lorapop.engine.memory import GenerationMemoryError
     from lorapop.engine.model import ModelLoadError
@@ -138,7 +138,7 @@ def _run(cfg: Config, run_dir: Path, resume: bool, command: str, world: World,
         if not world.main:
             raise typer.Exit(130) from None
         last = latest_checkpoint(run_dir)
-        where = f"its checkpoint of step {last.name.split('_')[-1].lstrip('0') or 0}" if last \
+        where = f"its checkpoint of step {step_of(last)}" if last \
             else "the start (no checkpoint yet)"
         typer.echo(f"interrupted in step {sp.step_done + 1}; `lorapop train --resume {run_dir}` "
                    f"continues from {where}", err=True)
