@@ -43,6 +43,23 @@ def test_operator_names_are_the_evolve_operators():
     assert set(config.OPERATORS) == set(OPERATORS)
 
 
+def test_two_parent_operators_are_evolves():
+    from lorapop.lora.evolve import INFO
+
+    assert set(config.TWO_PARENT_OPERATORS) == {n for n, i in INFO.items() if i.n_parents == 2}
+
+
+def test_two_parent_operators_only_fail_at_load_when_a_pool_has_one_parent():
+    two_only = "evolve.operators={dare: 1.0, mean: 1.0}"
+    with pytest.raises(ConfigError, match="teacher pool .2 members. has one parent"):
+        load_config(None, ["league.mode=population", "league.teachers=2", "league.students=4",
+                           "evolve.every=5", "evolve.fraction=0.5", two_only])
+    load_config(None, ["league.mode=population", "league.teachers=4", "league.students=4",
+                       "evolve.every=5", "evolve.fraction=0.5", two_only])  # two parents per pool: fine
+    load_config(None, ["league.mode=population", "league.teachers=2", "league.students=2",
+                       "evolve.every=0", two_only])  # no evolution: nothing to check
+
+
 def test_missing_file_is_one_line():
     with pytest.raises(ConfigError, match="config file not found"):
         load_config("/nonexistent.yaml")

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class Section(BaseModel):
@@ -62,6 +62,14 @@ OPERATORS = (
     "extrapolate", "copy", "mean",
 )
 """Names of `lorapop.lora.evolve.OPERATORS` (a test keeps the two equal; config imports no torch)."""
+TWO_PARENT_OPERATORS = ("dare", "layer_select", "subspace_mix", "extrapolate", "mean")
+"""The operators that need two parents (`n_parents == 2` in `lorapop.lora.evolve.INFO`)."""
+
+
+def pool_split(n: int, fraction: float, parent_fraction: float) -> tuple[int, int]:
+    """(targets, parents) of one replacement in a pool of `n` members."""
+    targets = min(int(fraction * n), n - 1)
+    return targets, min(max(1, int(parent_fraction * n)), n - targets)
 
 
 class EvolveConfig(Section):
@@ -195,6 +203,23 @@ class Config(Section):
     sampling: SamplingConfig = SamplingConfig()
     train: TrainConfig = TrainConfig()
     run: RunConfig = RunConfig()
+
+    @model_validator(mode="after")
+    def _operators_fit_the_pools(self) -> Config:
+        """A pool with one parent can only use one-parent operators: say so at load, not at
+        the first replacement many steps in."""
+        ev, lg = self.evolve, self.league
+        if lg.mode != "population" or not ev.every:
+            return self
+        if all(op in TWO_PARENT_OPERATORS for op, w in ev.operators.items() if w > 0):
+            for role, n in (("teacher", lg.teachers), ("student", lg.students)):
+                targets, parents = pool_split(n, ev.fraction, ev.parent_fraction)
+                if targets and parents < 2:
+                    raise ValueError(
+                        f"evolve.operators: the {role} pool ({n} members) has one parent per "
+                        "replacement, but every operator with weight > 0 needs two; add a "
+                        "one-parent operator (e.g. spectral) or raise evolve.parent_fraction")
+        return self
 
 
 class ConfigError(ValueError):

@@ -46,6 +46,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from lorapop.config import pool_split
 from lorapop.league.ratings import Ratings, Role
 
 ChildRating = Literal["reset", "inherit"]
@@ -84,10 +85,9 @@ def plan_replacement(
         )
     ranked = ratings.ranked(role)
     n = len(ranked)
-    n_targets = min(int(fraction * n), n - 1)
+    n_targets, n_parents = pool_split(n, fraction, parent_fraction)
     if n_targets == 0:
         return []
-    n_parents = min(max(1, int(parent_fraction * n)), n - n_targets)
     parents = ranked[:n_parents]
     eligible = [m for m in ranked[n_parents:] if ratings.played(m) >= protect_matches]
     targets = eligible[::-1][:n_targets]
