@@ -153,3 +153,15 @@ def test_single_step_and_single_agent_run(tmp_path):
     page = report.write_report(write_run(tmp_path / "run", [r])).read_text()
     assert "id='ratings'" not in page.split("</nav>")[1]  # no ratings without opponents
     assert len(svgs(page)) == 5
+
+
+def test_importing_the_report_changes_no_global_matplotlib_state():
+    import subprocess
+    import sys
+
+    code = ("import matplotlib; r = {k: matplotlib.rcParams[k] for k in ('font.size', "
+            "'svg.fonttype')}; "
+            "import lorapop.report; assert matplotlib.rcParams['font.size'] == r['font.size']; "
+            "assert matplotlib.rcParams['svg.fonttype'] == r['svg.fonttype']; "
+            "assert 'pyplot' not in ' '.join(__import__('sys').modules)")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -14,6 +14,7 @@ replacement. Rows of runs from before individuals were logged count every slot a
 from __future__ import annotations
 
 import base64
+import functools
 import html
 import io
 import json
@@ -24,13 +25,12 @@ from statistics import fmean
 from typing import Any
 
 import matplotlib
+from matplotlib.axes import Axes
+from matplotlib.colors import Normalize
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.colors import Normalize  # noqa: E402
-from matplotlib.ticker import MaxNLocator  # noqa: E402
-
-from lorapop import rollouts, runinfo  # noqa: E402
+from lorapop import rollouts, runinfo
 
 PROGRAM_METRICS = ("ast_depth", "cyclomatic", "loc", "variables")
 #: Per-member learning curves, in page order: key -> axis label. A key no row has is skipped.
@@ -56,8 +56,19 @@ COUNTS = frozenset({"coverage"})
 SAMPLES_PER_ROLE = 3
 SAMPLE_CHARS = 1200
 
-plt.rcParams.update({"svg.fonttype": "none", "font.size": 9, "axes.titlesize": 10,
-                     "axes.spines.top": False, "axes.spines.right": False})
+#: The report's plot style, applied around each plot only (importing the module changes no
+#: global matplotlib state: no backend, no rcParams; figures are plain `Figure` objects).
+STYLE = {"svg.fonttype": "none", "font.size": 9, "axes.titlesize": 10,
+         "axes.spines.top": False, "axes.spines.right": False}
+
+
+def _styled(plot: Callable[..., str | None]) -> Callable[..., str | None]:
+    @functools.wraps(plot)
+    def run(*args: Any, **kwargs: Any) -> str | None:
+        with matplotlib.rc_context(STYLE):
+            return plot(*args, **kwargs)
+
+    return run
 
 
 # ---------------------------------------------------------------- reading a run
@@ -96,22 +107,21 @@ def smooth(values: list[float]) -> list[float]:
 
 
 # ---------------------------------------------------------------- figure helpers
-def _svg(fig: plt.Figure) -> str:
+def _svg(fig: Figure) -> str:
     for ax in fig.axes:
         if ax.get_xlabel() == "step":
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     buf = io.BytesIO()
     fig.savefig(buf, format="svg", bbox_inches="tight")
-    plt.close(fig)
     return base64.b64encode(buf.getvalue()).decode()
 
 
-def _mark_replacements(ax: plt.Axes, steps: Iterable[int]) -> None:
+def _mark_replacements(ax: Axes, steps: Iterable[int]) -> None:
     for s in steps:
         ax.axvline(s, color="0.45", ls=":", lw=0.9, zorder=0)
 
 
-def _line(ax: plt.Axes, steps: list[int], values: list[float], **style: Any) -> None:
+def _line(ax: Axes, steps: list[int], values: list[float], **style: Any) -> None:
     """The smoothed curve over the raw values drawn faint."""
     if len(values) > 2:
         ax.plot(steps, values, color=style.get("color"), lw=0.8, alpha=0.3)
@@ -122,8 +132,8 @@ def _line(ax: plt.Axes, steps: list[int], values: list[float], **style: Any) -> 
 def _panels(n: int, ncols: int = 3, size: tuple[float, float] = (3.6, 2.5)):
     ncols = max(1, min(ncols, n))
     nrows = -(-n // ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(size[0] * ncols, size[1] * nrows),
-                             squeeze=False, layout="constrained")
+    fig = Figure(figsize=(size[0] * ncols, size[1] * nrows), layout="constrained")
+    axes = fig.subplots(nrows, ncols, squeeze=False)
     flat = list(axes.flat)
     for ax in flat[n:]:
         ax.set_visible(False)
@@ -164,11 +174,12 @@ _STYLES = ("-", "--", ":", "-.")
 
 
 def _colors(slots: list[str]) -> dict[str, Any]:
-    cmap = plt.get_cmap("tab10" if len(slots) <= 10 else "tab20")
+    cmap = matplotlib.colormaps.get_cmap("tab10" if len(slots) <= 10 else "tab20")
     return {s: cmap(i % cmap.N) for i, s in enumerate(slots)}
 
 
 # ---------------------------------------------------------------- figures
+@_styled
 def plot_individuals(rows: list[dict]) -> str | None:
     """One panel per logged member metric; a line per individual, coloured by slot."""
     keys = _present(rows, CURVES)
@@ -203,6 +214,7 @@ def arm_series(rows: list[dict], key: str, role: str | None = None) -> list[tupl
     return pts
 
 
+@_styled
 def plot_arms(runs: dict[str, list[dict]]) -> str | None:
     """One panel per metric: the mean over each arm's members (population vs baseline)."""
     keys = _present([r for rows in runs.values() for r in rows], CURVES)
@@ -216,7 +228,7 @@ def _arm_panels(runs: dict[str, list[dict]], labels: dict[str, str],
     if not labels:
         return None
     fig, axes = _panels(len(labels), size=size)
-    colors = dict(zip(runs, plt.get_cmap("Dark2").colors, strict=False))
+    colors = dict(zip(runs, matplotlib.colormaps.get_cmap("Dark2").colors, strict=False))
     for ax, (key, ylabel) in zip(axes, labels.items(), strict=True):
         for label, rows in runs.items():
             pts = series(rows, key)
@@ -229,7 +241,7 @@ def _arm_panels(runs: dict[str, list[dict]], labels: dict[str, str],
     return _svg(fig)
 
 
-def _unique(axes: list[plt.Axes], by_slot: bool = False) -> tuple[list, list]:
+def _unique(axes: list[Axes], by_slot: bool = False) -> tuple[list, list]:
     """Legend entries of all panels, once each (`by_slot`: T0.g0, T0.g2, T0.g10, T1.g0, ...)."""
     seen: dict[str, Any] = {}
     for ax in axes:
@@ -254,12 +266,14 @@ def _per_individual(rows: list[dict]) -> bool:
     return len(ids) <= MAX_LEGEND_INDIVIDUALS
 
 
+@_styled
 def plot_ratings(rows: list[dict]) -> str | None:
     slots = [s for s in _slots(rows) if any(
         r["members"].get(s, {}).get("mu") is not None for r in rows)]
     if not slots:
         return None
-    fig, ax = plt.subplots(figsize=(8, 3.6), layout="constrained")
+    fig = Figure(figsize=(8, 3.6), layout="constrained")
+    ax = fig.subplots()
     colors = _colors(slots)
     per_individual = _per_individual(rows)
     markers = "osD^v<>ph*"
@@ -284,6 +298,7 @@ def plot_ratings(rows: list[dict]) -> str | None:
     return _svg(fig)
 
 
+@_styled
 def plot_matchups(rows: list[dict]) -> str | None:
     solved: dict[tuple[str, str], list[float]] = defaultdict(list)
     for r in rows:
@@ -304,8 +319,9 @@ def plot_matchups(rows: list[dict]) -> str | None:
     if hi - lo < 0.02:  # one value (or nearly): a band around it keeps the colour meaningful
         lo, hi = max(0.0, lo - 0.05), min(1.0, hi + 0.05)
     norm = Normalize(lo, hi)
-    fig, ax = plt.subplots(figsize=(2.2 + 0.9 * len(students), 1.2 + 0.6 * len(teachers)),
-                           layout="constrained")
+    fig = Figure(figsize=(2.2 + 0.9 * len(students), 1.2 + 0.6 * len(teachers)),
+                 layout="constrained")
+    ax = fig.subplots()
     im = ax.imshow(grid, norm=norm, cmap="viridis", aspect="auto")
     fig.colorbar(im, ax=ax, label=f"mean solve rate ({lo:.2f}–{hi:.2f} in this run)")
     for i, row in enumerate(grid):
@@ -329,6 +345,7 @@ def _program_series(rows: list[dict], key: str) -> list[tuple[int, float]]:
     return pts
 
 
+@_styled
 def plot_programs(runs: dict[str, list[dict]]) -> str | None:
     """Teacher program complexity and coverage over time, one line per run."""
     keys = [k for k in (*PROGRAM_METRICS, "coverage")
@@ -337,12 +354,14 @@ def plot_programs(runs: dict[str, list[dict]]) -> str | None:
                        size=(3.4, 2.4))
 
 
+@_styled
 def plot_phases(rows: list[dict]) -> str | None:
     seen = {p for r in rows for p in r.get("phase_s", {})}
     if not seen:
         return None
     phases = [p for p in PHASES if p in seen] + sorted(seen - set(PHASES))
-    fig, ax = plt.subplots(figsize=(8, 3), layout="constrained")
+    fig = Figure(figsize=(8, 3), layout="constrained")
+    ax = fig.subplots()
     steps = [r["step"] for r in rows]
     bottom = [0.0] * len(rows)
     for p in phases:
