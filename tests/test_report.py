@@ -165,3 +165,17 @@ def test_importing_the_report_changes_no_global_matplotlib_state():
             "assert matplotlib.rcParams['svg.fonttype'] == r['svg.fonttype']; "
             "assert 'pyplot' not in ' '.join(__import__('sys').modules)")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_shared_metrics_are_split_by_role_not_mixed():
+    from lorapop.report import role_series
+
+    rows = [{"step": 1, "members": {
+        "T0": {"role": "teacher", "entropy": 1.0, "valid_rate": 0.5},
+        "T1": {"role": "teacher", "entropy": 3.0, "valid_rate": 0.7},
+        "S0": {"role": "student", "entropy": 0.2},
+    }}]
+    assert role_series(rows, "entropy") == {" teachers": [(1, 2.0)], " students": [(1, 0.2)]}
+    assert role_series(rows, "valid_rate") == {"": [(1, 0.6)]}
+    solo = [{"step": 1, "members": {"A0": {"role": "solo", "entropy": 1.5}}}]
+    assert role_series(solo, "entropy") == {"": [(1, 1.5)]}

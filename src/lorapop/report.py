@@ -214,27 +214,40 @@ def arm_series(rows: list[dict], key: str, role: str | None = None) -> list[tupl
     return pts
 
 
+def role_series(rows: list[dict], key: str) -> dict[str, list[tuple[int, float]]]:
+    """`arm_series` per role when teachers and students both log `key` (their means would
+    mix two different policies' figures), else one series under ""."""
+    roles = {m.get("role") for r in rows for m in r.get("members", {}).values()
+             if isinstance(m.get(key), (int, float))}
+    if {"teacher", "student"} <= roles:
+        return {f" {role}s": arm_series(rows, key, role) for role in ("teacher", "student")}
+    return {"": arm_series(rows, key)}
+
+
 @_styled
 def plot_arms(runs: dict[str, list[dict]]) -> str | None:
-    """One panel per metric: the mean over each arm's members (population vs baseline)."""
+    """One panel per metric: the mean over each arm's members (population vs baseline), per
+    role where both roles log the metric."""
     keys = _present([r for rows in runs.values() for r in rows], CURVES)
-    return _arm_panels(runs, {k: CURVES[k] for k in keys}, arm_series)
+    return _arm_panels(runs, {k: CURVES[k] for k in keys}, role_series)
 
 
 def _arm_panels(runs: dict[str, list[dict]], labels: dict[str, str],
-                series: Callable[[list[dict], str], list[tuple[int, float]]],
+                series: Callable[[list[dict], str], dict[str, list[tuple[int, float]]]],
                 size: tuple[float, float] = (3.6, 2.5)) -> str | None:
-    """One panel per key of `labels` (its y label), one line per run from `series(rows, key)`."""
+    """One panel per key of `labels` (its y label), one line per run and series name from
+    `series(rows, key)` (name "" for a run's only line; a second name is dashed)."""
     if not labels:
         return None
     fig, axes = _panels(len(labels), size=size)
     colors = dict(zip(runs, matplotlib.colormaps.get_cmap("Dark2").colors, strict=False))
     for ax, (key, ylabel) in zip(axes, labels.items(), strict=True):
         for label, rows in runs.items():
-            pts = series(rows, key)
-            if pts:
-                steps, vals = map(list, zip(*pts, strict=True))
-                _line(ax, steps, vals, color=colors[label], lw=1.6, label=label)
+            for i, (suffix, pts) in enumerate(series(rows, key).items()):
+                if pts:
+                    steps, vals = map(list, zip(*pts, strict=True))
+                    _line(ax, steps, vals, color=colors[label], lw=1.6, ls="--" if i else "-",
+                          label=label + suffix)
             _mark_replacements(ax, replacement_steps(rows))
         ax.set(xlabel="step", ylabel=ylabel)
     fig.legend(*_unique(axes), loc="outside right upper", fontsize=8, title="arm")
@@ -350,7 +363,8 @@ def plot_programs(runs: dict[str, list[dict]]) -> str | None:
     """Teacher program complexity and coverage over time, one line per run."""
     keys = [k for k in (*PROGRAM_METRICS, "coverage")
             if any(_program_series(rows, k) for rows in runs.values())]
-    return _arm_panels(runs, {k: PROGRAM_LABELS[k] for k in keys}, _program_series,
+    return _arm_panels(runs, {k: PROGRAM_LABELS[k] for k in keys},
+                       lambda rows, k: {"": _program_series(rows, k)},
                        size=(3.4, 2.4))
 
 
