@@ -182,7 +182,7 @@ def test_shared_prefill_copies_the_cache(tok):
     ids = [tok(p)["input_ids"] for p in ("def f(x):", "def f(x):", "hello", "def f(x):")]
     slots = [1, 1, 0, 2]
     dup = generate(model, bank, tok, ids, slots, greedy)
-    own = [generate(model, bank, tok, [p], [s], greedy)[0] for p, s in zip(ids, slots)]
+    own = [generate(model, bank, tok, [p], [s], greedy)[0] for p, s in zip(ids, slots, strict=True)]
     for a, b in zip(dup, own, strict=True):
         assert a.token_ids == b.token_ids
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs))

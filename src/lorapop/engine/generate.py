@@ -94,7 +94,7 @@ def generate(
     # longest admitted first; copies of one (slot, prompt) next to each other, so that they
     # share one prefill (the answers of one task)
     first: dict[tuple[int, tuple[int, ...]], int] = {}
-    group = [first.setdefault((int(s), tuple(p)), i) for i, (p, s) in enumerate(zip(ids, slot_ids))]
+    group = [first.setdefault((int(slot_ids[i]), tuple(p)), i) for i, p in enumerate(ids)]
     order = sorted(range(len(ids)), key=lambda i: (-len(ids[i]), group[i]))
     steps = params.max_new_tokens
     length = -(-(len(ids[order[0]]) + steps - 1) // 64) * 64
