@@ -4,12 +4,14 @@ The decoder holds `batch` cache rows. Each prompt is prefilled into a free row (
 index 0, in chunks of at most `prefill_tokens` tokens per forward), then decoded; when a row
 finishes (EOS, the caller's stop function, or its own max length) its result is collected and
 the row is refilled with the next waiting prompt, so the batch stays full until the queue is
-empty. A row's position ids are its cache indices and the decode mask is per row
-(`key <= the row's position`), so rows of any length and age share a step.
+empty. Copies of one prompt under one slot (a task's answers) share one prefill. A row's
+position ids are its cache indices and the decode mask is per row (`key <= the row's
+position`), so rows of any length and age share a step.
 
 The decode step is a pure function of static device buffers (tokens, per-row positions,
-output columns, uniforms, done flags), so on CUDA it is captured once in a graph and
-replayed; on CPU the same step runs eagerly. Finished rows keep running in the graph until
+output columns, uniforms, done flags), so on CUDA it is captured in a graph (one per
+attention width) and replayed; on CPU the same step runs eagerly. Between host checks
+(every few steps) only the columns written since the last check reach the host. Finished rows keep running in the graph until
 refilled, writing into a spare output column. Every row draws its uniforms from its own
 stream (`row_uniforms(seed, key)`), indexed by its own output column: a prompt's tokens do not
 depend on its batch-mates or on when it was admitted. Adapter routing is set in place
@@ -45,7 +47,6 @@ from lorapop.engine.sampling import SamplingParams, sample
 # row must stop now, else None
 StopFn = Callable[[int, list[int]], int | None]
 Result = tuple[list[int], list[float], bool]  # tokens, logprobs, ended by the stop function
-Key = tuple[int, tuple[int, ...]]  # (slot, prompt ids): rows with equal keys share a prefill
 WIDTH_STEP = 512  # decode attention widths are multiples of this (one graph per width)
 
 
@@ -91,14 +92,14 @@ class _Queue:
     prompts: Sequence[Sequence[int]]
     slots: Sequence[int]
     u: torch.Tensor  # [prompts, max_new_tokens] uniforms, on the host
-    keys: list[Key]
+    keys: list[int]  # each prompt's (slot, prompt ids) as an int: equal keys share a prefill
     waiting: deque[int]
     owner: list[int]  # prompt index held by each row, -1: free
     used: list[bool]  # rows that have held a prompt
     cols: list[int]  # tokens written per row, as of the last check
     toks: list[list[int]]  # each row's tokens fetched to the host so far (for stop_fn)
-    left: Counter[Key]  # prompts of each key not yet admitted
-    first: dict[Key, torch.Tensor]  # first-token logits of keys whose copies still wait
+    left: Counter[int]  # prompts of each key not yet admitted
+    first: dict[int, torch.Tensor]  # first-token logits of keys whose copies still wait
     out: list[Result | None]
 
 
@@ -181,7 +182,9 @@ class Decoder:
         steps = self.params.max_new_tokens
         if max(len(p) for p in prompts) + steps - 1 > self.length:
             raise ValueError(f"a prompt + {steps} new tokens do not fit a cache of {self.length}")
-        keys = [(int(s), tuple(p)) for p, s in zip(prompts, slots, strict=True)]
+        distinct: dict[tuple[int, tuple[int, ...]], int] = {}
+        keys = [distinct.setdefault((int(s), tuple(p)), len(distinct))
+                for p, s in zip(prompts, slots, strict=True)]
         b = self.batch
         q = _Queue(prompts, slots, u, keys, deque(range(len(prompts))), [-1] * b, [False] * b,
                    [0] * b, [[] for _ in range(b)], Counter(keys), {}, [None] * len(prompts))
@@ -275,7 +278,7 @@ class Decoder:
         rows = free[: len(take)]
         live = {q.keys[i]: b for b, i in enumerate(q.owner) if i >= 0}  # prompt cache intact
         fresh: list[int] = []  # positions in `take` to prefill
-        new: dict[Key, int] = {}  # key -> its position in `fresh`
+        new: dict[int, int] = {}  # key -> its position in `fresh`
         copies: list[tuple[int, int]] = []  # (row, source row) of shared prefills
         pick: list[int | torch.Tensor] = []  # each admitted row's logits: fresh index or row
         for j, i in enumerate(take):
