@@ -10,9 +10,9 @@ position`), so rows of any length and age share a step.
 
 The decode step is a pure function of static device buffers (tokens, per-row positions,
 output columns, uniforms, done flags), so on CUDA it is captured in a graph (one per
-attention width) and replayed; on CPU the same step runs eagerly. Between host checks
-(every few steps) only the columns written since the last check reach the host. Finished rows keep running in the graph until
-refilled, writing into a spare output column. Every row draws its uniforms from its own
+attention width) and replayed; on CPU the same step runs eagerly. Host checks (every few
+steps) fetch only the token columns written since the last one. Finished rows keep running
+in the graph until refilled, writing into a spare output column. Every row draws its uniforms from its own
 stream (`row_uniforms(seed, key)`), indexed by its own output column: a prompt's tokens do not
 depend on its batch-mates or on when it was admitted. Adapter routing is set in place
 (`set_slot_ids_`) whenever rows change, so the captured step reads the current routing; the
@@ -308,8 +308,7 @@ class Decoder:
             width = max(len(q.prompts[q.owner[d]]) for d, _ in copies)
             self.kv.copy_rows([d for d, _ in copies], [s for _, s in copies], width)
         logits = torch.stack([prefilled[p] if isinstance(p, int) else p for p in pick])
-        for j, i in enumerate(take):
-            k = q.keys[i]
+        for k, j in {q.keys[i]: j for j, i in enumerate(take)}.items():
             if q.left[k] > 0:
                 q.first[k] = logits[j].clone()  # for copies admitted later
             else:

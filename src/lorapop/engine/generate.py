@@ -70,8 +70,9 @@ def generate(
     a prompt too long for even one row is a `GenerationMemoryError` before any work. Rows
     that finish are refilled with waiting prompts (continuous batching); prompts are prefilled
     at most `prefill_tokens` tokens per forward, and identical prompts under the same slot
-    are prefilled once (the others copy its cache rows). `stop_fn(i, tokens)` may end prompt i early
-    (it returns how many tokens to keep), on top of EOS and `params.stop`.
+    are prefilled once (the others copy its cache rows). `stop_fn(i, tokens)` may end
+    prompt i early (it returns how many tokens to keep; `tokens` is read-only), on top of EOS
+    and `params.stop`.
 
     `cuda_graph=False` forces the eager decode step on GPU. `compile=True` (None: on CUDA
     only; default off) runs the decode step's model forward through torch.compile before
