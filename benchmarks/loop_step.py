@@ -122,11 +122,13 @@ def static_batches(generate):
         order = sorted(range(n), key=lambda i: -lens[i])
         out = [None] * n
         stop = kw.pop("stop_fn", None)
+        keys = kw.pop("row_keys", None) or list(range(n))  # the loop passes global row keys
         for s in range(0, n, batch_size):
             part = order[s : s + batch_size]
             sub = None if stop is None else (lambda j, t, part=part: stop(part[j], t))
             gens = generate(model, bank, tok, [prompts[i] for i in part], [slots[i] for i in part],
-                            params, seed, batch_size, row_keys=part, stop_fn=sub, **kw)
+                            params, seed, batch_size, row_keys=[keys[i] for i in part],
+                            stop_fn=sub, **kw)
             for i, g in zip(part, gens, strict=True):
                 out[i] = g
         return out
