@@ -10,12 +10,13 @@ per token on code). Each run does `--warmup` steps first, then times `--steps` s
     PYTHONPATH=src python benchmarks/loop_step.py --out benchmarks/results/loop_step.json
 
 `--paper` runs the population config alone at its own sizes (no baseline, no warm-up unless
-asked), `--max-new-tokens N` sets both generation lengths, `--lengths MEDIAN[:SIGMA[:CAP]]`
+asked), `--skip-update` times the generation phases only (no policy-gradient step),
+`--max-new-tokens N` sets both generation lengths, `--lengths MEDIAN[:SIGMA[:CAP]]`
 makes each row stop at a length drawn from a log-normal (through `generate`'s stop function,
 keyed by call and prompt; EOS stays off), and `--static` cuts every generation into
 static batches of `sampling.batch_size` prompts (each run until its slowest row ends: no
-refills), for comparison with continuous batching. Each result reports phase times, peak
-memory, generated tokens/s and the update's tokens/s and model FLOP utilisation.
+refills), for comparison with continuous batching. A run writes one JSON (`--out`): phase
+times, peak memory, generated tokens/s and the update's tokens/s and model FLOP utilisation.
 """
 
 from __future__ import annotations
@@ -121,11 +122,13 @@ def static_batches(generate):
         order = sorted(range(n), key=lambda i: -lens[i])
         out = [None] * n
         stop = kw.pop("stop_fn", None)
+        keys = kw.pop("row_keys", None) or list(range(n))  # the loop passes global row keys
         for s in range(0, n, batch_size):
             part = order[s : s + batch_size]
             sub = None if stop is None else (lambda j, t, part=part: stop(part[j], t))
             gens = generate(model, bank, tok, [prompts[i] for i in part], [slots[i] for i in part],
-                            params, seed, batch_size, row_keys=part, stop_fn=sub, **kw)
+                            params, seed, batch_size, row_keys=[keys[i] for i in part],
+                            stop_fn=sub, **kw)
             for i, g in zip(part, gens, strict=True):
                 out[i] = g
         return out
@@ -158,7 +161,8 @@ def flop_params(model) -> int:
     return sum(p.numel() for p in model.parameters()) - (0 if tied else emb.numel())
 
 
-def measure(config: str, overrides: list[str], warmup: int, steps: int, run_dir: Path) -> dict:
+def measure(config: str, overrides: list[str], warmup: int, steps: int, run_dir: Path,
+            skip_update: bool = False) -> dict:
     from lorapop.config import load_config
     from lorapop.loop import SelfPlay
 
@@ -170,6 +174,8 @@ def measure(config: str, overrides: list[str], warmup: int, steps: int, run_dir:
     counter = UpdateCount()
     _patch("sequence_logprobs", counter)
     sp = SelfPlay(cfg, run_dir)
+    if skip_update:  # generation phases only: rewards and ratings, no policy-gradient step
+        sp._policy_step = lambda rollouts, rewards: ({}, {}, [None] * len(rollouts))
     n_params = flop_params(getattr(sp, "parts", sp).model)  # (older loops: sp.model)
     rows = []
     try:
@@ -205,7 +211,7 @@ def measure(config: str, overrides: list[str], warmup: int, steps: int, run_dir:
         "generated_tokens": rows[0]["generated_tokens"],
         "tokens_per_s": median(r["tokens_per_s"] for r in rows),
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-        "update": {
+        "update": None if skip_update else {
             "tokens": counter.real // len(rows),
             "padded_tokens": counter.padded // len(rows),
             "tokens_per_s": counter.real / update_s if update_s else None,
@@ -233,6 +239,8 @@ def main() -> None:
     ap.add_argument("--lengths", help="MEDIAN[:SIGMA[:CAP]]: log-normal row lengths via the "
                     "stop function instead of ignore_eos (sigma 1.0, cap max_new_tokens)")
     ap.add_argument("--static", action="store_true", help="static batches (no refills)")
+    ap.add_argument("--skip-update", action="store_true",
+                    help="generation phases only (no policy-gradient step)")
     ap.add_argument("--seed-dir", help="reuse (or create) the seed tasks and tokenizer here")
     ap.add_argument("overrides", nargs="*", help="extra key.path=value for both runs")
     args = ap.parse_args()
@@ -253,31 +261,30 @@ def main() -> None:
     common += args.overrides
     if args.warmup is None:
         args.warmup = 0 if args.paper else 1
-    pop = measure(args.config, common, args.warmup, args.steps, tmp / "pop")
-    if args.paper:
-        result = {"benchmark": "loop_step --paper", "command": " ".join([Path(sys.executable).name, *sys.argv]),
-                  "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor(),
-                  "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "population": pop}
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2))
-        print(json.dumps(pop, indent=1))
-        return
-    base = measure(args.baseline, common, args.warmup, args.steps, tmp / "base")
     result = {
-        "benchmark": "loop_step",
+        "benchmark": "loop_step --paper" if args.paper else "loop_step",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor(),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d"),
-        "population": pop,
-        "baseline": base,
-        "wall_ratio": pop["wall_s"] / base["wall_s"],
-        "phase_ratio": {p: pop["phase_s"][p] / base["phase_s"][p]
-                        for p in pop["phase_s"] if base["phase_s"].get(p)},
+        "skip_update": args.skip_update,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result["population"] = pop = measure(args.config, common, args.warmup, args.steps,
+                                         tmp / "pop", args.skip_update)
+    if args.paper:
+        out.write_text(json.dumps(result, indent=1))
+        print(json.dumps(pop, indent=1))
+        return
+    out.write_text(json.dumps(result, indent=1))  # the population's part if the baseline dies
+    result["baseline"] = base = measure(args.baseline, common, args.warmup, args.steps,
+                                        tmp / "base", args.skip_update)
+    result["wall_ratio"] = pop["wall_s"] / base["wall_s"]
+    result["phase_ratio"] = {p: pop["phase_s"][p] / base["phase_s"][p]
+                             for p in pop["phase_s"] if base["phase_s"].get(p)}
+    out.write_text(json.dumps(result, indent=1))
     print(f"\n{'phase':14s} {'population':>11s} {'baseline':>9s} {'ratio':>6s}")
     for p, v in pop["phase_s"].items():
         b = base["phase_s"].get(p, 0.0)

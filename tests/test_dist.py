@@ -28,6 +28,21 @@ def test_shard_equal_costs_split_rows_evenly_and_more_ranks_than_rows():
         dist.shard([1], 0)
 
 
+def test_shard_keeps_rows_together_where_balance_allows():
+    """The 4 answers of each task land on one rank (they share a prefill there), splitting
+    only a group larger than half a rank's share."""
+    labels = [t for t in range(12) for _ in range(4)]
+    costs = [500 + 40 * t for t in labels]
+    parts = dist.shard(costs, 4, together=labels)
+    assert sorted(i for p in parts for i in p) == list(range(len(costs)))
+    assert all(len({labels[i] for i in p}) * 4 == len(p) for p in parts)
+    loads = [sum(costs[i] for i in p) for p in parts]
+    assert max(loads) - min(loads) <= 4 * max(costs)
+    big = dist.shard([1.0] * 16, 2, together=[0] * 16)  # one group: cut into 4-row pieces
+    assert [len(p) for p in big] == [8, 8]
+    assert dist.shard(costs, 4, together=None) == dist.shard(costs, 4)
+
+
 def test_one_process_is_a_single_rank(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     world = dist.init("cpu")

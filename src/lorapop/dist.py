@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import heapq
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -87,20 +87,37 @@ def close(world: World) -> None:
         dist.destroy_process_group()
 
 
-def shard(costs: Sequence[float], n: int) -> list[list[int]]:
+def shard(
+    costs: Sequence[float], n: int, together: Sequence[Hashable] | None = None
+) -> list[list[int]]:
     """Row indices split into `n` parts of near-equal total cost, each part in ascending order.
 
     Longest first, each row to the least-loaded part (then the one with fewer rows, then the
     lowest rank): deterministic, so every rank computes the same split without talking.
+    Rows with equal `together` labels (e.g. copies of one prompt, which share a prefill) go to
+    one part as a unit, cut into pieces of at most a half part's cost when larger.
     """
     if n < 1:
         raise ValueError(f"need at least one part, got {n}")
+    units: dict[Hashable, list[int]] = {}
+    for i in range(len(costs)):
+        units.setdefault(i if together is None else ("unit", together[i]), []).append(i)
+    cap = sum(float(c) for c in costs) / (2 * n)
+    pieces: list[tuple[float, list[int]]] = []  # (cost, rows)
+    for rows in units.values():
+        cost, piece = 0.0, []
+        for i in rows:
+            if piece and cost + costs[i] > cap:
+                pieces.append((cost, piece))
+                cost, piece = 0.0, []
+            cost, piece = cost + float(costs[i]), [*piece, i]
+        pieces.append((cost, piece))
     heap = [(0.0, 0, r) for r in range(n)]
     parts: list[list[int]] = [[] for _ in range(n)]
-    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+    for cost, piece in sorted(pieces, key=lambda p: (-p[0], p[1][0])):
         load, count, r = heapq.heappop(heap)
-        parts[r].append(i)
-        heapq.heappush(heap, (load + float(costs[i]), count + 1, r))
+        parts[r].extend(piece)
+        heapq.heappush(heap, (load + cost, count + len(piece), r))
     return [sorted(p) for p in parts]
 
 
@@ -123,14 +140,17 @@ def broadcast(obj: Any, world: World, src: int = 0) -> Any:
 
 
 def sharded(
-    costs: Sequence[float], fn: Callable[[list[int]], Sequence[R]], world: World
+    costs: Sequence[float],
+    fn: Callable[[list[int]], Sequence[R]],
+    world: World,
+    together: Sequence[Hashable] | None = None,
 ) -> list[R]:
     """`fn` over this rank's share of the rows, every rank's results in global row order.
 
     `fn(indices)` gets the global indices of its rows (ascending) and returns one result per
-    index. Results must be picklable; every rank receives all of them.
+    index. Results must be picklable; every rank receives all of them. `together`: as `shard`.
     """
-    parts = shard(costs, world.size)
+    parts = shard(costs, world.size, together)
     mine = parts[world.rank]
     done = list(fn(mine)) if mine else []
     if len(done) != len(mine):

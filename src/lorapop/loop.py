@@ -296,8 +296,9 @@ class SelfPlay:
 
     def _generate(self, prompts: list[str], members: list[str], max_new: int, seed: int,
                   clock: _Clock) -> list[Generation]:
-        """Rows split over ranks by expected tokens; each row keyed by its index in `prompts`,
-        so its sample does not depend on the number of ranks."""
+        """Rows split over ranks by expected tokens, copies of one prompt under one member
+        together (they share a prefill); each row keyed by its index in `prompts`, so its
+        sample does not depend on the number of ranks."""
         sp, p = self.cfg.sampling, self.parts
         params = SamplingParams(temperature=sp.temperature, top_p=sp.top_p,
                                 max_new_tokens=max_new, eos_token_ids=() if sp.ignore_eos else None)
@@ -313,7 +314,8 @@ class SelfPlay:
             clock.generation_s += time.perf_counter() - t0
             return out
 
-        gens = dist.sharded([len(x) + max_new for x in ids], run, self.world)
+        gens = dist.sharded([len(x) + max_new for x in ids], run, self.world,
+                            together=[(s, x) for s, x in zip(slots, prompts, strict=True)])
         clock.generated_tokens += sum(len(g.token_ids) for g in gens)
         return gens
 

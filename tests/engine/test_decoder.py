@@ -32,18 +32,28 @@ def _setup(tok, device: str):
     return model, bank
 
 
-@pytest.fixture
-def spy(monkeypatch):
-    """The decoders `generate` builds, to read their refill counts."""
+def _spy(monkeypatch, **opts) -> list[Decoder]:
     made: list[Decoder] = []
 
     class Spy(Decoder):
         def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
+            super().__init__(*a, **{**kw, **opts})
             made.append(self)
 
     monkeypatch.setattr(gen_mod, "Decoder", Spy)
     return made
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """The decoders `generate` builds, to read their refill and sharing counts."""
+    return _spy(monkeypatch)
+
+
+@pytest.fixture
+def narrow(monkeypatch):
+    """Decoders whose decode width grows in steps of 4 cache positions."""
+    return _spy(monkeypatch, width_step=4)
 
 
 def _lengths(i: int, toks: list[int]) -> int | None:
@@ -120,3 +130,106 @@ def test_prefill_chunks_stay_within_the_budget():
         for rows, chunk in groups:
             assert len(rows) * chunk <= max(budget, chunk)
             assert chunk == min(max(widths[i] for i in rows), budget)
+
+
+def _alone(model, bank, tok, prompt, slot, key, params=SAMPLED, seed=4):
+    return generate(model, bank, tok, [prompt], [slot], params, seed=seed, row_keys=[key])[0]
+
+
+def _assert_prefix_of(g, alone, atol=1e-5):
+    assert g.token_ids == alone.token_ids[: len(g.token_ids)]
+    torch.testing.assert_close(
+        torch.tensor(g.logprobs), torch.tensor(alone.logprobs[: len(g.logprobs)]),
+        atol=atol, rtol=0,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_identical_prompts_share_one_prefill_and_stay_exact(tok, spy, device):
+    """Four answers per task (same slot, same prompt) and one copy under another slot: the
+    copies reuse one prefill, within an admission and across refills, and every row still
+    gets what its prompt gets alone; copies differ from each other (own uniforms)."""
+    model, bank = _setup(tok, device)
+    tasks = [("def f(x): return x", 0), ("assert g(1) ==", 1), ("zz", 2), ("def f(x): return x", 1)]
+    prompts, slots = [], []
+    for p, s in tasks:
+        prompts += [p] * 4
+        slots += [s] * 4
+    want = [3, 16, 7, 1, 12, 5, 9, 2, 6, 16, 4, 8, 11, 1, 14, 10]
+
+    def lengths(i, toks):
+        return want[i] if len(toks) >= want[i] else None
+
+    batch = generate(model, bank, tok, prompts, slots, SAMPLED, seed=4, batch_size=6,
+                     stop_fn=lengths)
+    dec = spy[-1]
+    assert dec.refills == len(prompts) - 6
+    # 4 distinct (slot, prompt): at most one prefill each while a copy of it runs
+    assert dec.shared >= len(prompts) - 2 * len(tasks)
+    for i, g in enumerate(batch):
+        assert len(g.token_ids) == want[i]
+        _assert_prefix_of(g, _alone(model, bank, tok, prompts[i], slots[i], i),
+                          atol=1e-4 if device == "cuda" else 1e-5)
+    for t in range(len(tasks)):
+        firsts = {tuple(g.token_ids[:3]) for g in batch[4 * t : 4 * t + 4] if len(g.token_ids) >= 3}
+        assert len(firsts) > 1
+
+
+def test_shared_prefill_copies_the_cache(tok):
+    """A copied row's cache and first-token logits equal its own prefill's."""
+    model, bank = _setup(tok, "cpu")
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=4, eos_token_ids=())
+    ids = [tok(p)["input_ids"] for p in ("def f(x):", "def f(x):", "hello", "def f(x):")]
+    slots = [1, 1, 0, 2]
+    dup = generate(model, bank, tok, ids, slots, greedy)
+    own = [generate(model, bank, tok, [p], [s], greedy)[0] for p, s in zip(ids, slots, strict=True)]
+    for a, b in zip(dup, own, strict=True):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs))
+    assert dup[0].token_ids == dup[1].token_ids  # greedy: a copy decodes the same
+    dec = Decoder(model, bank, 2, 32, greedy, [])
+    with torch.no_grad(), static_kv(model, dec.kv):
+        dec.prefill(ids[:1], slots[:1], [0], torch.zeros(1, 4))
+        dec.kv.copy_rows([1], [0], len(ids[0]))
+        copied = [(k[1].clone(), v[1].clone()) for k, v in zip(dec.kv.k, dec.kv.v, strict=True)]
+        dec.prefill(ids[:1], slots[:1], [1], torch.zeros(1, 4))
+        for (k, v), (kc, vc) in zip(zip(dec.kv.k, dec.kv.v, strict=True), copied, strict=True):
+            torch.testing.assert_close(kc[:, : len(ids[0])], k[1, :, : len(ids[0])])
+            torch.testing.assert_close(vc[:, : len(ids[0])], v[1, :, : len(ids[0])])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_width_grows_with_the_rows_and_keeps_them_exact(tok, narrow, device):
+    """Early steps attend over fewer cache positions (several widths, each a multiple of
+    the step), with refills; each row equals its prompt alone at the full width."""
+    model, bank = _setup(tok, device)
+    slots = [0, 1, 2, 1, 0, 2, 1]
+    batch = generate(
+        model, bank, tok, PROMPTS, slots, SAMPLED, seed=4, batch_size=3, stop_fn=_lengths
+    )
+    dec = narrow[-1]
+    assert len(dec.widths) > 2 and all(w % 4 == 0 or w == dec.length for w in dec.widths)
+    assert min(dec.widths) < dec.length
+    for i, g in enumerate(batch):
+        _assert_prefix_of(g, _alone(model, bank, tok, PROMPTS[i], slots[i], i),
+                          atol=1e-4 if device == "cuda" else 1e-5)
+
+
+def test_stop_function_sees_each_rows_tokens_so_far(tok, spy):
+    """Tokens reach the stop function incrementally, also for rows refilled mid-batch."""
+    model, bank = _setup(tok, "cpu")
+    slots = [0, 1, 2, 1, 0, 2, 1]
+    seen: dict[int, list[list[int]]] = {i: [] for i in range(len(PROMPTS))}
+
+    def record(i, toks):
+        seen[i].append(list(toks))
+        return _lengths(i, toks)
+
+    batch = generate(model, bank, tok, PROMPTS, slots, SAMPLED, seed=4, batch_size=2,
+                     stop_fn=record)
+    assert spy[-1].refills == len(PROMPTS) - 2
+    for i, g in enumerate(batch):
+        full = _alone(model, bank, tok, PROMPTS[i], slots[i], i).token_ids
+        assert seen[i] and all(full[: len(t)] == t for t in seen[i])
+        assert [len(t) for t in seen[i]] == sorted(len(t) for t in seen[i])
+        assert len(seen[i][-1]) >= len(g.token_ids)

@@ -4,13 +4,15 @@ The decoder holds `batch` cache rows. Each prompt is prefilled into a free row (
 index 0, in chunks of at most `prefill_tokens` tokens per forward), then decoded; when a row
 finishes (EOS, the caller's stop function, or its own max length) its result is collected and
 the row is refilled with the next waiting prompt, so the batch stays full until the queue is
-empty. A row's position ids are its cache indices and the decode mask is per row
-(`key <= the row's position`), so rows of any length and age share a step.
+empty. Copies of one prompt under one slot (a task's answers) share one prefill. A row's
+position ids are its cache indices and the decode mask is per row (`key <= the row's
+position`), so rows of any length and age share a step.
 
 The decode step is a pure function of static device buffers (tokens, per-row positions,
-output columns, uniforms, done flags), so on CUDA it is captured once in a graph and
-replayed; on CPU the same step runs eagerly. Finished rows keep running in the graph until
-refilled, writing into a spare output column. Every row draws its uniforms from its own
+output columns, uniforms, done flags), so on CUDA it is captured in a graph (one per
+attention width) and replayed; on CPU the same step runs eagerly. Host checks (every few
+steps) fetch only the token columns written since the last one. Finished rows keep running
+in the graph until refilled, writing into a spare output column. Every row draws its uniforms from its own
 stream (`row_uniforms(seed, key)`), indexed by its own output column: a prompt's tokens do not
 depend on its batch-mates or on when it was admitted. Adapter routing is set in place
 (`set_slot_ids_`) whenever rows change, so the captured step reads the current routing; the
@@ -31,8 +33,9 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,6 +47,7 @@ from lorapop.engine.sampling import SamplingParams, sample
 # row must stop now, else None
 StopFn = Callable[[int, list[int]], int | None]
 Result = tuple[list[int], list[float], bool]  # tokens, logprobs, ended by the stop function
+WIDTH_STEP = 512  # decode attention widths are multiples of this (one graph per width)
 
 
 def route(bank: Any, slots: torch.Tensor) -> contextlib.AbstractContextManager[Any]:
@@ -81,8 +85,35 @@ def prefill_chunks(widths: Sequence[int], budget: int) -> list[tuple[list[int], 
     return groups
 
 
+@dataclass
+class _Queue:
+    """Host state of one `Decoder.run`: the prompts, and what each cache row holds."""
+
+    prompts: Sequence[Sequence[int]]
+    slots: Sequence[int]
+    u: torch.Tensor  # [prompts, max_new_tokens] uniforms, on the host
+    keys: list[int]  # each prompt's (slot, prompt ids) as an int: equal keys share a prefill
+    waiting: deque[int]
+    owner: list[int]  # prompt index held by each row, -1: free
+    used: list[bool]  # rows that have held a prompt
+    cols: list[int]  # tokens written per row, as of the last check
+    toks: list[list[int]]  # each row's tokens fetched to the host so far (for stop_fn)
+    left: Counter[int]  # prompts of each key not yet admitted
+    first: dict[int, torch.Tensor]  # first-token logits of keys whose copies still wait
+    out: list[Result | None]
+
+
 class Decoder:
-    """Static buffers, KV cache and (optionally) the CUDA graph for one batch size and length."""
+    """Static buffers, KV cache and (optionally) CUDA graphs for one batch size and length.
+
+    Rows with the same (slot, prompt) share one prefill: the first is prefilled, the others
+    get a copy of its cache rows and sample their first token from its logits with their own
+    uniforms (the answers of one task). The decode step attends over the cache's first
+    `width` positions, the smallest multiple of `width_step` that covers every row until the
+    next host check, so early steps read less of the cache; one graph per width. Masked
+    positions add exact zeros, so the width does not change a row's results beyond the
+    rounding of batched kernels.
+    """
 
     def __init__(
         self,
@@ -95,13 +126,17 @@ class Decoder:
         cuda_graph: bool = True,
         compile: bool = False,
         prefill_tokens: int = 8192,
+        width_step: int = WIDTH_STEP,
     ) -> None:
         param = next(model.parameters())
         dev, steps = param.device, params.max_new_tokens
         layers, kv_heads, head_dim = kv_shape(model)
         self.model, self.bank, self.params = model, bank, params
         self.batch, self.length, self.prefill_tokens = batch, length, prefill_tokens
+        # compiled steps are specialised to their width: one width, no recompilation
+        self.width_step = length if compile else max(1, width_step)
         self.kv = StaticKV(layers, batch, kv_heads, length, head_dim, param.dtype, dev)
+        self.width = length  # cache positions the decode step attends over
         self.tok = torch.zeros(batch, dtype=torch.long, device=dev)
         self.slots = torch.zeros(batch, dtype=torch.long, device=dev)
         self.arange = torch.arange(length, device=dev)
@@ -114,12 +149,20 @@ class Decoder:
         self.eos = torch.tensor(list(eos_ids), dtype=torch.long, device=dev)
         self.bias = torch.tensor([0.0, float("-inf")], dtype=param.dtype, device=dev)
         self.use_graph = cuda_graph and dev.type == "cuda" and steps > 3
-        self.graph: torch.cuda.CUDAGraph | None = None
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # per width, sharing one pool
+        self._pool: Any = None
         self.compiled: Callable[[], torch.Tensor] | None = None
-        self._ready = False
+        self._compiled = False
         self.refills = 0  # prompts admitted into a row that an earlier prompt had used
+        self.shared = 0  # prompts whose cache rows were copied from an identical prompt's
+        self.widths: set[int] = set()  # widths the decode step ran at
         if compile:
             self.compiled = _compile(self._logits)
+
+    @property
+    def graph(self) -> torch.cuda.CUDAGraph | None:
+        """The captured step at the current width (None: not captured, or eager)."""
+        return self.graphs.get(self.width)
 
     @torch.no_grad()
     def run(
@@ -133,88 +176,145 @@ class Decoder:
         """Each prompt's (tokens, logprobs, stopped by stop_fn), admitted in the given order.
 
         `u` [len(prompts), max_new_tokens] holds each prompt's uniforms. A row stops at EOS
-        (returned), at max_new_tokens, or where `stop_fn` says (cut to the count it returns).
+        (returned), at max_new_tokens, or where `stop_fn` says (cut to the count it returns;
+        it gets the row's token list, which it must not modify).
         """
         steps = self.params.max_new_tokens
         if max(len(p) for p in prompts) + steps - 1 > self.length:
             raise ValueError(f"a prompt + {steps} new tokens do not fit a cache of {self.length}")
-        waiting = deque(range(len(prompts)))
-        owner = [-1] * self.batch  # prompt index held by each row, -1: free
-        used = [False] * self.batch
-        out: list[Result | None] = [None] * len(prompts)
+        distinct: dict[tuple[int, tuple[int, ...]], int] = {}
+        keys = [distinct.setdefault((int(s), tuple(p)), len(distinct))
+                for p, s in zip(prompts, slots, strict=True)]
+        b = self.batch
+        q = _Queue(prompts, slots, u, keys, deque(range(len(prompts))), [-1] * b, [False] * b,
+                   [0] * b, [[] for _ in range(b)], Counter(keys), {}, [None] * len(prompts))
         self.done.fill_(True)
         if hasattr(self.bank, "sync_caches"):
             self.bank.sync_caches()  # the graph reads the cache: refresh it in place
         with static_kv(self.model, self.kv), route(self.bank, self.slots):
-            self._admit(list(range(self.batch)), waiting, owner, used, prompts, slots, u)
-            if not self._ready and steps > 1:
-                self._prepare()
-            n = 0
+            self._admit(q, list(range(self.batch)))
+            n, step = 0, self._step
             while True:
                 if n % check_every == 0:  # also right after the first prefill
-                    free = self._collect(owner, out, stop_fn)
-                    if free and waiting:
-                        self._admit(free, waiting, owner, used, prompts, slots, u)
-                    if all(o < 0 for o in owner):
+                    free = self._collect(q, stop_fn)
+                    if free and q.waiting:
+                        self._admit(q, free)
+                    if all(o < 0 for o in q.owner):
                         break
-                if self.graph is not None:
-                    self.graph.replay()
-                else:
-                    self._step()
+                    step = self._at_width(self._need(q, check_every))
+                step()
                 n += 1
-        return [o for o in out if o is not None]
+        return [o for o in q.out if o is not None]
 
-    def _collect(
-        self,
-        owner: list[int],
-        out: list[Result | None],
-        stop_fn: StopFn | None,
-    ) -> list[int]:
-        """Move finished rows' results to `out`; returns the rows now free."""
-        done, cols = self.done.tolist(), self.col.tolist()
-        owned = [b for b in range(self.batch) if owner[b] >= 0]
-        keep = {b: (cols[b], False) for b in owned if done[b]}
+    def _need(self, q: _Queue, ahead: int) -> int:
+        """Cache positions the next `ahead` steps read: a row at column c of a prompt of
+        length p attends over p + c - 1 + ahead positions by then."""
+        need = max(len(q.prompts[i]) + q.cols[b] for b, i in enumerate(q.owner) if i >= 0)
+        return min(self.length, -(-(need + ahead) // self.width_step) * self.width_step)
+
+    def _at_width(self, width: int) -> Callable[[], None]:
+        """The decode step over `width` cache positions: its graph (captured on first use) or
+        the eager step."""
+        self.width = self.kv.width = width
+        self.widths.add(width)
+        if self.params.max_new_tokens > 1 and (
+            (self.compiled is not None and not self._compiled)
+            or (self.use_graph and width not in self.graphs)
+        ):
+            self._prepare()
+        graph = self.graph
+        return self._step if graph is None else graph.replay
+
+    def _collect(self, q: _Queue, stop_fn: StopFn | None) -> list[int]:
+        """Move finished rows' results to `q.out`; returns the rows now free."""
+        done, q.cols = self.done.tolist(), self.col.tolist()
+        owned = [b for b in range(self.batch) if q.owner[b] >= 0]
+        keep = {b: (q.cols[b], False) for b in owned if done[b]}
         if stop_fn is not None and owned:  # rows that just ended may have passed a stop too
-            host = self.out_tok[:, : max(cols[b] for b in owned)].tolist()
+            self._fetch_tokens(q, owned)
+            stops = []
             for b in owned:
-                n = stop_fn(owner[b], host[b][: cols[b]])
-                if n is not None and (not done[b] or n < cols[b]):
-                    keep[b] = (min(n, cols[b]), True)
-                    self.done[b] = True
+                n = stop_fn(q.owner[b], q.toks[b])
+                if n is not None and (not done[b] or n < q.cols[b]):
+                    keep[b] = (min(n, q.cols[b]), True)
+                    stops.append(b)
+            if stops:
+                self.done[torch.tensor(stops, device=self.done.device)] = True
         if not keep:
             return []
         rows = sorted(keep)
+        width = max(n for n, _ in keep.values())
         idx = torch.tensor(rows, device=self.out_tok.device)
-        toks = self.out_tok.index_select(0, idx).cpu()
-        lps = self.out_lp.index_select(0, idx).cpu()
+        toks = self.out_tok[:, :width].index_select(0, idx).cpu()
+        lps = self.out_lp[:, :width].index_select(0, idx).cpu()
         for j, b in enumerate(rows):
             n, stopped = keep[b]
-            out[owner[b]] = (toks[j, :n].tolist(), lps[j, :n].tolist(), stopped)
-            owner[b] = -1
+            q.out[q.owner[b]] = (toks[j, :n].tolist(), lps[j, :n].tolist(), stopped)
+            q.owner[b] = -1
+            q.toks[b] = []
         return rows
 
-    def _admit(
-        self,
-        free: list[int],
-        waiting: deque[int],
-        owner: list[int],
-        used: list[bool],
-        prompts: Sequence[Sequence[int]],
-        slots: Sequence[int],
-        u: torch.Tensor,
-    ) -> None:
-        """Prefill the next waiting prompts into the free rows; the routing follows."""
-        take = [waiting.popleft() for _ in range(min(len(free), len(waiting)))]
+    def _fetch_tokens(self, q: _Queue, owned: list[int]) -> None:
+        """Append to each owned row's host tokens only the columns written since the last
+        check: one small copy per check instead of every row's whole output."""
+        seen = [len(q.toks[b]) for b in owned]
+        new = max(q.cols[b] - s for b, s in zip(owned, seen, strict=True))
+        if new <= 0:
+            return
+        dev = self.out_tok.device
+        cols = torch.tensor(seen)[:, None] + torch.arange(new)
+        rows = torch.tensor(owned)[:, None]
+        got = self.out_tok[rows.to(dev), cols.clamp(max=self.params.max_new_tokens).to(dev)]
+        for b, s, row in zip(owned, seen, got.tolist(), strict=True):
+            q.toks[b].extend(row[: q.cols[b] - s])
+
+    def _admit(self, q: _Queue, free: list[int]) -> None:
+        """Start the next waiting prompts in the free rows: each distinct (slot, prompt) is
+        prefilled once, in this admission or (while its row still runs) an earlier one; its
+        copies get its cache rows and first-token logits."""
+        take = [q.waiting.popleft() for _ in range(min(len(free), len(q.waiting)))]
         if not take:
             return
         rows = free[: len(take)]
+        live = {q.keys[i]: b for b, i in enumerate(q.owner) if i >= 0}  # prompt cache intact
+        fresh: list[int] = []  # positions in `take` to prefill
+        new: dict[int, int] = {}  # key -> its position in `fresh`
+        copies: list[tuple[int, int]] = []  # (row, source row) of shared prefills
+        pick: list[int | torch.Tensor] = []  # each admitted row's logits: fresh index or row
+        for j, i in enumerate(take):
+            k = q.keys[i]
+            if k in live and k in q.first:
+                copies.append((rows[j], live[k]))
+                pick.append(q.first[k])
+            elif k in new:
+                copies.append((rows[j], rows[fresh[new[k]]]))
+                pick.append(new[k])
+            else:
+                new[k] = len(fresh)
+                fresh.append(j)
+                pick.append(new[k])
         for b, i in zip(rows, take, strict=True):
-            owner[b] = i
-            self.refills += used[b]
-            used[b] = True
-        self.prefill([prompts[i] for i in take], [slots[i] for i in take], rows, u[take])
-        if self.bank is not None:
-            self.bank.set_slot_ids_(self.slots)  # the step's routing (prefill re-routed)
+            q.owner[b], q.cols[b], q.toks[b] = i, 1, []
+            self.refills += q.used[b]
+            q.used[b] = True
+            q.left[q.keys[i]] -= 1
+        prefilled = self._prefill(
+            [q.prompts[take[j]] for j in fresh],
+            [q.slots[take[j]] for j in fresh],
+            [rows[j] for j in fresh],
+        )
+        if copies:
+            self.shared += len(copies)
+            width = max(len(q.prompts[q.owner[d]]) for d, _ in copies)
+            self.kv.copy_rows([d for d, _ in copies], [s for _, s in copies], width)
+        logits = torch.stack([prefilled[p] if isinstance(p, int) else p for p in pick])
+        for k, j in {q.keys[i]: j for j, i in enumerate(take)}.items():
+            if q.left[k] > 0:
+                q.first[k] = logits[j].clone()  # for copies admitted later
+            else:
+                q.first.pop(k, None)
+        self._start(rows, logits, q.u[take], [len(q.prompts[i]) for i in take],
+                    [q.slots[i] for i in take])
 
     def prefill(
         self,
@@ -224,7 +324,15 @@ class Decoder:
         u: torch.Tensor,
     ) -> None:
         """Fill cache `rows` with `prompts` (chunked) and sample each row's first token."""
+        logits = self._prefill(prompts, slots, rows)
+        self._start(rows, logits, u, [len(p) for p in prompts], slots)
+
+    def _prefill(
+        self, prompts: Sequence[Sequence[int]], slots: Sequence[int], rows: Sequence[int]
+    ) -> torch.Tensor:
+        """Fill cache `rows` with `prompts` (chunked); the logits [n, V] after each prompt."""
         dev = self.tok.device
+        hidden_all: torch.Tensor | None = None
         widths = [len(p) for p in prompts]
         for group, chunk in prefill_chunks(widths, self.prefill_tokens):
             group = sorted(group, key=lambda i: slots[i])  # slot order: grouped LoRA kernel
@@ -251,23 +359,42 @@ class Decoder:
                     ends = (last >= s) & (last < e)  # rows whose last prompt token is here
                     pick = h[torch.arange(len(group), device=dev), (last - s).clamp(0, e - s - 1)]
                     hidden = pick if s == 0 else torch.where(ends[:, None], pick, hidden)
-            logits = self.model.get_output_embeddings()(hidden)
-            u_rows = u[group].to(dev)
-            tok, lp = sample(logits, u_rows[:, 0], self.params.temperature, self.params.top_p)
-            steps = self.params.max_new_tokens
-            self.u[at] = u_rows
-            self.out_tok[at, 0] = tok
-            self.out_lp[at, 0] = lp
-            self.done[at] = torch.isin(tok, self.eos) | (steps == 1)
-            self.col[at] = 1
-            self.tok[at] = tok
-            self.kv.pos[at] = last + 1
-            self.slots[at] = torch.tensor([slots[i] for i in group], device=dev)
+            if hidden_all is None:
+                hidden_all = hidden.new_empty(len(prompts), hidden.shape[-1])
+            hidden_all[torch.tensor(group, device=dev)] = hidden
+        if hidden_all is None:
+            return torch.empty(0, device=dev)
+        return self.model.get_output_embeddings()(hidden_all)
+
+    def _start(
+        self,
+        rows: Sequence[int],
+        logits: torch.Tensor,
+        u: torch.Tensor,
+        lengths: Sequence[int],
+        slots: Sequence[int],
+    ) -> None:
+        """Sample the first token of prompts (of `lengths`, prefilled into `rows`, `logits`
+        after their last token) and set the rows' decode state; the routing follows."""
+        dev, steps = self.tok.device, self.params.max_new_tokens
+        at = torch.tensor(list(rows), device=dev)
+        u = u.to(dev)
+        tok, lp = sample(logits, u[:, 0], self.params.temperature, self.params.top_p)
+        self.u[at] = u
+        self.out_tok[at, 0] = tok
+        self.out_lp[at, 0] = lp
+        self.done[at] = torch.isin(tok, self.eos) | (steps == 1)
+        self.col[at] = 1
+        self.tok[at] = tok
+        self.kv.pos[at] = torch.tensor(list(lengths), device=dev)
+        self.slots[at] = torch.tensor(list(slots), device=dev)
+        if self.bank is not None:
+            self.bank.set_slot_ids_(self.slots)  # the step's routing (prefill re-routed)
 
     def _logits(self) -> torch.Tensor:
         """Logits [B, V] of each row's next token (the part of a step that is compiled)."""
-        b, pos = self.batch, self.kv.pos
-        ok = (self.arange <= pos[:, None]).view(b, 1, 1, self.length)
+        b, pos, w = self.batch, self.kv.pos, self.width
+        ok = (self.arange[:w] <= pos[:, None]).view(b, 1, 1, w)
         mask = torch.where(ok, self.bias[0], self.bias[1])  # additive: SDPA needs no conversion
         out = self.model(
             input_ids=self.tok.view(b, 1),
@@ -295,25 +422,29 @@ class Decoder:
         self.tok.copy_(tok)
 
     def _prepare(self) -> None:
-        """Compile (if asked) and capture (on CUDA) the step, then restore the state they
-        advanced; the tokens and cache entries they wrote are overwritten by the real steps."""
+        """Compile (if asked, once) and capture (on CUDA) the step at the current width, then
+        restore the state they advanced; the tokens and cache entries they wrote are
+        overwritten by the real steps."""
         state = [self.tok, self.done, self.col, self.kv.pos]
         saved = [x.clone() for x in state]
-        if self.compiled is not None:
+        if self.compiled is not None and not self._compiled:
+            self._compiled = True
             self._logits()  # eager first: lazily built bank caches exist before tracing
             try:
                 self.compiled()
             except Exception as e:  # noqa: BLE001 - any compiler failure: run uncompiled
                 warnings.warn(f"torch.compile of the decode step failed: {e}", stacklevel=3)
                 self.compiled = None
-        if self.use_graph:
+        if self.use_graph and self.width not in self.graphs:
             self._capture()
         for x, s in zip(state, saved, strict=True):
             x.copy_(s)
-        self._ready = True
 
     def _capture(self) -> None:
-        """Warm up on a side stream and capture one step (`_prepare` restores the state)."""
+        """Warm up on a side stream and capture one step (`_prepare` restores the state).
+
+        Every width's graph shares one memory pool: they never run at the same time, and
+        all state lives in the decoder's static buffers."""
         step = self._step
         try:
             stream = torch.cuda.Stream()
@@ -323,9 +454,10 @@ class Decoder:
                     step()
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, pool=self._pool):
                 step()
-            self.graph = graph
+            self._pool = self._pool if self._pool is not None else graph.pool()
+            self.graphs[self.width] = graph
         except RuntimeError as e:  # e.g. a host sync inside routing: decode eagerly instead
             warnings.warn(f"CUDA graph capture failed, decoding eagerly: {e}", stacklevel=2)
             self.use_graph = False

@@ -69,8 +69,10 @@ def generate(
     not fit `memory_budget` bytes (default on CUDA: the free device memory; on CPU: no limit);
     a prompt too long for even one row is a `GenerationMemoryError` before any work. Rows
     that finish are refilled with waiting prompts (continuous batching); prompts are prefilled
-    at most `prefill_tokens` tokens per forward. `stop_fn(i, tokens)` may end prompt i early
-    (it returns how many tokens to keep), on top of EOS and `params.stop`.
+    at most `prefill_tokens` tokens per forward, and identical prompts under the same slot
+    are prefilled once (the others copy its cache rows). `stop_fn(i, tokens)` may end
+    prompt i early (it returns how many tokens to keep; `tokens` is read-only), on top of EOS
+    and `params.stop`.
 
     `cuda_graph=False` forces the eager decode step on GPU. `compile=True` (None: on CUDA
     only; default off) runs the decode step's model forward through torch.compile before
@@ -90,7 +92,11 @@ def generate(
     if not ids:
         return []
     eos = _eos_ids(model, tokenizer, params)
-    order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))  # longest admitted first
+    # longest admitted first; copies of one (slot, prompt) next to each other, so that they
+    # share one prefill (the answers of one task)
+    first: dict[tuple[int, tuple[int, ...]], int] = {}
+    group = [first.setdefault((int(slot_ids[i]), tuple(p)), i) for i, p in enumerate(ids)]
+    order = sorted(range(len(ids)), key=lambda i: (-len(ids[i]), group[i]))
     steps = params.max_new_tokens
     length = -(-(len(ids[order[0]]) + steps - 1) // 64) * 64
     if compile is None:

@@ -60,8 +60,10 @@ class StaticKV:
 
     One tensor per layer ([batch, kv_heads, length, head_dim]), so that under torch.compile
     the in-place cache write mutates a whole graph input rather than a view of a shared one.
-    `pos` [batch] is each row's cache index for the next decoded token. While `prefill` is
-    set, forwards fill those rows instead of decoding.
+    `pos` [batch] is each row's cache index for the next decoded token; decode attends over
+    the first `width` positions (every running row's must lie below it; keys are written at
+    `pos` whatever the width). While `prefill` is set, forwards fill those rows instead of
+    decoding.
     """
 
     def __init__(
@@ -79,11 +81,19 @@ class StaticKV:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.pos = torch.zeros(batch, dtype=torch.long, device=device)
         self.length = length
+        self.width = length  # decode attends over positions [0, width)
         self.prefill: Prefill | None = None
 
     @property
     def nbytes(self) -> int:
         return sum(2 * k.numel() * k.element_size() for k in self.k)
+
+    def copy_rows(self, dst: list[int], src: list[int], width: int) -> None:
+        """Rows `dst` get rows `src`'s keys and values at positions [0, width)."""
+        d = torch.tensor(dst, device=self.pos.device)
+        s = torch.tensor(src, device=self.pos.device)
+        for cache in (*self.k, *self.v):
+            cache[d, :, :width] = cache[s, :, :width]
 
 
 _active: StaticKV | None = None
@@ -130,11 +140,13 @@ def _attention(
     if kv.prefill is not None:  # the model's own mask is ignored: causality is all we need
         out = _prefill_attention(kv, i, query, key, value, scaling)
         return out.transpose(1, 2).contiguous(), None
-    # decode: one query token per row, written at the row's own position; mask [B, 1, 1, length]
+    # decode: one query token per row, written at the row's own position; mask [B, 1, 1, width]
     k, v = kv.k[i], kv.v[i]
     at = kv.pos.view(-1, 1, 1, 1).expand(-1, k.shape[1], 1, k.shape[3])
     k.scatter_(2, at, key)
     v.scatter_(2, at, value)
+    if kv.width < kv.length:  # a view: the fused kernels need only the last dim contiguous
+        k, v = k[:, :, : kv.width], v[:, :, : kv.width]
     b, heads, q_len, d = query.shape
     groups = heads // k.shape[1]
     q = query.reshape(b, k.shape[1], groups * q_len, d)  # heads are ordered kv-group-major
