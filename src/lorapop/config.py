@@ -27,7 +27,9 @@ class ModelConfig(Section):
     loading weights: same speed and memory as the real model, for benchmarks."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool | Literal["auto"] = False
+    """Recompute activations in the update's backward (less memory, ~1.35x the time); `auto`
+    decides at each update from the memory free on the GPU (`engine/memory.plan_update`)."""
     trust_remote_code: bool = False
 
 

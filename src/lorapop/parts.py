@@ -78,7 +78,7 @@ def build(cfg: Config) -> Parts:
     tokenizer = load_tokenizer(mc.tokenizer or mc.name_or_path)
     model = load_base_model(mc.name_or_path, tokenizer, mc.device, mc.dtype, cfg.seed,
                             mc.trust_remote_code, mc.random_init)
-    if mc.gradient_checkpointing:
+    if mc.gradient_checkpointing is True:  # `auto`: decided at each update
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     single = cfg.league.mode == "single"
     if single:
