@@ -37,6 +37,7 @@ from lorapop.engine.logprobs import (
     pack_widths,
     sequence_logprobs,
     shared_prompt_packs,
+    use_checkpointing,
 )
 from lorapop.engine.memory import free_memory, plan_update
 from lorapop.league import Role, match, match_results, plan_replacement, rate_children
@@ -399,12 +400,7 @@ class SelfPlay:
             return max_tokens
         model = self.parts.model
         ckpt, max_tokens = plan_update(model, longest, max_tokens, HEAD_CHUNK, free_memory(model))
-        if ckpt != model.is_gradient_checkpointing:
-            if ckpt:
-                model.gradient_checkpointing_enable(
-                    gradient_checkpointing_kwargs={"use_reentrant": False})
-            else:
-                model.gradient_checkpointing_disable()
+        use_checkpointing(model, ckpt)
         return max_tokens
 
     def _base_program(self, type_: str, rng: random.Random) -> Task | None:

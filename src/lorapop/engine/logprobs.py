@@ -77,6 +77,20 @@ def pack_micro_batches(packs: Sequence[Sequence[int]], widths: Sequence[int], ma
     return out
 
 
+def use_checkpointing(model: Any, on: bool) -> None:
+    """Turn the model's activation checkpointing on or off (transformers >= 5.24 renamed the
+    methods `activation_checkpointing_*`; 5.17 has only `gradient_checkpointing_*`)."""
+    new = hasattr(model, "activation_checkpointing_enable")
+    if on == (model.is_activation_checkpointing if new else model.is_gradient_checkpointing):
+        return
+    if not on:
+        (model.activation_checkpointing_disable if new else model.gradient_checkpointing_disable)()
+    elif new:
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def _token_logprobs(head: torch.nn.Module, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     logits = head(hidden).float()
     picked = logits.gather(-1, target[..., None]).squeeze(-1)
