@@ -123,7 +123,7 @@ def sequence_logprobs(
     if b == 0 or t == 0:
         empty = torch.zeros(b, t, device=dev)
         return empty, empty.bool()
-    slot_list = [int(s) for s in slot_ids]
+    slot_list = slot_ids.tolist() if isinstance(slot_ids, torch.Tensor) else list(slot_ids)
     packs = shared_prompt_packs(prompt_ids, slot_list) if share_prompts else [[i] for i in range(b)]
     shared = any(len(g) > 1 for g in packs)
     width = max(pack_widths(packs, prompt_ids, completion_ids))
