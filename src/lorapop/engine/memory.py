@@ -13,7 +13,7 @@ intermediate + 2 heads x head_dim) values per token (norms, q/k/v/o, attention o
 gate/up/act/product, LoRA inputs; keys and values repeated for every query head when a pack's
 mask rules out the GQA kernel), 6.65 MB a token for Qwen2.5-7B (measured on an H100 over the
 LM head chunk: ~6.15 MB without packs, ~6.6 with). With checkpointing only each layer's input
-stays; recomputing costs one more forward (~1.4x the time on an H100), so it pays only when
+stays; recomputing costs one more forward (1.4-1.6x the time on an H100), so it pays only when
 memory is short.
 """
 
