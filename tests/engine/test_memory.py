@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import lorapop.engine.generate as gen_mod
+import lorapop.engine.memory as memory
 from lorapop.engine.byte_tokenizer import byte_tokenizer
 from lorapop.engine.decoder import Decoder
 from lorapop.engine.generate import generate
@@ -79,7 +80,8 @@ def test_generate_uses_the_budget_and_fails_before_any_work(monkeypatch):
     assert len(sizes) == 2  # no decoder was built: no cache, no forward
 
 
-def test_update_drops_checkpointing_only_when_the_longest_sequence_fits(caplog):
+def test_update_drops_checkpointing_only_when_the_longest_sequence_fits(caplog, monkeypatch):
+    monkeypatch.setattr(memory, "_logged", set())
     model = tiny_model()
     per_token, fixed = update_bytes_per_token(model), update_fixed_bytes(model, 64)
     assert per_token == 2 * (12 * 32 + 4 * 48) * 4  # layers x (10 h + 4 inter + 2 h) x fp32
@@ -94,6 +96,6 @@ def test_update_drops_checkpointing_only_when_the_longest_sequence_fits(caplog):
                 assert ckpt and tokens == 250
         for _ in range(3):
             assert plan_update(model, 100, 250, 64, None) == (True, 250)  # no limit: as today
-    assert caplog.text.count("without activation checkpointing, micro-batches of <= 250") == 1
-    assert caplog.text.count("with activation checkpointing, micro-batches of <= 250 tokens "
-                             "(no memory limit") == 1
+    assert caplog.text.count("without activation checkpointing") == 1  # each choice once
+    assert caplog.text.count("with activation checkpointing, micro-batches of <= 250") == 2
+    assert "(no memory limit, longest sequence 100)" in caplog.text

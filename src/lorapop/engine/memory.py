@@ -128,12 +128,12 @@ def plan_update(model: Any, longest: int, max_tokens: int, head_chunk: int,
     tokens: without checkpointing when a micro-batch of at least that sequence fits `budget`
     bytes with every activation kept (micro-batches then sized to the budget, at most
     `max_tokens`); else with checkpointing and `max_tokens`. No budget (CPU): checkpointing.
-    Logs the choice once per (choice, micro-batch tokens)."""
+    Logs each choice once (micro-batch tokens follow the free memory from update to update)."""
     fit = 0 if budget is None else (budget - update_fixed_bytes(model, head_chunk)) // max(
         1, update_bytes_per_token(model))
     plan = (False, int(min(max_tokens, fit))) if fit >= longest else (True, max_tokens)
-    if (plan, budget is None) not in _logged:
-        _logged.add((plan, budget is None))
+    if ("update", plan[0], budget is None) not in _logged:
+        _logged.add(("update", plan[0], budget is None))
         free = "no memory limit" if budget is None else f"{budget / GIB:.1f} GiB free"
         log.info("update: %s activation checkpointing, micro-batches of <= %d tokens (%s, "
                  "longest sequence %d)", "with" if plan[0] else "without", plan[1], free, longest)
