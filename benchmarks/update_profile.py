@@ -62,12 +62,14 @@ def _kernel_kinds(prof) -> dict[str, float]:
 
 def _rows(vocab: int, n: int, prompt: int, completion: int, share: int, slots: list[int],
           seed: int) -> tuple[list, list, list]:
-    """`n` rows, every `share` consecutive rows one prompt and slot; random token ids."""
+    """`n` rows, every `share` consecutive rows one prompt and slot; random token ids; rows in
+    slot order, as the loop sorts them (so the bank's grouped LoRA kernel runs)."""
     g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(0, vocab, (prompt,), generator=g).tolist() for _ in range(n // share)]
+    tasks = n // share
+    prompts = [torch.randint(0, vocab, (prompt,), generator=g).tolist() for _ in range(tasks)]
     comps = torch.randint(0, vocab, (n, completion), generator=g).tolist()
     return ([prompts[i // share] for i in range(n)], comps,
-            [slots[(i // share) % len(slots)] for i in range(n)])
+            [slots[(i // share) * len(slots) // tasks] for i in range(n)])
 
 
 def update_pass(parts, rows: tuple[list, list, list], share: bool, mode: bool | str,
