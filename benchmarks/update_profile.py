@@ -1,9 +1,14 @@
 """Where the update's and the decoder's time goes, at the paper's shapes, on the GPU.
 
 Builds the paper config's parts (random-weight 7B, 8-slot bank, `loop_step.py`'s set-up) and
-times (1) one update micro-batch (teacher-forced log-probs + REINFORCE loss + backward) per
-token budget, with and without activation checkpointing, and (2) decode steps at a batch of
-rows with long prompts; the CUDA kernels of each case are tabulated by `torch.profiler`.
+times (1) the update at the paper step's composition (`--tasks` tasks x `--answers` student
+answers sharing a `--student-prompt`-token prompt, and `--teachers` teacher rows of
+`--teacher-prompt` tokens, every completion `--completion` tokens): the loop's own path
+(packs, memory plan, micro-batches, log-probs + REINFORCE loss + backward) with prompts shared
+or not, under checkpointing or `auto`, plus the bf16 log-prob difference packed vs unpacked
+and the kernel table of one micro-batch without checkpointing; (2) optionally one update
+micro-batch per token budget (`--budgets`) with and without checkpointing and (3) decode
+steps at a batch of rows with long prompts (`--decode`); kernels tabulated by `torch.profiler`.
 
     PYTHONPATH=src python benchmarks/update_profile.py --out benchmarks/results/update_profile.json
 """
@@ -38,16 +43,166 @@ def _kernels(prof, n: int = 25) -> list[dict]:
     return rows
 
 
+KINDS = {"gemm": ("gemm", "xmma", "cutlass", "nvjet", "matmul"),
+         "attention": ("fmha", "flash", "attention", "efficient"),
+         "copy_cast": ("copy", "cast", "to_copy", "fill", "cat", "index", "gather", "scatter")}
+
+
+def _kernel_kinds(prof) -> dict[str, float]:
+    """CUDA kernel time (ms) by kind: GEMMs, attention, copies/casts/indexing, the rest."""
+    out = dict.fromkeys([*KINDS, "other"], 0.0)
+    for e in prof.key_averages():
+        if "CUDA" not in str(getattr(e, "device_type", "")) or e.device_time_total <= 0:
+            continue  # kernels only (operators' totals would count them twice)
+        name = e.key.lower()
+        kind = next((k for k, words in KINDS.items() if any(w in name for w in words)), "other")
+        out[kind] += e.device_time_total / 1e3
+    return out
+
+
+def _rows(vocab: int, n: int, prompt: int, completion: int, share: int, slots: list[int],
+          seed: int) -> tuple[list, list, list]:
+    """`n` rows, every `share` consecutive rows one prompt and slot; random token ids; rows in
+    slot order, as the loop sorts them (so the bank's grouped LoRA kernel runs)."""
+    g = torch.Generator().manual_seed(seed)
+    tasks = n // share
+    prompts = [torch.randint(0, vocab, (prompt,), generator=g).tolist() for _ in range(tasks)]
+    comps = torch.randint(0, vocab, (n, completion), generator=g).tolist()
+    return ([prompts[i // share] for i in range(n)], comps,
+            [slots[(i // share) * len(slots) // tasks] for i in range(n)])
+
+
+def update_pass(parts, rows: tuple[list, list, list], share: bool, mode: bool | str,
+                max_tokens: int, profile: bool = False) -> dict:
+    """The loop's update over `rows` (`SelfPlay._policy_step` minus advantages and the
+    optimizer): timed, with its peak memory; `profile` tabulates the first micro-batch."""
+    from lorapop.engine.logprobs import (
+        HEAD_CHUNK,
+        pack_micro_batches,
+        pack_widths,
+        sequence_logprobs,
+        shared_prompt_packs,
+        use_checkpointing,
+    )
+    from lorapop.engine.memory import free_memory, plan_update
+    from lorapop.rl.loss import policy_loss
+
+    model = parts.model
+    prompts, comps, slot_list = rows
+    packs = shared_prompt_packs(prompts, slot_list) if share else [[i] for i in range(len(comps))]
+    widths = pack_widths(packs, prompts, comps)
+    ckpt, cap = (plan_update(model, max(widths), max_tokens, HEAD_CHUNK, free_memory(model))
+                 if mode == "auto" else (bool(mode), max_tokens))
+    use_checkpointing(model, ckpt)
+    model.train()
+    slots = torch.tensor(slot_list, device=DEV)
+    adv = torch.randn(len(comps), device=DEV, generator=torch.Generator(DEV).manual_seed(0))
+    groups = pack_micro_batches(packs, widths, cap, 64)
+
+    def micro(idx: list[int]) -> None:
+        i = torch.tensor(idx, device=DEV)
+        lp, mask = sequence_logprobs(model, parts.bank, [prompts[j] for j in idx],
+                                     [comps[j] for j in idx], slots[i], share_prompts=share)
+        loss, _ = policy_loss(lp.float(), adv[i], mask, groups=slots[i])
+        loss.backward()
+
+    _sync()
+    if DEV == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() if DEV == "cuda" else 0
+    t0 = time.perf_counter()
+    for idx in groups:
+        micro(idx)
+    _sync()
+    dt = time.perf_counter() - t0
+    tokens = sum(len(p) + len(c) for p, c in zip(prompts, comps, strict=True))
+    out = {"share": share, "mode": mode, "checkpointing": ckpt, "micro_batch_tokens": cap,
+           "micro_batches": len(groups), "row_tokens": tokens, "forward_tokens": sum(widths),
+           "s": dt, "tokens_per_s": tokens / dt,
+           "mfu_4n": 4 * flop_params(model) * tokens / dt / 989e12,
+           "peak_extra_gib": (torch.cuda.max_memory_allocated() - base) / 2**30
+           if DEV == "cuda" else None}
+    if profile:
+        with profiler.profile(activities=[profiler.ProfilerActivity.CUDA,
+                                          profiler.ProfilerActivity.CPU]) as prof:
+            micro(groups[0])
+            _sync()
+        out["profiled_micro_batch_rows"] = len(groups[0])
+        out["kernel_kinds_ms"] = _kernel_kinds(prof)
+        out["kernels"] = _kernels(prof, 30)
+        out["cpu_ops"] = [{"name": e.key[:100], "calls": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3}
+                          for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:15]]
+    parts.opt.zero_grad()
+    parts.bank.zero_grad()
+    if DEV == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def packed_difference(parts, rows: tuple[list, list, list]) -> dict:
+    """Log-probs of the same rows packed vs unpacked (model dtype), beside the difference the
+    dtype alone makes between one row scored alone and in a batch."""
+    from lorapop.engine.logprobs import sequence_logprobs
+
+    prompts, comps, slots = rows
+    parts.model.eval()
+    with torch.no_grad():
+        unpacked, mask = sequence_logprobs(parts.model, parts.bank, prompts, comps, slots)
+        packed, _ = sequence_logprobs(parts.model, parts.bank, prompts, comps, slots,
+                                      share_prompts=True)
+        alone, _ = sequence_logprobs(parts.model, parts.bank, prompts[:1], comps[:1], slots[:1])
+    diff = (packed.float() - unpacked.float()).abs()[mask]
+    return {"rows": len(comps), "dtype": str(parts.model.dtype),
+            "max_abs": float(diff.max()), "mean_abs": float(diff.mean()),
+            "alone_vs_batch_max_abs": float((alone.float() - unpacked[:1].float()).abs()[mask[:1]].max())}
+
+
+def paper_case(parts, args, write) -> dict:
+    """Student rows (shared prompts) and teacher rows at the paper's composition, timed under
+    today's path (checkpointing, unshared) and the new ones; the paper step's update time
+    predicted from the measured tokens/s."""
+    vocab = parts.model.config.vocab_size
+    teachers = [parts.slot[n] for n in parts.teachers]
+    students = [parts.slot[n] for n in parts.students]
+    student = _rows(vocab, args.tasks * args.answers, args.student_prompt, args.completion,
+                    args.answers, students, 2)
+    teacher = _rows(vocab, args.teachers, args.teacher_prompt, args.completion, 1, teachers, 3)
+    out: dict = {"tasks": args.tasks, "answers": args.answers, "student_prompt": args.student_prompt,
+                 "teachers": args.teachers, "teacher_prompt": args.teacher_prompt,
+                 "completion": args.completion, "runs": []}
+    update_pass(parts, student, True, "auto", args.max_tokens)  # warm-up
+    cases = [("student", student, False, True), ("student", student, True, True),
+             ("student", student, False, "auto"), ("student", student, True, "auto"),
+             ("teacher", teacher, False, True), ("teacher", teacher, False, "auto")]
+    for name, rows, share, mode in cases:
+        r = {"rows": name, **update_pass(parts, rows, share, mode, args.max_tokens,
+                                         profile=name == "student" and share and mode == "auto")}
+        print(json.dumps({k: v for k, v in r.items() if k not in ("kernels", "cpu_ops")}), flush=True)
+        out["runs"].append(r)
+        write()
+    out["packed_vs_unpacked"] = packed_difference(
+        parts, tuple(x[: 2 * args.answers] for x in student))
+    # the paper step: 192 teacher rows and 768 student rows (4 answers x 192 tasks)
+    tps = {(r["rows"], r["share"], r["mode"]): r["tokens_per_s"] for r in out["runs"]}
+    t_tok = 192 * (args.teacher_prompt + args.completion)
+    s_tok = 768 * (args.student_prompt + args.completion)
+    out["paper_step"] = {"teacher_tokens": t_tok, "student_tokens": s_tok, "predicted_update_s": {
+        "checkpointing_unshared (today)": t_tok / tps["teacher", False, True] + s_tok / tps["student", False, True],
+        "checkpointing_shared": t_tok / tps["teacher", False, True] + s_tok / tps["student", True, True],
+        "auto_unshared": t_tok / tps["teacher", False, "auto"] + s_tok / tps["student", False, "auto"],
+        "auto_shared (new default)": t_tok / tps["teacher", False, "auto"] + s_tok / tps["student", True, "auto"],
+    }}
+    print(json.dumps(out["paper_step"]), flush=True)
+    return out
+
+
 def update_case(parts, prompt: int, completion: int, tokens: int, ckpt: bool, reps: int,
                 profile: bool) -> dict:
-    from lorapop.engine.logprobs import sequence_logprobs
+    from lorapop.engine.logprobs import sequence_logprobs, use_checkpointing
     from lorapop.rl.loss import policy_loss
 
     model, bank = parts.model, parts.bank
-    if ckpt:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_disable()
+    use_checkpointing(model, ckpt)
     model.train()
     rows = max(1, tokens // (prompt + completion))
     vocab = model.config.vocab_size
@@ -135,9 +290,15 @@ def main() -> None:
     ap.add_argument("--config", default="configs/qwen2.5-coder-7b-4v4.yaml")
     ap.add_argument("--prompt", type=int, default=800)
     ap.add_argument("--completion", type=int, default=1024)
-    ap.add_argument("--budgets", default="4096,8192,16384")
+    ap.add_argument("--tasks", type=int, default=8, help="student tasks in the paper case (0: skip it)")
+    ap.add_argument("--answers", type=int, default=4)
+    ap.add_argument("--student-prompt", type=int, default=500)
+    ap.add_argument("--teachers", type=int, default=8, help="teacher rows in the paper case")
+    ap.add_argument("--teacher-prompt", type=int, default=1960)
+    ap.add_argument("--max-tokens", type=int, default=16384, help="train.micro_batch_tokens")
+    ap.add_argument("--budgets", default="", help="tokens,... one micro-batch per budget")
     ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--decode", default="192:1500,256:900", help="ROWS:PROMPT,... decode cases")
+    ap.add_argument("--decode", default="", help="ROWS:PROMPT,... decode cases (e.g. 192:1500)")
     ap.add_argument("--decode-new", type=int, default=96)
     ap.add_argument("--out", default="benchmarks/results/update_profile.json")
     ap.add_argument("--smoke", action="store_true", help="allow a CPU run (to test the script)")
@@ -153,20 +314,29 @@ def main() -> None:
     parts = build(cfg)
     result = {"benchmark": "update_profile", "command": " ".join([Path(sys.executable).name, *sys.argv]),
               "device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu", "torch": torch.__version__,
-              "date": time.strftime("%Y-%m-%d"), "update": [], "decode": []}
-    for budget in map(int, args.budgets.split(",")):
+              "date": time.strftime("%Y-%m-%d"), "paper": None, "update": [], "decode": []}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def write() -> None:
+        out.write_text(json.dumps(result, indent=2))
+
+    if args.tasks:
+        result["paper"] = paper_case(parts, args, write)
+        write()
+    for budget in map(int, filter(None, args.budgets.split(","))):
         for ckpt in (True, False):
             r = update_case(parts, args.prompt, args.completion, budget, ckpt, args.reps,
                             profile=budget == 8192)
             print(json.dumps({k: v for k, v in r.items() if k != "kernels"}), flush=True)
             result["update"].append(r)
+            write()
     for case in filter(None, args.decode.split(",")):
         rows, prompt = map(int, case.split(":"))
         r = decode_case(parts, rows, prompt, args.decode_new, profile=True)
         print(json.dumps({k: v for k, v in r.items() if k not in ("kernels", "cpu_ops")}), flush=True)
         result["decode"].append(r)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+        write()
 
 
 if __name__ == "__main__":

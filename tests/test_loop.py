@@ -226,3 +226,23 @@ def test_one_update_step_moves_each_adapter_with_its_advantages(tmp_path):
             assert min(ups) > 0 > max(downs), (member, ups, downs)
     finally:
         sp.close()
+
+
+def test_auto_checkpointing_follows_the_free_memory(tmp_path, monkeypatch):
+    """`model.gradient_checkpointing=auto`: the update keeps its activations when a micro-batch
+    of the longest sequence fits the free memory, with micro-batches sized to it."""
+    import lorapop.loop as loop_mod
+    from lorapop.engine.logprobs import HEAD_CHUNK
+    from lorapop.engine.memory import update_bytes_per_token, update_fixed_bytes
+
+    sp = SelfPlay(_cfg("model.gradient_checkpointing=auto", "train.micro_batch_tokens=500"),
+                  tmp_path)
+    model = sp.parts.model
+    try:
+        fixed, per_token = update_fixed_bytes(model, HEAD_CHUNK), update_bytes_per_token(model)
+        for tokens, ckpt, cap in ((99, True, 500), (300, False, 300), (10**6, False, 500)):
+            monkeypatch.setattr(loop_mod, "free_memory", lambda m, t=tokens: fixed + t * per_token)
+            assert sp._update_memory_plan(100) == cap
+            assert any(getattr(m, "gradient_checkpointing", False) for m in model.modules()) == ckpt
+    finally:
+        sp.close()

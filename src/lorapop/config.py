@@ -27,7 +27,9 @@ class ModelConfig(Section):
     loading weights: same speed and memory as the real model, for benchmarks."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool | Literal["auto"] = False
+    """Recompute activations in the update's backward (less memory, 1.4-1.6x the time); `auto`
+    decides at each update from the memory free on the GPU (`engine/memory.plan_update`)."""
     trust_remote_code: bool = False
 
 
@@ -158,9 +160,11 @@ class TrainConfig(Section):
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
     micro_batch_size: int = Field(16, ge=1)
-    """Most rows per update forward; rows are grouped by length (see micro_batch_tokens)."""
+    """Most sequences per update forward; grouped by length (see micro_batch_tokens). Answers
+    of one prompt and adapter form one sequence, the prompt computed once."""
     micro_batch_tokens: int = Field(16384, ge=1)
-    """Most padded tokens (rows x longest row) per update forward; a longer row goes alone."""
+    """Most padded tokens (sequences x longest) per update forward; a longer one goes alone.
+    `model.gradient_checkpointing=auto` lowers it to what fits without checkpointing."""
     teacher_conversion: Literal["one_minus", "inverse"] = "one_minus"
     """A valid task's reward from its solve rate s, AZR's `generation_accuracy_convertion`:
     one_minus = 1-s if s > 0 else 0 (so 0 at s in {0,1}: PopuLoRA's rule), inverse = 1-s."""

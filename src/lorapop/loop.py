@@ -31,7 +31,15 @@ from lorapop import dist
 from lorapop.checkpoint import load_checkpoint, resume_point, save_checkpoint, truncate_jsonl
 from lorapop.config import Config, dump_config
 from lorapop.engine.generate import Generation, SamplingParams, generate
-from lorapop.engine.logprobs import micro_batches, sequence_logprobs
+from lorapop.engine.logprobs import (
+    HEAD_CHUNK,
+    pack_micro_batches,
+    pack_widths,
+    sequence_logprobs,
+    shared_prompt_packs,
+    use_checkpointing,
+)
+from lorapop.engine.memory import free_memory, plan_update
 from lorapop.league import Role, match, match_results, plan_replacement, rate_children
 from lorapop.lora import evolve
 from lorapop.parts import build, derive_seed, load_state, save_state
@@ -350,18 +358,21 @@ class SelfPlay:
         p.model.train()
         p.opt.zero_grad()
         tc = self.cfg.train
-        # this rank's rows (still in slot order); the loss is a sum of rows normalised by the
-        # global per-slot token counts, so summing the ranks' gradients gives the whole batch's
-        widths = [len(r.prompt_ids) + len(r.token_ids) for r in rollouts]
+        # rows of one prompt and adapter (a student's answers to a task) go as one sequence;
+        # this rank's packs, whole; the loss is a sum of rows normalised by the global per-slot
+        # token counts, so summing the ranks' gradients gives the whole batch's
+        prompts, comps = [r.prompt_ids for r in rollouts], [r.token_ids for r in rollouts]
+        packs = shared_prompt_packs(prompts, slots.tolist())
+        widths = pack_widths(packs, prompts, comps)
         mine = dist.shard(widths, self.world.size)[self.world.rank]
-        for group in micro_batches([widths[i] for i in mine], tc.micro_batch_tokens,
-                                   tc.micro_batch_size):
-            rows = [mine[j] for j in group]
+        max_tokens = self._update_memory_plan(max(widths))
+        for rows in pack_micro_batches([packs[j] for j in mine], [widths[j] for j in mine],
+                                       max_tokens, tc.micro_batch_size):
             part = [rollouts[i] for i in rows]
             idx = torch.tensor(rows, device=dev)
             logprobs, mask = sequence_logprobs(
                 p.model, p.bank, [r.prompt_ids for r in part], [r.token_ids for r in part],
-                slots[idx],
+                slots[idx], share_prompts=True,
             )
             adv = torch.tensor([advs[i] for i in rows], device=dev, dtype=torch.float32)
             loss, row_loss = policy_loss(logprobs.float(), adv, mask, groups=slots[idx],
@@ -382,6 +393,17 @@ class SelfPlay:
         trained = set(slots.tolist())
         losses = {m: float(slot_loss[i]) for m, i in p.slot.items() if i in trained}
         return losses, {m: float(norms.get(i, 0.0)) for m, i in p.slot.items()}, per_rollout
+
+    def _update_memory_plan(self, longest: int) -> int:
+        """Turn activation checkpointing on or off for this update (`auto`: off when a micro-
+        batch holding the longest sequence fits the free memory); the micro-batch token cap."""
+        mode, max_tokens = self.cfg.model.gradient_checkpointing, self.cfg.train.micro_batch_tokens
+        if mode != "auto":
+            return max_tokens
+        model = self.parts.model
+        ckpt, max_tokens = plan_update(model, longest, max_tokens, HEAD_CHUNK, free_memory(model))
+        use_checkpointing(model, ckpt)
+        return max_tokens
 
     def _base_program(self, type_: str, rng: random.Random) -> Task | None:
         """code_f writes inputs for a program taken from the other buffers (AZR)."""

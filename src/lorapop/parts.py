@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from lorapop.config import Config, dump_config
+from lorapop.engine.logprobs import use_checkpointing
 from lorapop.engine.model import load_base_model, load_tokenizer
 from lorapop.engine.step import BankOptimizer
 from lorapop.league import Lineage, Ratings
@@ -78,8 +79,7 @@ def build(cfg: Config) -> Parts:
     tokenizer = load_tokenizer(mc.tokenizer or mc.name_or_path)
     model = load_base_model(mc.name_or_path, tokenizer, mc.device, mc.dtype, cfg.seed,
                             mc.trust_remote_code, mc.random_init)
-    if mc.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    use_checkpointing(model, mc.gradient_checkpointing is True)  # `auto`: at each update
     single = cfg.league.mode == "single"
     if single:
         teachers, students = ["A0"], ["A0"]

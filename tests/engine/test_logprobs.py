@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lorapop.engine.logprobs import micro_batches, sequence_logprobs
+from lorapop.engine.logprobs import (
+    micro_batches,
+    pack_micro_batches,
+    pack_widths,
+    sequence_logprobs,
+    shared_prompt_packs,
+)
 from lorapop.lora.bank import AdapterBank
 from tiny_models import tiny_model
 
@@ -40,3 +46,45 @@ def test_chunked_head_gives_the_same_logprobs_and_gradients():
     torch.testing.assert_close(results[0][1], results[1][1])
     assert results[0][1].abs().sum() > 0
     bank.zero_grad()
+
+
+def test_shared_prompts_give_the_unpacked_logprobs_and_gradients():
+    """Rows of one prompt and slot packed into one sequence score and train exactly as alone;
+    the same prompt under another slot, and lone rows, are not packed with them."""
+    model = tiny_model()
+    bank = AdapterBank(model, n_slots=3, rank=4, alpha=8.0)
+    with torch.no_grad():
+        bank.weights.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(3))
+    shared = [5, 6, 7, 8, 9]
+    prompts = [shared, shared, [3, 4], shared, shared, shared, [9]]
+    completions = [[11, 12, 13], [14], [15, 16], [17, 18, 19, 20, 21], [22, 23], [24], [25, 26]]
+    slots = [0, 0, 0, 0, 1, 1, 2]
+    assert shared_prompt_packs(prompts, slots) == [[0, 1, 3], [2], [4, 5], [6]]
+    weights = torch.linspace(-1.0, 2.0, 7)[:, None]
+    results = []
+    for share in (False, True):
+        bank.zero_grad()
+        lp, mask = sequence_logprobs(model, bank, prompts, completions, slots, 3, share)
+        (lp * weights)[mask].sum().backward()
+        results.append((lp.detach(), mask, bank.grads.clone()))
+    torch.testing.assert_close(results[0][0], results[1][0], atol=1e-5, rtol=1e-5)
+    assert torch.equal(results[0][1], results[1][1])
+    torch.testing.assert_close(results[0][2], results[1][2], atol=1e-5, rtol=1e-5)
+    assert results[1][2].abs().sum() > 0
+    bank.zero_grad()
+
+
+def test_pack_micro_batches_keep_packs_whole_and_apart_from_lone_rows():
+    prompts = [[1] * 10, [1] * 10, [2] * 30, [1] * 10, [3] * 5, [3] * 5]
+    completions = [[0] * 4, [0] * 6, [0] * 8, [0] * 2, [0] * 3, [0] * 3]
+    packs = shared_prompt_packs(prompts, [0] * 6)
+    widths = pack_widths(packs, prompts, completions)
+    assert packs == [[0, 1, 3], [2], [4, 5]] and widths == [22, 38, 11]
+    for max_tokens in (1, 30, 60, 1000):
+        groups = pack_micro_batches(packs, widths, max_tokens, max_rows=4)
+        assert sorted(i for g in groups for i in g) == list(range(6))
+        for g in groups:
+            assert 2 not in g or g == [2]  # the lone row never shares a forward with a pack
+            for pack in packs:
+                assert set(pack) <= set(g) or not set(pack) & set(g)
+    assert pack_micro_batches(packs, widths, 1000, 4) == [[0, 1, 3, 4, 5], [2]]

@@ -1,4 +1,5 @@
-"""Decode batches sized to a memory budget: never above it, one clear error when nothing fits."""
+"""Decode batches sized to a memory budget: never above it, one clear error when nothing fits;
+the update keeps its activations only when they fit."""
 
 from __future__ import annotations
 
@@ -8,10 +9,19 @@ import pytest
 import torch
 
 import lorapop.engine.generate as gen_mod
+import lorapop.engine.memory as memory
 from lorapop.engine.byte_tokenizer import byte_tokenizer
 from lorapop.engine.decoder import Decoder
 from lorapop.engine.generate import generate
-from lorapop.engine.memory import GenerationMemoryError, fit_batch, prefill_bytes, row_bytes
+from lorapop.engine.memory import (
+    GenerationMemoryError,
+    fit_batch,
+    plan_update,
+    prefill_bytes,
+    row_bytes,
+    update_bytes_per_token,
+    update_fixed_bytes,
+)
 from lorapop.engine.sampling import SamplingParams
 from tiny_models import tiny_model
 
@@ -68,3 +78,24 @@ def test_generate_uses_the_budget_and_fails_before_any_work(monkeypatch):
     with pytest.raises(GenerationMemoryError, match="one sampling row needs .* GiB"):
         generate(model, None, tok, prompts, [0] * 15, PARAMS, memory_budget=budget // 8)
     assert len(sizes) == 2  # no decoder was built: no cache, no forward
+
+
+def test_update_drops_checkpointing_only_when_the_longest_sequence_fits(caplog, monkeypatch):
+    monkeypatch.setattr(memory, "_logged", set())
+    model = tiny_model()
+    per_token, fixed = update_bytes_per_token(model), update_fixed_bytes(model, 64)
+    assert per_token == 2 * (12 * 32 + 4 * 48) * 4  # layers x (10 h + 4 inter + 2 h) x fp32
+    with caplog.at_level(logging.INFO, logger="lorapop.engine.memory"):
+        for budget in range(fixed, fixed + 300 * per_token, per_token // 2 + 1):
+            ckpt, tokens = plan_update(model, 100, 250, 64, budget)
+            fit = (budget - fixed) // per_token
+            if fit >= 100:  # a micro-batch sized to the budget (capped) holds the longest row
+                assert not ckpt and tokens == min(250, fit)
+                assert fixed + tokens * per_token <= budget
+            else:
+                assert ckpt and tokens == 250
+        for _ in range(3):
+            assert plan_update(model, 100, 250, 64, None) == (True, 250)  # no limit: as today
+    assert caplog.text.count("without activation checkpointing") == 1  # each choice once
+    assert caplog.text.count("with activation checkpointing, micro-batches of <= 250") == 2
+    assert "(no memory limit, longest sequence 100)" in caplog.text

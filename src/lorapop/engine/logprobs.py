@@ -10,6 +10,13 @@ the forward or the backward.
 
 `micro_batches` cuts rows into length-grouped micro-batches of a bounded padded-token count,
 so the update wastes little compute on padding and runs as few forwards as memory allows.
+
+Prompt sharing: a student answers each task several times under one adapter, so several rows
+share their prompt and slot. With `share_prompts` such rows go through the model as one
+sequence [prompt, c1, ..., ck] (position ids restart after the prompt for each completion)
+under a 4D mask in which each completion sees the prompt and its own earlier tokens only: the
+same log-probs and gradients, with the prompt computed once. Rows sharing nothing keep the
+fused causal kernel (a custom mask rules FlashAttention out).
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from lorapop.engine.decoder import route
+
+HEAD_CHUNK = 2048  # positions whose logits are formed at once (memory.update_fixed_bytes)
 
 
 def micro_batches(lengths: Sequence[int], max_tokens: int, max_rows: int) -> list[list[int]]:
@@ -40,6 +49,48 @@ def micro_batches(lengths: Sequence[int], max_tokens: int, max_rows: int) -> lis
     return [sorted(g) for g in groups]
 
 
+def shared_prompt_packs(prompt_ids: Sequence[Sequence[int]],
+                        slot_ids: Sequence[int]) -> list[list[int]]:
+    """Row indices grouped by identical (prompt, slot), groups in order of first appearance."""
+    packs: dict[tuple, list[int]] = {}
+    for i, (p, s) in enumerate(zip(prompt_ids, slot_ids, strict=True)):
+        packs.setdefault((int(s), tuple(p)), []).append(i)
+    return list(packs.values())
+
+
+def pack_widths(packs: Sequence[Sequence[int]], prompt_ids: Sequence[Sequence[int]],
+                completion_ids: Sequence[Sequence[int]]) -> list[int]:
+    """Tokens of each pack's sequence: its prompt once plus every completion."""
+    return [len(prompt_ids[g[0]]) + sum(len(completion_ids[i]) for i in g) for g in packs]
+
+
+def pack_micro_batches(packs: Sequence[Sequence[int]], widths: Sequence[int], max_tokens: int,
+                       max_rows: int) -> list[list[int]]:
+    """Row indices of length-grouped micro-batches of whole packs (`micro_batches` over pack
+    widths, `max_rows` sequences); shared packs and lone rows never share a micro-batch, so
+    the lone rows keep the causal kernel."""
+    out = []
+    for shared in (True, False):
+        units = [j for j, g in enumerate(packs) if (len(g) > 1) == shared]
+        for group in micro_batches([widths[j] for j in units], max_tokens, max_rows):
+            out.append(sorted(i for j in group for i in packs[units[j]]))
+    return out
+
+
+def use_checkpointing(model: Any, on: bool) -> None:
+    """Turn the model's activation checkpointing on or off (transformers >= 5.24 renamed the
+    methods `activation_checkpointing_*`; 5.17 has only `gradient_checkpointing_*`)."""
+    new = hasattr(model, "activation_checkpointing_enable")
+    if on == (model.is_activation_checkpointing if new else model.is_gradient_checkpointing):
+        return
+    if not on:
+        (model.activation_checkpointing_disable if new else model.gradient_checkpointing_disable)()
+    elif new:
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def _token_logprobs(head: torch.nn.Module, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     logits = head(hidden).float()
     picked = logits.gather(-1, target[..., None]).squeeze(-1)
@@ -52,14 +103,15 @@ def sequence_logprobs(
     prompt_ids: Sequence[Sequence[int]],
     completion_ids: Sequence[Sequence[int]],
     slot_ids: Sequence[int] | torch.Tensor,
-    chunk_size: int = 2048,
+    chunk_size: int = HEAD_CHUNK,
+    share_prompts: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """log pi(completion token | prefix) per token, each row under its adapter slot.
 
     Returns `(logprobs, mask)`, both [B, T] with T the longest completion; column j is
     completion token j and `mask` marks real tokens (padding has logprob 0). Differentiable
     when called with grad enabled. `chunk_size` bounds how many positions' logits (over all
-    rows) are formed at once.
+    rows) are formed at once. `share_prompts` packs rows of one prompt and slot together.
     """
     b = len(prompt_ids)
     if len(completion_ids) != b or len(slot_ids) != b:
@@ -71,25 +123,46 @@ def sequence_logprobs(
     if b == 0 or t == 0:
         empty = torch.zeros(b, t, device=dev)
         return empty, empty.bool()
-    width = max(len(p) + len(c) for p, c in zip(prompt_ids, completion_ids, strict=True))
-    ids = torch.zeros(b, width, dtype=torch.long)
+    slot_list = slot_ids.tolist() if isinstance(slot_ids, torch.Tensor) else list(slot_ids)
+    packs = shared_prompt_packs(prompt_ids, slot_list) if share_prompts else [[i] for i in range(b)]
+    shared = any(len(g) > 1 for g in packs)
+    width = max(pack_widths(packs, prompt_ids, completion_ids))
+    if shared:
+        width = -(-width // 16) * 16  # aligned rows for the masked attention kernel
+    n = len(packs)
+    ids = torch.zeros(n, width, dtype=torch.long)
+    pos = torch.zeros(n, width, dtype=torch.long)
+    seg = torch.full((n, width), -1, dtype=torch.long)  # 0 prompt, k completion k, -1 padding
     target = torch.zeros(b, t, dtype=torch.long)
-    at = torch.zeros(b, t, dtype=torch.long)  # position whose output predicts column j
+    at = torch.zeros(b, t, dtype=torch.long)  # flat position whose output predicts column j
     mask = torch.zeros(b, t, dtype=torch.bool)
-    for i, (p, c) in enumerate(zip(prompt_ids, completion_ids, strict=True)):
-        ids[i, : len(p) + len(c)] = torch.as_tensor([*p, *c], dtype=torch.long)
-        target[i, : len(c)] = torch.as_tensor(list(c), dtype=torch.long)
-        at[i] = torch.arange(len(p) - 1, len(p) - 1 + t).clamp_(max=width - 1)
-        mask[i, : len(c)] = True
-    ids, target, at, mask = ids.to(dev), target.to(dev), at.to(dev), mask.to(dev)
-    slots = torch.as_tensor(slot_ids, dtype=torch.long, device=dev)
+    for s, g in enumerate(packs):
+        p = prompt_ids[g[0]]
+        ids[s, : len(p)] = torch.as_tensor(list(p), dtype=torch.long)
+        pos[s, : len(p)] = torch.arange(len(p))
+        seg[s, : len(p)] = 0
+        start = len(p)
+        for k, i in enumerate(g, 1):
+            c = completion_ids[i]
+            end = start + len(c)
+            ids[s, start:end] = torch.as_tensor(list(c), dtype=torch.long)
+            pos[s, start:end] = torch.arange(len(p), len(p) + len(c))
+            seg[s, start:end] = k
+            target[i, : len(c)] = torch.as_tensor(list(c), dtype=torch.long)
+            at[i, : len(c)] = s * width + torch.arange(start - 1, end - 1)
+            at[i, 0] = s * width + len(p) - 1  # the first token follows the prompt
+            mask[i, : len(c)] = True
+            start = end
+    if not shared:  # one row per sequence: positions run on into the padding, as generated
+        pos = torch.arange(width).expand(n, -1)
+    ids, pos, target, at, mask = (x.to(dev) for x in (ids, pos, target, at, mask))
+    attn = _pack_mask(seg.to(dev), model.dtype) if shared else None
+    slots = torch.as_tensor([slot_list[g[0]] for g in packs], dtype=torch.long, device=dev)
     with route(bank, slots):
         hidden = model.get_decoder()(
-            input_ids=ids,
-            position_ids=torch.arange(width, device=dev).expand(b, -1),
-            use_cache=False,
+            input_ids=ids, position_ids=pos, attention_mask=attn, use_cache=False,
         ).last_hidden_state
-    hidden = hidden.gather(1, at[..., None].expand(-1, -1, hidden.shape[-1]))  # [B, T, h]
+    hidden = hidden.flatten(0, 1)[at]  # [B, T, h]
     head = model.get_output_embeddings()
     rows = max(1, chunk_size // b)  # positions per chunk, so a chunk holds ~chunk_size rows
     parts = []
@@ -100,3 +173,13 @@ def sequence_logprobs(
         else:
             parts.append(_token_logprobs(head, h, y))
     return torch.cat(parts, dim=1).masked_fill(~mask, 0.0), mask
+
+
+def _pack_mask(seg: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive [N, 1, W, W] mask: a query sees earlier keys of the prompt or of its own
+    segment (padding sees the prompt and earlier padding, so no row is fully masked)."""
+    w = seg.shape[1]
+    causal = torch.ones(w, w, dtype=torch.bool, device=seg.device).tril()
+    allowed = causal & ((seg[:, None, :] == 0) | (seg[:, None, :] == seg[:, :, None]))
+    return torch.zeros(allowed.shape, dtype=dtype, device=seg.device).masked_fill_(
+        ~allowed, torch.finfo(dtype).min)[:, None]
