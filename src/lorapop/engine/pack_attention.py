@@ -117,7 +117,9 @@ def pack_attention(layout: PackLayout, query: torch.Tensor, key: torch.Tensor,
     flat = [x.transpose(1, 2).reshape(n * w, x.shape[1], d) for x in (query, key, value)]
     parts = []
     for g in layout.groups:
-        q, k, v = (x.index_select(0, g.rows)[:, :, : g.prompt] for x in (query, key, value))
+        q, k, v = (x[:, :, : g.prompt] for x in (query, key, value))
+        if g.rows.numel() < n:  # else every sequence, in order
+            q, k, v = (x.index_select(0, g.rows) for x in (q, k, v))
         out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
                                              scale=scaling, enable_gqa=heads != key.shape[1])
         parts.append(out.transpose(1, 2).reshape(-1, heads, d))
