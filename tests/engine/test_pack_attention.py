@@ -39,43 +39,57 @@ def _reference(q, k, v, scale) -> torch.Tensor:
     return (scores.softmax(-1) @ v).transpose(1, 2)
 
 
-def _qkv(seed: int = 0) -> tuple[torch.Tensor, ...]:
+def _qkv(seed: int = 0, device: str = "cpu", dtype=torch.float64, dim: int = 8):
     g = torch.Generator().manual_seed(seed)
     n = len(PROMPTS)
-    return tuple(torch.randn(n, h, WIDTH, 8, generator=g, dtype=torch.float64).requires_grad_()
+    return tuple(torch.randn(n, h, WIDTH, dim, generator=g, dtype=torch.float64)
+                 .to(device, dtype).requires_grad_()
                  for h in (4, 2, 2))  # grouped-query: 4 query heads over 2 key/value heads
 
 
-def test_pack_attention_equals_the_dense_mask_with_gradients():
-    q, k, v = _qkv()
-    layout = PackLayout.build(PROMPTS, COMPLETIONS, WIDTH, torch.device("cpu"))
+# CPU in float64: exact; CUDA in bf16 (FlashAttention, head_dim 64), to bf16 tolerance, against
+# the reference in float32 from the same inputs
+CASES = [("cpu", torch.float64, 8, {}),
+         pytest.param("cuda", torch.bfloat16, 64, {"atol": 2e-2, "rtol": 2e-2},
+                      marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+
+
+@pytest.mark.parametrize(("device", "dtype", "dim", "tol"), CASES)
+def test_pack_attention_equals_the_dense_mask_with_gradients(device, dtype, dim, tol):
+    q, k, v = _qkv(0, device, dtype, dim)
+    layout = PackLayout.build(PROMPTS, COMPLETIONS, WIDTH, torch.device(device))
     assert [g.prompt for g in layout.groups] == [5, 3]  # equal prompts share their calls
     out = pack_attention(layout, q, k, v, scaling=0.3)
-    ref = _reference(q, k, v, 0.3)
-    real = _segments() >= 0
-    torch.testing.assert_close(out[real], ref[real])
+    ref = _reference(*(x.float() if dtype != torch.float64 else x for x in (q, k, v)), 0.3)
+    real = (_segments() >= 0).to(device)
+    torch.testing.assert_close(out[real].to(ref.dtype), ref[real], **tol)
     assert out[~real].abs().sum() == 0  # padding outputs are zeros
     w = torch.randn(ref.shape, dtype=ref.dtype, generator=torch.Generator().manual_seed(1))
-    grads = [torch.autograd.grad((x[real] * w[real]).sum(), (q, k, v)) for x in (out, ref)]
+    w = w.to(device)
+    grads = [torch.autograd.grad((x[real].to(ref.dtype) * w[real]).sum(), (q, k, v))
+             for x in (out, ref)]
     for a, b in zip(*grads, strict=True):
-        torch.testing.assert_close(a, b)
+        torch.testing.assert_close(a.to(ref.dtype), b.to(ref.dtype), **tol)
     # the layout matters: plain causal attention over the packs differs from it
     plain = torch.nn.functional.scaled_dot_product_attention(
         q, k, v, is_causal=True, scale=0.3, enable_gqa=True).transpose(1, 2)
-    assert not torch.allclose(plain[real], ref[real])
+    assert not torch.allclose(plain[real].to(ref.dtype), ref[real], **tol)
 
 
-def test_lower_right_attention_with_and_without_repeated_heads():
+@pytest.mark.parametrize(("device", "dtype", "dim", "tol"), CASES)
+def test_lower_right_attention_with_and_without_repeated_heads(device, dtype, dim, tol):
     g = torch.Generator().manual_seed(2)
-    q = torch.randn(3, 4, 5, 8, generator=g, dtype=torch.float64)
-    k, v = (torch.randn(3, 2, 9, 8, generator=g, dtype=torch.float64) for _ in range(2))
-    out = lower_right_attention(q, k, v, 0.25, gqa=True)
-    torch.testing.assert_close(out, lower_right_attention(q, k, v, 0.25, gqa=False))
+    q = torch.randn(3, 4, 5, dim, generator=g, dtype=torch.float64).to(device, dtype)
+    k, v = (torch.randn(3, 2, 9, dim, generator=g, dtype=torch.float64).to(device, dtype)
+            for _ in range(2))
+    out = lower_right_attention(q, k, v, 0.25)  # GQA where the kernel allows it
+    torch.testing.assert_close(out, lower_right_attention(q, k, v, 0.25, gqa=False), **tol)
     # query j sees keys [0, 4 + j]: the last query sees every key, the first all but 4
-    kr, vr = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
-    mask = torch.ones(5, 9, dtype=torch.bool).tril(4)
-    ref = torch.nn.functional.scaled_dot_product_attention(q, kr, vr, attn_mask=mask, scale=0.25)
-    torch.testing.assert_close(out, ref)
+    kr, vr = (x.repeat_interleave(2, 1).double() for x in (k, v))
+    mask = torch.ones(5, 9, dtype=torch.bool, device=device).tril(4)
+    ref = torch.nn.functional.scaled_dot_product_attention(q.double(), kr, vr, attn_mask=mask,
+                                                           scale=0.25)
+    torch.testing.assert_close(out.double(), ref, **tol)
 
 
 @pytest.mark.parametrize("completions", [[[0, 0], [1]], [[], [1]]])

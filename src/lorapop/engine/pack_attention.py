@@ -129,7 +129,7 @@ def pack_attention(layout: PackLayout, query: torch.Tensor, key: torch.Tensor,
         k, v = (x[g.keys].transpose(1, 2) for x in flat[1:])  # [R, kv_heads, prompt + C, d]
         out = lower_right_attention(q, k, v, scaling, dropout)
         parts.append(out.transpose(1, 2).reshape(-1, heads, d).index_select(0, g.real))
-    out = query.new_zeros(n * w, heads, d).index_copy(0, layout.written, torch.cat(parts))
+    out = query.new_zeros(n * w, heads, d).index_copy_(0, layout.written, torch.cat(parts))
     return out.view(n, w, heads, d)
 
 
