@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lorapop.engine.pack_attention import PackLayout, lower_right_attention, pack_attention
+from lorapop.engine.pack_attention import PackLayout, attend, lower_right_attention
 
 # three sequences of width 16: two packs with a 5-token prompt (one group), one with a 3-token
 # prompt, completions of different lengths (one empty), right padding after each pack
@@ -59,7 +59,7 @@ def test_pack_attention_equals_the_dense_mask_with_gradients(device, dtype, dim,
     q, k, v = _qkv(0, device, dtype, dim)
     layout = PackLayout.build(PROMPTS, COMPLETIONS, WIDTH, torch.device(device))
     assert [g.prompt for g in layout.groups] == [5, 3]  # equal prompts share their calls
-    out = pack_attention(layout, q, k, v, scaling=0.3)
+    out = attend(layout, q, k, v, scaling=0.3)
     ref = _reference(*(x.float() if dtype != torch.float64 else x for x in (q, k, v)), 0.3)
     real = (_segments() >= 0).to(device)
     torch.testing.assert_close(out[real].to(ref.dtype), ref[real], **tol)
@@ -98,7 +98,7 @@ def test_layout_of_packs_without_completion_tokens(completions):
     q, k, v = (x.detach() for x in _qkv())
     q, k, v = q[:2], k[:2], v[:2]
     layout = PackLayout.build([4, 4], [c for c in completions], WIDTH, torch.device("cpu"))
-    out = pack_attention(layout, q, k, v, scaling=0.3)
+    out = attend(layout, q, k, v, scaling=0.3)
     alone = torch.nn.functional.scaled_dot_product_attention(
         q[:, :, :4], k[:, :, :4], v[:, :, :4], is_causal=True, scale=0.3, enable_gqa=True)
     torch.testing.assert_close(out[:, :4], alone.transpose(1, 2))

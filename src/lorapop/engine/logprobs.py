@@ -151,7 +151,8 @@ def sequence_logprobs(
             start = end
     ids, target, at, mask = (x.to(dev) for x in (ids, target, at, mask))
     extra: dict[str, Any] = {}
-    if shared:  # no padding mask to build (an all-ones one), the layout does the masking
+    if shared:  # the layout does the masking; an all-ones padding mask makes transformers
+        # build none (with None it would infer a block mask from the restarting positions)
         pack_attention.install(model)
         extra["pack_layout"] = pack_attention.PackLayout.build(
             [len(prompt_ids[g[0]]) for g in packs],

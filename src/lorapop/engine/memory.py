@@ -110,8 +110,9 @@ def fit_batch(
 def update_bytes_per_token(model: Any) -> int:
     """Activation bytes one token keeps through an update forward without checkpointing."""
     hidden, inter, *_ = _dims(model)
+    layers, kv_heads, head_dim = kv_shape(model)
     item = next(model.parameters()).dtype.itemsize
-    return (10 * hidden + 4 * inter) * item * kv_shape(model)[0] + kv_bytes_per_token(model)
+    return layers * (10 * hidden + 4 * inter + 2 * kv_heads * head_dim) * item
 
 
 def update_fixed_bytes(model: Any, head_chunk: int) -> int:

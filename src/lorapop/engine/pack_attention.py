@@ -72,7 +72,8 @@ class PackLayout:
                 continue
             lens = torch.tensor([n for *_, n in comps])
             j = torch.arange(int(lens.max()))
-            queries = torch.tensor([a for _, a, _ in comps])[:, None] + torch.minimum(j, lens[:, None] - 1)
+            last = torch.minimum(j, lens[:, None] - 1)  # padding repeats the last token
+            queries = torch.tensor([a for _, a, _ in comps])[:, None] + last
             prompt_keys = torch.tensor([s * width for s, *_ in comps])[:, None] + torch.arange(p)
             real = (j < lens[:, None]).flatten().nonzero().flatten()
             written.append(queries.flatten()[real])
@@ -107,7 +108,7 @@ def lower_right_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
                                           scale=scale, enable_gqa=groups > 1 and gqa)
 
 
-def pack_attention(layout: PackLayout, query: torch.Tensor, key: torch.Tensor,
+def attend(layout: PackLayout, query: torch.Tensor, key: torch.Tensor,
                    value: torch.Tensor, scaling: float | None, dropout: float = 0.0
                    ) -> torch.Tensor:
     """Attention output [N, W, heads, head_dim] of packs laid out by `layout`, from query
@@ -144,7 +145,7 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
     if window is not None and pack_layout.width > window:
         raise ValueError(f"a pack of {pack_layout.width} tokens exceeds the sliding window "
                          f"({window})")
-    return pack_attention(pack_layout, query, key, value, scaling, dropout), None
+    return attend(pack_layout, query, key, value, scaling, dropout), None
 
 
 AttentionInterface.register(NAME, _attention)
