@@ -168,9 +168,9 @@ def packed_difference(parts, rows: tuple[list, list, list]) -> dict:
 
 
 def paper_case(parts, args, write) -> dict:
-    """Student rows (shared prompts) and teacher rows at the paper's composition, timed under
-    the path before #10 (checkpointing, unshared) and the new ones; the paper step's update
-    time predicted from the measured tokens/s."""
+    """Student rows (shared prompts) and teacher rows at the paper's composition, timed with
+    checkpointing or `auto`, prompts shared or not, the bank held or cast per forward; the
+    paper step's update time predicted from the measured tokens/s."""
     vocab = parts.model.config.vocab_size
     teachers = [parts.slot[n] for n in parts.teachers]
     students = [parts.slot[n] for n in parts.students]
@@ -182,7 +182,7 @@ def paper_case(parts, args, write) -> dict:
                  "completion": args.completion, "runs": []}
     update_pass(parts, student, True, "auto", args.max_tokens)  # warm-up
     # (rows, share, mode, held copy): the last two cast the bank in every forward (round 1)
-    cases = [("student", True, True, True), ("student", False, True, True),
+    cases = [("student", False, True, True), ("student", True, True, True),
              ("student", False, "auto", True), ("student", True, "auto", True),
              ("teacher", False, True, True), ("teacher", False, "auto", True),
              ("student", True, "auto", False), ("teacher", False, "auto", False)]
@@ -204,7 +204,7 @@ def paper_case(parts, args, write) -> dict:
         return t_tok / tps[("teacher", *teacher)] + s_tok / tps[("student", *student)]
 
     out["paper_step"] = {"teacher_tokens": t_tok, "student_tokens": s_tok, "predicted_update_s": {
-        "checkpointing_unshared (before #10)": predicted((False, True, True), (False, True, True)),
+        "checkpointing_unshared": predicted((False, True, True), (False, True, True)),
         "checkpointing_shared": predicted((False, True, True), (True, True, True)),
         "auto_unshared": predicted((False, "auto", True), (False, "auto", True)),
         "auto_shared, bank cast per forward": predicted((False, "auto", False), (True, "auto", False)),
