@@ -11,11 +11,14 @@ micro-batch per token budget (`--budgets`) with and without checkpointing and (3
 steps at a batch of rows with long prompts (`--decode`); kernels tabulated by `torch.profiler`.
 
     PYTHONPATH=src python benchmarks/update_profile.py --out benchmarks/results/update_profile.json
+    PYTHONPATH=src python benchmarks/update_profile.py --smoke --tasks 2 --teachers 2 \
+        --student-prompt 12 --teacher-prompt 30 --completion 16 --out /tmp/update_profile.json
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
@@ -29,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from loop_step import ROOT, bench_overrides, flop_params  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+SMOKE = ["model.name_or_path=tiny-random", f"model.device={DEV}", "model.dtype=bfloat16"]
 
 
 def _sync() -> None:
@@ -73,9 +77,10 @@ def _rows(vocab: int, n: int, prompt: int, completion: int, share: int, slots: l
 
 
 def update_pass(parts, rows: tuple[list, list, list], share: bool, mode: bool | str,
-                max_tokens: int, profile: bool = False) -> dict:
+                max_tokens: int, profile: bool = False, held: bool = True) -> dict:
     """The loop's update over `rows` (`SelfPlay._policy_step` minus advantages and the
-    optimizer): timed, with its peak memory; `profile` tabulates the first micro-batch."""
+    optimizer): timed, with its peak memory; `profile` tabulates the first micro-batch;
+    `held=False` casts the bank in every forward (round 1) instead of holding one copy."""
     from lorapop.engine.logprobs import (
         HEAD_CHUNK,
         pack_micro_batches,
@@ -84,20 +89,15 @@ def update_pass(parts, rows: tuple[list, list, list], share: bool, mode: bool | 
         shared_prompt_packs,
         use_checkpointing,
     )
-    from lorapop.engine.memory import free_memory, plan_update
+    from lorapop.engine.memory import free_memory, plan_update, update_bytes_per_token
     from lorapop.rl.loss import policy_loss
 
     model = parts.model
     prompts, comps, slot_list = rows
     packs = shared_prompt_packs(prompts, slot_list) if share else [[i] for i in range(len(comps))]
     widths = pack_widths(packs, prompts, comps)
-    ckpt, cap = (plan_update(model, max(widths), max_tokens, HEAD_CHUNK, free_memory(model))
-                 if mode == "auto" else (bool(mode), max_tokens))
-    use_checkpointing(model, ckpt)
-    model.train()
     slots = torch.tensor(slot_list, device=DEV)
     adv = torch.randn(len(comps), device=DEV, generator=torch.Generator(DEV).manual_seed(0))
-    groups = pack_micro_batches(packs, widths, cap, 64)
 
     def micro(idx: list[int]) -> None:
         i = torch.tensor(idx, device=DEV)
@@ -109,29 +109,39 @@ def update_pass(parts, rows: tuple[list, list, list], share: bool, mode: bool | 
     _sync()
     if DEV == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated() if DEV == "cuda" else 0
+    base = torch.cuda.memory_allocated() if DEV == "cuda" else 0  # the held copy counts
     t0 = time.perf_counter()
-    for idx in groups:
-        micro(idx)
-    _sync()
-    dt = time.perf_counter() - t0
-    tokens = sum(len(p) + len(c) for p, c in zip(prompts, comps, strict=True))
-    out = {"share": share, "mode": mode, "checkpointing": ckpt, "micro_batch_tokens": cap,
-           "micro_batches": len(groups), "row_tokens": tokens, "forward_tokens": sum(widths),
-           "s": dt, "tokens_per_s": tokens / dt,
-           "mfu_4n": 4 * flop_params(model) * tokens / dt / 989e12,
-           "peak_extra_gib": (torch.cuda.max_memory_allocated() - base) / 2**30
-           if DEV == "cuda" else None}
-    if profile:
-        with profiler.profile(activities=[profiler.ProfilerActivity.CUDA,
-                                          profiler.ProfilerActivity.CPU]) as prof:
-            micro(groups[0])
-            _sync()
-        out["profiled_micro_batch_rows"] = len(groups[0])
-        out["kernel_kinds_ms"] = _kernel_kinds(prof)
-        out["kernels"] = _kernels(prof, 30)
-        out["cpu_ops"] = [{"name": e.key[:100], "calls": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3}
-                          for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:15]]
+    with parts.bank.held_copy(model.dtype) if held else contextlib.nullcontext():
+        # as the loop: the copy is made before the memory plan
+        ckpt, cap = (plan_update(model, max(widths), max_tokens, HEAD_CHUNK, free_memory(model))
+                     if mode == "auto" else (bool(mode), max_tokens))
+        use_checkpointing(model, ckpt)
+        model.train()
+        groups = pack_micro_batches(packs, widths, cap, 64)
+        for idx in groups:
+            micro(idx)
+        _sync()
+        dt = time.perf_counter() - t0
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if DEV == "cuda" else None
+        tokens = sum(len(p) + len(c) for p, c in zip(prompts, comps, strict=True))
+        out = {"share": share, "mode": mode, "held_copy": held, "checkpointing": ckpt,
+               "micro_batch_tokens": cap, "micro_batches": len(groups),
+               "sequences_per_micro_batch": max(sum(g[0] in idx for g in packs) for idx in groups),
+               "est_bytes_per_token": update_bytes_per_token(model),
+               "row_tokens": tokens, "forward_tokens": sum(widths), "s": dt,
+               "tokens_per_s": tokens / dt, "mfu_4n": 4 * flop_params(model) * tokens / dt / 989e12,
+               "peak_extra_gib": peak}
+        if profile:
+            with profiler.profile(activities=[profiler.ProfilerActivity.CUDA,
+                                              profiler.ProfilerActivity.CPU]) as prof:
+                micro(groups[0])
+                _sync()
+            out["profiled_micro_batch_rows"] = len(groups[0])
+            out["kernel_kinds_ms"] = _kernel_kinds(prof)
+            out["kernels"] = _kernels(prof, 30)
+            out["cpu_ops"] = [{"name": e.key[:100], "calls": e.count,
+                               "self_cpu_ms": e.self_cpu_time_total / 1e3}
+                              for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:15]]
     parts.opt.zero_grad()
     parts.bank.zero_grad()
     if DEV == "cuda":
@@ -158,9 +168,9 @@ def packed_difference(parts, rows: tuple[list, list, list]) -> dict:
 
 
 def paper_case(parts, args, write) -> dict:
-    """Student rows (shared prompts) and teacher rows at the paper's composition, timed under
-    today's path (checkpointing, unshared) and the new ones; the paper step's update time
-    predicted from the measured tokens/s."""
+    """Student rows (shared prompts) and teacher rows at the paper's composition, timed with
+    checkpointing or `auto`, prompts shared or not, the bank held or cast per forward; the
+    paper step's update time predicted from the measured tokens/s."""
     vocab = parts.model.config.vocab_size
     teachers = [parts.slot[n] for n in parts.teachers]
     students = [parts.slot[n] for n in parts.students]
@@ -171,26 +181,34 @@ def paper_case(parts, args, write) -> dict:
                  "teachers": args.teachers, "teacher_prompt": args.teacher_prompt,
                  "completion": args.completion, "runs": []}
     update_pass(parts, student, True, "auto", args.max_tokens)  # warm-up
-    cases = [("student", student, False, True), ("student", student, True, True),
-             ("student", student, False, "auto"), ("student", student, True, "auto"),
-             ("teacher", teacher, False, True), ("teacher", teacher, False, "auto")]
-    for name, rows, share, mode in cases:
-        r = {"rows": name, **update_pass(parts, rows, share, mode, args.max_tokens,
-                                         profile=name == "student" and share and mode == "auto")}
+    # (rows, share, mode, held copy): the last two cast the bank in every forward (round 1)
+    cases = [("student", False, True, True), ("student", True, True, True),
+             ("student", False, "auto", True), ("student", True, "auto", True),
+             ("teacher", False, True, True), ("teacher", False, "auto", True),
+             ("student", True, "auto", False), ("teacher", False, "auto", False)]
+    for name, share, mode, held in cases:
+        rows = student if name == "student" else teacher
+        profile = name == "student" and share and mode == "auto" and held
+        r = {"rows": name, **update_pass(parts, rows, share, mode, args.max_tokens, profile, held)}
         print(json.dumps({k: v for k, v in r.items() if k not in ("kernels", "cpu_ops")}), flush=True)
         out["runs"].append(r)
         write()
     out["packed_vs_unpacked"] = packed_difference(
         parts, tuple(x[: 2 * args.answers] for x in student))
     # the paper step: 192 teacher rows and 768 student rows (4 answers x 192 tasks)
-    tps = {(r["rows"], r["share"], r["mode"]): r["tokens_per_s"] for r in out["runs"]}
+    tps = {(r["rows"], r["share"], r["mode"], r["held_copy"]): r["tokens_per_s"] for r in out["runs"]}
     t_tok = 192 * (args.teacher_prompt + args.completion)
     s_tok = 768 * (args.student_prompt + args.completion)
+
+    def predicted(teacher: tuple, student: tuple) -> float:
+        return t_tok / tps[("teacher", *teacher)] + s_tok / tps[("student", *student)]
+
     out["paper_step"] = {"teacher_tokens": t_tok, "student_tokens": s_tok, "predicted_update_s": {
-        "checkpointing_unshared (today)": t_tok / tps["teacher", False, True] + s_tok / tps["student", False, True],
-        "checkpointing_shared": t_tok / tps["teacher", False, True] + s_tok / tps["student", True, True],
-        "auto_unshared": t_tok / tps["teacher", False, "auto"] + s_tok / tps["student", False, "auto"],
-        "auto_shared (new default)": t_tok / tps["teacher", False, "auto"] + s_tok / tps["student", True, "auto"],
+        "checkpointing_unshared": predicted((False, True, True), (False, True, True)),
+        "checkpointing_shared": predicted((False, True, True), (True, True, True)),
+        "auto_unshared": predicted((False, "auto", True), (False, "auto", True)),
+        "auto_shared, bank cast per forward": predicted((False, "auto", False), (True, "auto", False)),
+        "auto_shared (default)": predicted((False, "auto", True), (True, "auto", True)),
     }}
     print(json.dumps(out["paper_step"]), flush=True)
     return out
@@ -301,10 +319,13 @@ def main() -> None:
     ap.add_argument("--decode", default="", help="ROWS:PROMPT,... decode cases (e.g. 192:1500)")
     ap.add_argument("--decode-new", type=int, default=96)
     ap.add_argument("--out", default="benchmarks/results/update_profile.json")
-    ap.add_argument("--smoke", action="store_true", help="allow a CPU run (to test the script)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="CPU check of the script: tiny random model (pass small sizes)")
     ap.add_argument("overrides", nargs="*", help="extra key.path=value")
     args = ap.parse_args()
-    if DEV != "cuda" and not args.smoke:
+    if args.smoke:  # a CPU check of the script: tiny random model in bf16 (the held copy)
+        args.overrides = [*SMOKE, *args.overrides]
+    elif DEV != "cuda":
         sys.exit("update_profile.py needs a CUDA GPU (or --smoke for a CPU check of the script)")
     from lorapop.config import load_config
     from lorapop.parts import build

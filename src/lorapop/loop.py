@@ -365,20 +365,21 @@ class SelfPlay:
         packs = shared_prompt_packs(prompts, slots.tolist())
         widths = pack_widths(packs, prompts, comps)
         mine = dist.shard(widths, self.world.size)[self.world.rank]
-        max_tokens = self._update_memory_plan(max(widths))
-        for rows in pack_micro_batches([packs[j] for j in mine], [widths[j] for j in mine],
-                                       max_tokens, tc.micro_batch_size):
-            part = [rollouts[i] for i in rows]
-            idx = torch.tensor(rows, device=dev)
-            logprobs, mask = sequence_logprobs(
-                p.model, p.bank, [r.prompt_ids for r in part], [r.token_ids for r in part],
-                slots[idx], share_prompts=True,
-            )
-            adv = torch.tensor([advs[i] for i in rows], device=dev, dtype=torch.float32)
-            loss, row_loss = policy_loss(logprobs.float(), adv, mask, groups=slots[idx],
-                                         token_counts=token_counts)
-            loss.backward()
-            slot_loss.index_add_(0, slots[idx], row_loss)
+        with p.bank.held_copy(p.model.dtype):  # one cast of the bank for the whole update
+            max_tokens = self._update_memory_plan(max(widths))  # (the copy is not free memory)
+            for rows in pack_micro_batches([packs[j] for j in mine], [widths[j] for j in mine],
+                                           max_tokens, tc.micro_batch_size):
+                part = [rollouts[i] for i in rows]
+                idx = torch.tensor(rows, device=dev)
+                logprobs, mask = sequence_logprobs(
+                    p.model, p.bank, [r.prompt_ids for r in part], [r.token_ids for r in part],
+                    slots[idx], share_prompts=True,
+                )
+                adv = torch.tensor([advs[i] for i in rows], device=dev, dtype=torch.float32)
+                loss, row_loss = policy_loss(logprobs.float(), adv, mask, groups=slots[idx],
+                                             token_counts=token_counts)
+                loss.backward()
+                slot_loss.index_add_(0, slots[idx], row_loss)
         if self.world.distributed:
             p.bank.bind_grads_()
             t0 = time.perf_counter()

@@ -12,6 +12,7 @@ from lorapop.engine.logprobs import (
     pack_widths,
     sequence_logprobs,
     shared_prompt_packs,
+    use_checkpointing,
 )
 from lorapop.lora.bank import AdapterBank
 from tiny_models import tiny_model
@@ -48,10 +49,14 @@ def test_chunked_head_gives_the_same_logprobs_and_gradients():
     bank.zero_grad()
 
 
-def test_shared_prompts_give_the_unpacked_logprobs_and_gradients():
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_shared_prompts_give_the_unpacked_logprobs_and_gradients(checkpointing):
     """Rows of one prompt and slot packed into one sequence score and train exactly as alone;
-    the same prompt under another slot, and lone rows, are not packed with them."""
+    the same prompt under another slot, and lone rows, are not packed with them. Under
+    activation checkpointing the recomputed forward attends as the first one did."""
     model = tiny_model()
+    use_checkpointing(model, checkpointing)
+    model.train()
     bank = AdapterBank(model, n_slots=3, rank=4, alpha=8.0)
     with torch.no_grad():
         bank.weights.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(3))

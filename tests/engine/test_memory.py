@@ -84,7 +84,8 @@ def test_update_drops_checkpointing_only_when_the_longest_sequence_fits(caplog, 
     monkeypatch.setattr(memory, "_logged", set())
     model = tiny_model()
     per_token, fixed = update_bytes_per_token(model), update_fixed_bytes(model, 64)
-    assert per_token == 2 * (12 * 32 + 4 * 48) * 4  # layers x (10 h + 4 inter + 2 h) x fp32
+    # layers x (10 hidden + 4 intermediate + 2 kv_heads x head_dim) x fp32
+    assert per_token == 2 * (10 * 32 + 4 * 48 + 2 * 2 * 8) * 4
     with caplog.at_level(logging.INFO, logger="lorapop.engine.memory"):
         for budget in range(fixed, fixed + 300 * per_token, per_token // 2 + 1):
             ckpt, tokens = plan_update(model, 100, 250, 64, budget)

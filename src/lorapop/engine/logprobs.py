@@ -13,10 +13,10 @@ so the update wastes little compute on padding and runs as few forwards as memor
 
 Prompt sharing: a student answers each task several times under one adapter, so several rows
 share their prompt and slot. With `share_prompts` such rows go through the model as one
-sequence [prompt, c1, ..., ck] (position ids restart after the prompt for each completion)
-under a 4D mask in which each completion sees the prompt and its own earlier tokens only: the
-same log-probs and gradients, with the prompt computed once. Rows sharing nothing keep the
-fused causal kernel (a custom mask rules FlashAttention out).
+sequence [prompt, c1, ..., ck] (position ids restart after the prompt for each completion) in
+which each completion sees the prompt and its own earlier tokens only (`pack_attention`: fused
+SDPA kernels piecewise, no mask): the same log-probs and gradients, with the prompt computed
+once. Rows sharing nothing keep the plain causal path.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from lorapop.engine import pack_attention
 from lorapop.engine.decoder import route
 
 HEAD_CHUNK = 2048  # positions whose logits are formed at once (memory.update_fixed_bytes)
@@ -127,12 +128,9 @@ def sequence_logprobs(
     packs = shared_prompt_packs(prompt_ids, slot_list) if share_prompts else [[i] for i in range(b)]
     shared = any(len(g) > 1 for g in packs)
     width = max(pack_widths(packs, prompt_ids, completion_ids))
-    if shared:
-        width = -(-width // 16) * 16  # aligned rows for the masked attention kernel
     n = len(packs)
     ids = torch.zeros(n, width, dtype=torch.long)
     pos = torch.zeros(n, width, dtype=torch.long)
-    seg = torch.full((n, width), -1, dtype=torch.long)  # 0 prompt, k completion k, -1 padding
     target = torch.zeros(b, t, dtype=torch.long)
     at = torch.zeros(b, t, dtype=torch.long)  # flat position whose output predicts column j
     mask = torch.zeros(b, t, dtype=torch.bool)
@@ -140,27 +138,33 @@ def sequence_logprobs(
         p = prompt_ids[g[0]]
         ids[s, : len(p)] = torch.as_tensor(list(p), dtype=torch.long)
         pos[s, : len(p)] = torch.arange(len(p))
-        seg[s, : len(p)] = 0
         start = len(p)
-        for k, i in enumerate(g, 1):
+        for i in g:
             c = completion_ids[i]
             end = start + len(c)
             ids[s, start:end] = torch.as_tensor(list(c), dtype=torch.long)
             pos[s, start:end] = torch.arange(len(p), len(p) + len(c))
-            seg[s, start:end] = k
             target[i, : len(c)] = torch.as_tensor(list(c), dtype=torch.long)
             at[i, : len(c)] = s * width + torch.arange(start - 1, end - 1)
             at[i, 0] = s * width + len(p) - 1  # the first token follows the prompt
             mask[i, : len(c)] = True
             start = end
-    if not shared:  # one row per sequence: positions run on into the padding, as generated
-        pos = torch.arange(width).expand(n, -1)
-    ids, pos, target, at, mask = (x.to(dev) for x in (ids, pos, target, at, mask))
-    attn = _pack_mask(seg.to(dev), model.dtype) if shared else None
+    ids, target, at, mask = (x.to(dev) for x in (ids, target, at, mask))
+    extra: dict[str, Any] = {}
+    if shared:  # the layout does the masking; an all-ones padding mask makes transformers
+        # build none (with None it would infer a block mask from the restarting positions)
+        pack_attention.install(model)
+        extra["pack_layout"] = pack_attention.PackLayout.build(
+            [len(prompt_ids[g[0]]) for g in packs],
+            [[len(completion_ids[i]) for i in g] for g in packs], width, dev)
+        extra["attention_mask"] = torch.ones(n, width, dtype=torch.long, device=dev)
+        pos = pos.to(dev)
+    else:  # one row per sequence: positions run on into the padding, as generated
+        pos = torch.arange(width, device=dev).expand(n, -1)
     slots = torch.as_tensor([slot_list[g[0]] for g in packs], dtype=torch.long, device=dev)
     with route(bank, slots):
         hidden = model.get_decoder()(
-            input_ids=ids, position_ids=pos, attention_mask=attn, use_cache=False,
+            input_ids=ids, position_ids=pos, use_cache=False, **extra,
         ).last_hidden_state
     hidden = hidden.flatten(0, 1)[at]  # [B, T, h]
     head = model.get_output_embeddings()
@@ -174,12 +178,3 @@ def sequence_logprobs(
             parts.append(_token_logprobs(head, h, y))
     return torch.cat(parts, dim=1).masked_fill(~mask, 0.0), mask
 
-
-def _pack_mask(seg: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Additive [N, 1, W, W] mask: a query sees earlier keys of the prompt or of its own
-    segment (padding sees the prompt and earlier padding, so no row is fully masked)."""
-    w = seg.shape[1]
-    causal = torch.ones(w, w, dtype=torch.bool, device=seg.device).tril()
-    allowed = causal & ((seg[:, None, :] == 0) | (seg[:, None, :] == seg[:, :, None]))
-    return torch.zeros(allowed.shape, dtype=dtype, device=seg.device).masked_fill_(
-        ~allowed, torch.finfo(dtype).min)[:, None]

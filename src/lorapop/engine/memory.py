@@ -9,12 +9,13 @@ frees its cache and graph pool before returning, so only memory free *now* is bu
 
 The update (teacher-forced forward + backward) without activation checkpointing keeps each
 layer's activations of every token until the backward: about layers x (10 hidden + 4
-intermediate + 2 heads x head_dim) values per token (norms, q/k/v/o, attention output,
-gate/up/act/product, LoRA inputs; keys and values repeated for every query head when a pack's
-mask rules out the GQA kernel), 6.65 MB a token for Qwen2.5-7B (measured on an H100 over the
-LM head chunk: ~6.15 MB without packs, ~6.6 with). With checkpointing only each layer's input
-stays; recomputing costs one more forward (1.4-1.6x the time on an H100), so it pays only when
-memory is short.
+intermediate + 2 kv_heads x head_dim) values per token (norms, q/k/v/o, attention output,
+gate/up/act/product, LoRA inputs; keys and values once per head group, as SDPA's grouped-query
+kernels and the pack attention keep them), 6.31 MB a token for Qwen2.5-7B (measured on an H100
+over the LM head chunk: ~6.15 MB for unshared rows; packs, whose keys and values the round-1
+dense mask repeated for every query head, took ~6.6). With checkpointing only each layer's
+input stays; recomputing costs one more forward (1.4-1.6x the time on an H100), so it pays
+only when memory is short.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 
 import torch
 
-from lorapop.engine.kvcache import kv_bytes_per_token
+from lorapop.engine.kvcache import kv_bytes_per_token, kv_shape
 
 log = logging.getLogger(__name__)
 GIB = 2**30
@@ -108,10 +109,10 @@ def fit_batch(
 
 def update_bytes_per_token(model: Any) -> int:
     """Activation bytes one token keeps through an update forward without checkpointing."""
-    hidden, inter, heads, head_dim, _ = _dims(model)
-    layers = model.config.get_text_config().num_hidden_layers
+    hidden, inter, *_ = _dims(model)
+    layers, kv_heads, head_dim = kv_shape(model)
     item = next(model.parameters()).dtype.itemsize
-    return layers * (10 * hidden + 4 * inter + 2 * heads * head_dim) * item
+    return layers * (10 * hidden + 4 * inter + 2 * kv_heads * head_dim) * item
 
 
 def update_fixed_bytes(model: Any, head_chunk: int) -> int:

@@ -60,6 +60,30 @@ class _Target:
     handle: torch.utils.hooks.RemovableHandle | None = None
 
 
+@dataclass
+class _HeldCopy:
+    """The bank's weights in a compute dtype, and each target's A and B views of them."""
+
+    dtype: torch.dtype
+    flat: Tensor  # [N, P]
+    views: dict[str, tuple[Tensor, Tensor]]
+    stamp: int  # the bank's weights stamp when copied
+
+
+class _HeldCast(torch.autograd.Function):
+    """`master.to(copy.dtype)` read from `copy`, a cast made earlier: the same values, and the
+    same gradient to `master` (the incoming one cast to master's dtype, as a cast's backward)."""
+
+    @staticmethod
+    def forward(ctx, master: Tensor, copy: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.dtype = master.dtype
+        return copy.view_as(copy)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # type: ignore[override]
+        return grad.to(ctx.dtype), None
+
+
 class AdapterBank:
     """N LoRA slots attached to `model`; `route(slot_ids)` picks each row's slot.
 
@@ -78,6 +102,11 @@ class AdapterBank:
     the tensor's version counter (every in-place write through `weights`, its views or the
     per-layer parameters counts; writes through `.data` do not: call `invalidate_caches()`).
     It costs 2 bytes (bf16) per adapter parameter; `clear_caches()` frees it.
+
+    Inside `held_copy(dtype)` (the update phase) multi-token forwards read A and B from one
+    copy of the bank in the compute dtype instead of casting every module's weights in every
+    forward (and holding those casts until the backward); the gradients reach the master
+    weights exactly as through a cast.
     """
 
     def __init__(
@@ -160,6 +189,7 @@ class AdapterBank:
         self._disabled = False
         self._caches: dict[torch.dtype, DecodeCache] = {}
         self._stale = 0  # bumped by invalidate_caches(): part of the cache stamp
+        self._held: _HeldCopy | None = None
 
         for i in range(n_slots):
             self.reset_slot(i, seed + i)
@@ -268,11 +298,40 @@ class AdapterBank:
             if kernel in ("auto", "fused"):
                 grouped = routing.is_sorted and self._grouped_ok.get(dt, False)
                 kernel = "dense" if one_token else "grouped" if grouped else "gather"
-            a, b = target.a.to(dt), target.b.to(dt)
+            a, b = self._compute_weights(target, dt)
             delta = lora_delta(x.to(dt), a, b, routing, kernel, self.scaling)
             return output + delta.to(output.dtype)
 
         return hook
+
+    def _compute_weights(self, target: _Target, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """A and B of every slot in `dtype`: views of the held copy if there is one in that
+        dtype (refreshed if the weights changed), else casts."""
+        held = self._held
+        if held is None or held.dtype != dtype:
+            return target.a.to(dtype), target.b.to(dtype)
+        if held.stamp != self._stamp():
+            with torch.no_grad():
+                held.flat.copy_(self.weights)
+            held.stamp = self._stamp()
+        a, b = held.views[target.name]
+        return _HeldCast.apply(target.a, a), _HeldCast.apply(target.b, b)
+
+    @contextmanager
+    def held_copy(self, dtype: torch.dtype) -> Iterator[None]:
+        """Hold a `dtype` copy of the bank for the forwards (and backwards) inside the block;
+        freed on exit. A no-op for the bank's own dtype (there is nothing to cast)."""
+        if dtype == self.dtype or self._held is not None:
+            yield
+            return
+        flat = self.weights.detach().to(dtype)
+        views = {n: (flat[:, t.a_slice].view(t.a.shape), flat[:, t.b_slice].view(t.b.shape))
+                 for n, t in self.targets.items()}
+        self._held = _HeldCopy(dtype, flat, views, self._stamp())
+        try:
+            yield
+        finally:
+            self._held = None
 
     # ------------------------------------------------------------------ decode cache
     def decode_cache(self, dtype: torch.dtype, check: bool = True) -> DecodeCache:

@@ -1,0 +1,159 @@
+"""Attention over prompt-shared packs [prompt, c1, ..., ck] with SDPA's fused kernels.
+
+A pack is one sequence of the update's forward: a prompt once, then every completion of that
+prompt (a student's answers to one task). Each completion must see the prompt and its own
+earlier tokens only. A dense [W, W] mask says so but rules out the fused kernels (and their
+grouped-query path), and most of its square is masked. Here a pack's attention is computed
+piecewise instead: the prompt's queries causally over the prompt (`is_causal`), and the
+completions' queries, batched and right-padded to the longest, over [prompt keys; own keys]
+under a bottom-right-aligned causal mask (`causal_lower_right`), which SDPA runs with
+FlashAttention on CUDA. Keys and values are gathered per head group, never repeated per
+query head. Right padding is exact: query j of a completion sees keys up to prompt + j, so no
+real query ever sees a padding key, and padding outputs are dropped.
+
+The layout travels as the `pack_layout` keyword of the model call: transformers hands extra
+keywords to the attention function, and its activation checkpointing replays them, so the
+recomputed forward attends exactly as the first one. The attention function is registered
+under `NAME` and installed on the model once (`install`); every forward without a layout
+(rows that share nothing, other callers) runs transformers' own SDPA path with its own masks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+NAME = "lorapop_packs"
+
+
+@dataclass
+class _Group:
+    """Packs of one prompt length: their prompts and completions each take one SDPA call."""
+
+    rows: torch.Tensor  # [G] sequences (batch rows) of these packs
+    prompt: int  # prompt tokens, the same for every pack of the group
+    # completions (None when every one is empty), right-padded to the longest (C tokens):
+    queries: torch.Tensor | None  # [R, C] flat positions (padding repeats the last token)
+    keys: torch.Tensor | None  # [R, prompt + C] flat positions of each one's keys
+    real: torch.Tensor | None  # indices of the real outputs among the flattened [R * C]
+
+
+@dataclass
+class PackLayout:
+    """Where each pack's prompt and completions lie in a [N, W] batch of pack sequences."""
+
+    width: int
+    groups: list[_Group]
+    written: torch.Tensor  # flat positions of every output, in the order the groups yield them
+
+    @classmethod
+    def build(cls, prompts: Sequence[int], completions: Sequence[Sequence[int]], width: int,
+              device: torch.device) -> PackLayout:
+        """Layout of packs whose sequence s is [prompt of `prompts[s]` tokens, completions of
+        `completions[s]` tokens in order, right padding to `width`]."""
+        by_prompt: dict[int, list[int]] = {}
+        for s, p in enumerate(prompts):
+            by_prompt.setdefault(int(p), []).append(s)
+        groups, written = [], []
+        for p, rows in by_prompt.items():
+            written.append((torch.tensor(rows)[:, None] * width + torch.arange(p)).flatten())
+            comps = [(s, s * width + start, n) for s in rows
+                     for start, n in _spans(p, completions[s]) if n > 0]
+            if not comps:
+                groups.append(_Group(torch.tensor(rows, device=device), p, None, None, None))
+                continue
+            lens = torch.tensor([n for *_, n in comps])
+            j = torch.arange(int(lens.max()))
+            last = torch.minimum(j, lens[:, None] - 1)  # padding repeats the last token
+            queries = torch.tensor([a for _, a, _ in comps])[:, None] + last
+            prompt_keys = torch.tensor([s * width for s, *_ in comps])[:, None] + torch.arange(p)
+            real = (j < lens[:, None]).flatten().nonzero().flatten()
+            written.append(queries.flatten()[real])
+            groups.append(_Group(torch.tensor(rows, device=device), p, queries.to(device),
+                                 torch.cat([prompt_keys, queries], 1).to(device), real.to(device)))
+        return cls(width, groups, torch.cat(written).to(device))
+
+
+def _spans(prompt: int, lengths: Sequence[int]) -> list[tuple[int, int]]:
+    """(start, length) of each completion in a pack sequence."""
+    out, start = [], prompt
+    for n in lengths:
+        out.append((start, int(n)))
+        start += int(n)
+    return out
+
+
+def lower_right_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          scale: float | None, dropout: float = 0.0,
+                          gqa: bool | None = None) -> torch.Tensor:
+    """SDPA with query j of L seeing keys [0, S - L + j] (S >= L keys), GQA without repeating
+    K/V where the kernel allows it: FlashAttention on CUDA (torch's lower-right efficient
+    kernel takes no GQA, so K/V are repeated there) and the masked math path elsewhere."""
+    groups = query.shape[1] // key.shape[1]
+    if gqa is None:
+        gqa = not query.is_cuda or torch.backends.cuda.can_use_flash_attention(
+            torch.backends.cuda.SDPAParams(query, key, value, None, dropout, False, True))
+    if groups > 1 and not gqa:
+        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    mask = causal_lower_right(query.shape[2], key.shape[2])
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout,
+                                          scale=scale, enable_gqa=groups > 1 and gqa)
+
+
+def attend(layout: PackLayout, query: torch.Tensor, key: torch.Tensor,
+                   value: torch.Tensor, scaling: float | None, dropout: float = 0.0
+                   ) -> torch.Tensor:
+    """Attention output [N, W, heads, head_dim] of packs laid out by `layout`, from query
+    [N, heads, W, d] and key/value [N, kv_heads, W, d] (the attention interface's layout);
+    positions outside every pack give zeros."""
+    n, heads, w, d = query.shape
+    flat = [x.transpose(1, 2).reshape(n * w, x.shape[1], d) for x in (query, key, value)]
+    parts = []
+    for g in layout.groups:
+        q, k, v = (x[:, :, : g.prompt] for x in (query, key, value))
+        if g.rows.numel() < n:  # else every sequence, in order
+            q, k, v = (x.index_select(0, g.rows) for x in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
+                                             scale=scaling, enable_gqa=heads != key.shape[1])
+        parts.append(out.transpose(1, 2).reshape(-1, heads, d))
+        if g.queries is None:
+            continue
+        q = flat[0][g.queries].transpose(1, 2)  # [R, heads, C, d]
+        k, v = (x[g.keys].transpose(1, 2) for x in flat[1:])  # [R, kv_heads, prompt + C, d]
+        out = lower_right_attention(q, k, v, scaling, dropout)
+        parts.append(out.transpose(1, 2).reshape(-1, heads, d).index_select(0, g.real))
+    out = query.new_zeros(n * w, heads, d).index_copy_(0, layout.written, torch.cat(parts))
+    return out.view(n, w, heads, d)
+
+
+def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+               value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float = 0.0,
+               scaling: float | None = None, pack_layout: PackLayout | None = None,
+               **kwargs: Any) -> tuple[torch.Tensor, None]:
+    if pack_layout is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                      dropout=dropout, scaling=scaling, **kwargs)
+    window = kwargs.get("sliding_window")
+    if window is not None and pack_layout.width > window:
+        raise ValueError(f"a pack of {pack_layout.width} tokens exceeds the sliding window "
+                         f"({window})")
+    return attend(pack_layout, query, key, value, scaling, dropout), None
+
+
+AttentionInterface.register(NAME, _attention)
+AttentionMaskInterface.register(NAME, sdpa_mask)  # without a layout: exactly SDPA's masks
+
+
+def install(model: Any) -> None:
+    """Route the model's attention through `NAME` (idempotent). Left installed: a checkpointed
+    forward replays its attention during the backward, after the call that laid it out."""
+    if model.config._attn_implementation != NAME:
+        model.set_attn_implementation(NAME)
