@@ -246,3 +246,20 @@ def test_auto_checkpointing_follows_the_free_memory(tmp_path, monkeypatch):
             assert any(getattr(m, "gradient_checkpointing", False) for m in model.modules()) == ckpt
     finally:
         sp.close()
+
+
+def test_shared_prompt_packs_train_like_separate_rows(tmp_path):
+    """`train.share_prompts` is exact: a step with packed answers leaves every adapter where
+    the same step with one sequence per answer leaves it (fp32)."""
+    banks = []
+    for share in (True, False):
+        cfg = _cfg(f"train.share_prompts={str(share).lower()}", "tasks.answers_per_task=3",
+                   "evolve.every=0", "train.lr=1e-3")
+        sp = SelfPlay(cfg, tmp_path / str(share))
+        try:
+            sp.run(1)
+            banks.append(sp.parts.bank.weights.detach().clone())
+        finally:
+            sp.close()
+    assert not torch.equal(banks[0], torch.zeros_like(banks[0]))
+    torch.testing.assert_close(banks[0], banks[1], rtol=1e-4, atol=1e-6)

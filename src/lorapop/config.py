@@ -165,6 +165,9 @@ class TrainConfig(Section):
     micro_batch_tokens: int = Field(16384, ge=1)
     """Most padded tokens (sequences x longest) per update forward; a longer one goes alone.
     `model.gradient_checkpointing=auto` lowers it to what fits without checkpointing."""
+    share_prompts: bool = True
+    """Answers of one prompt under one adapter train as one sequence, the prompt computed once
+    (exact; `engine/pack_attention`). false: every answer is its own sequence."""
     teacher_conversion: Literal["one_minus", "inverse"] = "one_minus"
     """A valid task's reward from its solve rate s, AZR's `generation_accuracy_convertion`:
     one_minus = 1-s if s > 0 else 0 (so 0 at s in {0,1}: PopuLoRA's rule), inverse = 1-s."""

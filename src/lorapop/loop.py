@@ -362,7 +362,8 @@ class SelfPlay:
         # this rank's packs, whole; the loss is a sum of rows normalised by the global per-slot
         # token counts, so summing the ranks' gradients gives the whole batch's
         prompts, comps = [r.prompt_ids for r in rollouts], [r.token_ids for r in rollouts]
-        packs = shared_prompt_packs(prompts, slots.tolist())
+        packs = (shared_prompt_packs(prompts, slots.tolist()) if tc.share_prompts
+                 else [[i] for i in range(len(rollouts))])
         widths = pack_widths(packs, prompts, comps)
         mine = dist.shard(widths, self.world.size)[self.world.rank]
         with p.bank.held_copy(p.model.dtype):  # one cast of the bank for the whole update
@@ -373,7 +374,7 @@ class SelfPlay:
                 idx = torch.tensor(rows, device=dev)
                 logprobs, mask = sequence_logprobs(
                     p.model, p.bank, [r.prompt_ids for r in part], [r.token_ids for r in part],
-                    slots[idx], share_prompts=True,
+                    slots[idx], share_prompts=tc.share_prompts,
                 )
                 adv = torch.tensor([advs[i] for i in rows], device=dev, dtype=torch.float32)
                 loss, row_loss = policy_loss(logprobs.float(), adv, mask, groups=slots[idx],
