@@ -113,12 +113,16 @@ def update_pass(parts, rows: tuple[list, list, list], share: bool, mode: bool | 
     t0 = time.perf_counter()
     with parts.bank.held_copy(model.dtype) if held else contextlib.nullcontext():
         # as the loop: the copy is made before the memory plan
-        ckpt, cap = (plan_update(model, max(widths), max_tokens, HEAD_CHUNK, free_memory(model))
-                     if mode == "auto" else (bool(mode), max_tokens))
-        use_checkpointing(model, ckpt)
+        keep, cap = (plan_update(model, max(widths), max_tokens, HEAD_CHUNK, free_memory(model))
+                     if mode == "auto" else (None, max_tokens))
+        ckpt = bool(mode) if keep is None else keep < max(widths)
         model.train()
         groups = pack_micro_batches(packs, widths, cap, 64)
+        pack_of = {i: j for j, g in enumerate(packs) for i in g}
         for idx in groups:
+            units = {pack_of[i] for i in idx}
+            use_checkpointing(model, ckpt if keep is None
+                              else len(units) * max(widths[j] for j in units) > keep)
             micro(idx)
         _sync()
         dt = time.perf_counter() - t0

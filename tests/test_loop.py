@@ -230,7 +230,8 @@ def test_one_update_step_moves_each_adapter_with_its_advantages(tmp_path):
 
 def test_auto_checkpointing_follows_the_free_memory(tmp_path, monkeypatch):
     """`model.gradient_checkpointing=auto`: the update keeps its activations when a micro-batch
-    of the longest sequence fits the free memory, with micro-batches sized to it."""
+    of the longest sequence fits the free memory, with micro-batches sized to it; micro-batches
+    larger than what fits checkpoint."""
     import lorapop.loop as loop_mod
     from lorapop.engine.logprobs import HEAD_CHUNK
     from lorapop.engine.memory import update_bytes_per_token, update_fixed_bytes
@@ -240,10 +241,37 @@ def test_auto_checkpointing_follows_the_free_memory(tmp_path, monkeypatch):
     model = sp.parts.model
     try:
         fixed, per_token = update_fixed_bytes(model, HEAD_CHUNK), update_bytes_per_token(model)
-        for tokens, ckpt, cap in ((99, True, 500), (300, False, 300), (10**6, False, 500)):
+        for tokens, keep, cap in ((99, 0, 500), (300, 300, 300), (10**6, 10**6, 500)):
             monkeypatch.setattr(loop_mod, "free_memory", lambda m, t=tokens: fixed + t * per_token)
-            assert sp._update_memory_plan(100) == cap
-            assert any(getattr(m, "gradient_checkpointing", False) for m in model.modules()) == ckpt
+            assert sp._update_memory_plan(100) == (keep, cap)
+
+        def checkpointed() -> bool:
+            return any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+
+        seen = []  # per micro-batch: (longest sequence, checkpointing on)
+        logprobs = loop_mod.sequence_logprobs
+
+        def spy(model_, bank, prompts, comps, *a, **kw):
+            longest = max(len(x) + len(y) for x, y in zip(prompts, comps, strict=True))
+            seen.append((longest, checkpointed()))
+            return logprobs(model_, bank, prompts, comps, *a, **kw)
+
+        monkeypatch.setattr(loop_mod, "sequence_logprobs", spy)
+        monkeypatch.setattr(loop_mod, "free_memory", lambda m: fixed + 60 * per_token)
+        sp.run(1)  # the tiny config's sequences are longer than 60 tokens: all checkpoint
+        assert seen and all(ckpt for _, ckpt in seen)
+        seen.clear()
+        monkeypatch.setattr(loop_mod, "free_memory", lambda m: fixed + 10**6 * per_token)
+        sp.run(2)
+        assert seen and not any(ckpt for _, ckpt in seen)
+        # room for the shorter sequences only: they keep activations, the rest checkpoints
+        widths = sorted(w for w, _ in seen)
+        seen.clear()
+        monkeypatch.setattr("lorapop.engine.memory.MIN_KEEP_TOKENS", 1)
+        monkeypatch.setattr(loop_mod, "free_memory",
+                            lambda m: fixed + widths[len(widths) // 2] * per_token)
+        sp.run(3)
+        assert {ckpt for _, ckpt in seen} == {True, False}
     finally:
         sp.close()
 

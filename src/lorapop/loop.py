@@ -367,9 +367,13 @@ class SelfPlay:
         widths = pack_widths(packs, prompts, comps)
         mine = dist.shard(widths, self.world.size)[self.world.rank]
         with p.bank.held_copy(p.model.dtype):  # one cast of the bank for the whole update
-            max_tokens = self._update_memory_plan(max(widths))  # (the copy is not free memory)
+            keep, max_tokens = self._update_memory_plan(max(widths))  # (copy not free memory)
+            pack_of = {i: j for j in mine for i in packs[j]}
             for rows in pack_micro_batches([packs[j] for j in mine], [widths[j] for j in mine],
                                            max_tokens, tc.micro_batch_size):
+                if keep is not None:  # checkpoint only what does not fit with activations kept
+                    units = {pack_of[i] for i in rows}
+                    use_checkpointing(p.model, len(units) * max(widths[j] for j in units) > keep)
                 part = [rollouts[i] for i in rows]
                 idx = torch.tensor(rows, device=dev)
                 logprobs, mask = sequence_logprobs(
@@ -396,16 +400,15 @@ class SelfPlay:
         losses = {m: float(slot_loss[i]) for m, i in p.slot.items() if i in trained}
         return losses, {m: float(norms.get(i, 0.0)) for m, i in p.slot.items()}, per_rollout
 
-    def _update_memory_plan(self, longest: int) -> int:
-        """Turn activation checkpointing on or off for this update (`auto`: off when a micro-
-        batch holding the longest sequence fits the free memory); the micro-batch token cap."""
+    def _update_memory_plan(self, longest: int) -> tuple[int | None, int]:
+        """`(keep_tokens, micro_batch_tokens)`: with `auto`, micro-batches of at most
+        `keep_tokens` padded tokens run without activation checkpointing, larger ones with it
+        (`engine/memory.plan_update`); otherwise keep_tokens is None (the config decides)."""
         mode, max_tokens = self.cfg.model.gradient_checkpointing, self.cfg.train.micro_batch_tokens
         if mode != "auto":
-            return max_tokens
+            return None, max_tokens
         model = self.parts.model
-        ckpt, max_tokens = plan_update(model, longest, max_tokens, HEAD_CHUNK, free_memory(model))
-        use_checkpointing(model, ckpt)
-        return max_tokens
+        return plan_update(model, longest, max_tokens, HEAD_CHUNK, free_memory(model))
 
     def _base_program(self, type_: str, rng: random.Random) -> Task | None:
         """code_f writes inputs for a program taken from the other buffers (AZR)."""

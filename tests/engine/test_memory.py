@@ -80,7 +80,7 @@ def test_generate_uses_the_budget_and_fails_before_any_work(monkeypatch):
     assert len(sizes) == 2  # no decoder was built: no cache, no forward
 
 
-def test_update_drops_checkpointing_only_when_the_longest_sequence_fits(caplog, monkeypatch):
+def test_update_keeps_activations_of_what_fits_the_budget(caplog, monkeypatch):
     monkeypatch.setattr(memory, "_logged", set())
     model = tiny_model()
     per_token, fixed = update_bytes_per_token(model), update_fixed_bytes(model, 64)
@@ -88,15 +88,22 @@ def test_update_drops_checkpointing_only_when_the_longest_sequence_fits(caplog, 
     assert per_token == 2 * (10 * 32 + 4 * 48 + 2 * 2 * 8) * 4
     with caplog.at_level(logging.INFO, logger="lorapop.engine.memory"):
         for budget in range(fixed, fixed + 300 * per_token, per_token // 2 + 1):
-            ckpt, tokens = plan_update(model, 100, 250, 64, budget)
+            keep, tokens = plan_update(model, 100, 250, 64, budget)
             fit = (budget - fixed) // per_token
             if fit >= 100:  # a micro-batch sized to the budget (capped) holds the longest row
-                assert not ckpt and tokens == min(250, fit)
+                assert keep == fit and tokens == min(250, fit)
                 assert fixed + tokens * per_token <= budget
             else:
-                assert ckpt and tokens == 250
+                assert keep == 0 and tokens == 250
         for _ in range(3):
-            assert plan_update(model, 100, 250, 64, None) == (True, 250)  # no limit: as today
+            assert plan_update(model, 100, 250, 64, None) == (0, 250)  # no limit: as today
+        # a sequence longer than what fits: micro-batches of what fits keep their activations,
+        # the long one (alone) checkpoints; too little room for that: all checkpoint
+        budget = fixed + 3000 * per_token
+        assert plan_update(model, 9000, 16384, 64, budget) == (3000, 3000)
+        budget = fixed + (memory.MIN_KEEP_TOKENS - 1) * per_token
+        assert plan_update(model, 9000, 16384, 64, budget) == (0, 16384)
     assert caplog.text.count("without activation checkpointing") == 1  # each choice once
-    assert caplog.text.count("with activation checkpointing, micro-batches of <= 250") == 2
+    assert caplog.text.count(" with activation checkpointing, micro-batches of <= 250") == 2
+    assert caplog.text.count("partly with activation checkpointing, micro-batches of <= 3000") == 1
     assert "(no memory limit, longest sequence 100)" in caplog.text

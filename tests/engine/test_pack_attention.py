@@ -30,8 +30,8 @@ def _segments() -> torch.Tensor:
 def _reference(q, k, v, scale) -> torch.Tensor:
     """Dense masked attention [N, W, heads, d]: a query sees earlier keys of the prompt or of
     its own segment (padding queries see the prompt, so no row is empty)."""
-    seg = _segments()
-    causal = torch.ones(WIDTH, WIDTH, dtype=torch.bool).tril()
+    seg = _segments().to(q.device)
+    causal = torch.ones(WIDTH, WIDTH, dtype=torch.bool, device=q.device).tril()
     allowed = causal & ((seg[:, None, :] == 0) | (seg[:, None, :] == seg[:, :, None]))
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)

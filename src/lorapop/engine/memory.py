@@ -123,19 +123,27 @@ def update_fixed_bytes(model: Any, head_chunk: int) -> int:
     return head_chunk * vocab * (2 * item + 3 * 4)
 
 
+#: Below this many tokens a micro-batch without checkpointing is too small to be worth it.
+MIN_KEEP_TOKENS = 2048
+
+
 def plan_update(model: Any, longest: int, max_tokens: int, head_chunk: int,
-                budget: int | None) -> tuple[bool, int]:
-    """`(checkpointing, micro_batch_tokens)` for an update whose longest sequence has `longest`
-    tokens: without checkpointing when a micro-batch of at least that sequence fits `budget`
-    bytes with every activation kept (micro-batches then sized to the budget, at most
-    `max_tokens`); else with checkpointing and `max_tokens`. No budget (CPU): checkpointing.
-    Logs each choice once (micro-batch tokens follow the free memory from update to update)."""
-    fit = 0 if budget is None else (budget - update_fixed_bytes(model, head_chunk)) // max(
-        1, update_bytes_per_token(model))
-    plan = (False, int(min(max_tokens, fit))) if fit >= longest else (True, max_tokens)
-    if ("update", plan[0], budget is None) not in _logged:
-        _logged.add(("update", plan[0], budget is None))
+                budget: int | None) -> tuple[int, int]:
+    """`(keep_tokens, micro_batch_tokens)` for an update whose longest sequence has `longest`
+    tokens: a micro-batch of at most `keep_tokens` padded tokens runs with every activation
+    kept (no checkpointing), a larger one (a sequence longer than that, alone) checkpoints.
+    `keep_tokens` is what fits `budget` bytes, and micro-batches are sized to it (at most
+    `max_tokens`); 0 when fewer than `MIN_KEEP_TOKENS` (and the longest) fit or there is no
+    budget (CPU): then every micro-batch checkpoints, `max_tokens` each. Logs each choice once
+    (micro-batch tokens follow the free memory from update to update)."""
+    fit = 0 if budget is None else int((budget - update_fixed_bytes(model, head_chunk)) // max(
+        1, update_bytes_per_token(model)))
+    keep = fit if fit >= min(longest, MIN_KEEP_TOKENS) else 0
+    plan = (keep, min(max_tokens, keep) if keep else max_tokens)
+    how = "without" if keep >= longest else "partly with" if keep else "with"
+    if ("update", how, budget is None) not in _logged:
+        _logged.add(("update", how, budget is None))
         free = "no memory limit" if budget is None else f"{budget / GIB:.1f} GiB free"
         log.info("update: %s activation checkpointing, micro-batches of <= %d tokens (%s, "
-                 "longest sequence %d)", "with" if plan[0] else "without", plan[1], free, longest)
+                 "longest sequence %d)", how, plan[1], free, longest)
     return plan
