@@ -95,13 +95,13 @@ SIZES: dict[str, Recipe] = {
     "tiny": Recipe(ModelSize(), steps=3000, n_per_level=1000, lr=2e-3, teacher_max_level=3,
                    variant_share=0.0),
     # about 26M parameters, for the regime world on one GPU (a few minutes on an H100): a
-    # larger corpus, references of the completion's level (level 5 programs are ~330 tokens,
-    # so longer references and rows), a pre-tokenized pool in length-bucketed batches of
-    # ~80k tokens (~300 rows)
+    # references of the completion's level (level 5 programs are ~330 tokens, so longer
+    # references and rows), a pre-tokenized pool in length-bucketed batches of ~80k tokens
+    # (~250 rows); steps sized to fit one 9-minute GPU call with the regime measurement
     "small": Recipe(ModelSize(hidden=512, layers=8, heads=8, kv_heads=4, intermediate=1536),
-                    steps=3000, n_per_level=1500, lr=1e-3, teacher_max_level=5,
+                    steps=1400, n_per_level=1000, lr=1e-3, teacher_max_level=5,
                     variant_share=0.5, level_refs=True, ref_max_chars=1500, max_len=1536,
-                    pool=200_000, batch_tokens=81_920),
+                    pool=120_000, batch_tokens=81_920),
 }  # fmt: skip
 
 
@@ -342,11 +342,14 @@ def train(
     warmup: int = 100,
     log_every: int = 50,
     log: Callable[[str], None] | None = None,
+    attention_mask: bool = True,
 ) -> list[float]:
     """AdamW on the completion-token mean loss of `steps` batches; returns every step's loss.
 
     On CUDA: bf16 autocast, fused AdamW, and the loss read back only at log steps (no sync
-    per step)."""
+    per step). `attention_mask=False` drops the batches' masks: rows are right-padded, so
+    under the causal mask no real token sees padding (whose labels are -100), and attention
+    runs as plain causal SDPA (flash kernels) instead of a masked one."""
     model.to(device).train()
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     other = [p for n, p in model.named_parameters() if p.ndim < 2]
@@ -362,7 +365,8 @@ def train(
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps, lr, warmup)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
-            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            loss = model(input_ids=ids, attention_mask=mask if attention_mask else None,
+                         labels=labels).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -454,7 +458,7 @@ def pretrain_tiny(
         batches = (encode(tok, [examples.draw()[1:] for _ in range(batch_size)], max_len)
                    for _ in range(steps))  # fmt: skip
     t_train = time.perf_counter()
-    losses = train(model, batches, steps, dev, lr=lr, log=log)
+    losses = train(model, batches, steps, dev, lr=lr, log=log, attention_mask=not pool)
     t_train = time.perf_counter() - t_train
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
