@@ -9,18 +9,21 @@ family's parser accepts, ended by EOS:
 - teacher code_f: `teacher_prompt(refs, base)` -> `<in_1></i><i>...</i><m><message></m>`
 - student code_o / code_i / code_f: `student_prompt(task)` -> output / input / program
 
-The loss covers the completion tokens only. Examples are drawn afresh for each batch (a random
-pair, 0..K references, a random n for code_f) from one `random.Random(seed)`, so a run is a
-function of its arguments: the same seed gives the same loss curve and the same weights on CPU
-(GPU kernels may add float noise). Teachers learn programs of levels 1..`teacher_max_level`
+The loss covers the completion tokens only. Examples (a random pair, 0..K references, a random
+n for code_f) come from one `random.Random(seed)`: drawn afresh for each batch (the `tiny`
+recipe), or drawn once into a pre-tokenized pool whose length-bucketed batches are gathered by
+tensor indexing on the device (`ExamplePool`, the GPU recipes). Either way a run is a function
+of its arguments: the same seed gives the same loss curve and the same weights on CPU (GPU
+kernels may add float noise). Teachers learn programs of levels 1..`teacher_max_level`
 (short enough to sample on a laptop); students learn all five levels.
 
 Sizes (`SIZES`, `lorapop pretrain-tiny --size`): `tiny` is the shipped 3.5M model, made exactly
 as above. Larger sizes are for a world in the paper's regime (GPU): teachers learn all five
-levels, and a share of their code_o/code_i examples are *reference-conditioned*: one of the
-shown references is an anchor program and the completion is a harder variant of it
-(`generate_variants`: the anchor becomes helper `g` of a new, longer `f`), so what a teacher
-proposes depends on what it is shown and it has a cue to raise difficulty.
+levels, their references are of their completion's level, and a share of their code_o/code_i
+examples are *reference-conditioned*: one of the shown references is an anchor program and the
+completion is a harder variant of it (`generate_variants`: the anchor becomes helper `g` of a
+new, longer `f`), so what a teacher proposes depends on what it is shown and it has a cue to
+raise difficulty.
 """
 
 from __future__ import annotations
