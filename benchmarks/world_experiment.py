@@ -146,8 +146,8 @@ def cross_one(job: dict) -> dict:
 def curves(rows: list[dict]) -> dict[str, list[float | None]]:
     """Per step: complexity of the teachers' code_o/code_i programs, own-task solve rate, valid
     rate, share of tasks with 0 < s < 1, teacher reward variance, entropy, the update's KL
-    (`train.kl_rows`), cumulative coverage
-    and valid programs (code_o + code_i), cumulative replacements."""
+    (`train.kl_rows`), cumulative coverage and valid programs (code_o + code_i), cumulative
+    replacements."""
     out: dict[str, list[float | None]] = {k: [] for k in CURVES}
     valid = repl = 0
     for r in rows:

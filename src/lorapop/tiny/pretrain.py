@@ -97,7 +97,7 @@ SIZES: dict[str, Recipe] = {
     # today's shipped model (src/lorapop/assets/tiny), rebuilt exactly by these settings
     "tiny": Recipe(ModelSize(), steps=3000, n_per_level=1000, lr=2e-3, teacher_max_level=3,
                    variant_share=0.0),
-    # about 26M parameters, for the regime world on one GPU (a few minutes on an H100): a
+    # about 26M parameters, for the regime world on one GPU (~6 minutes on an H100):
     # references of the completion's level (level 5 programs are ~330 tokens, so longer
     # references and rows), a pre-tokenized pool in length-bucketed batches of ~80k tokens
     # (~250 rows); steps sized to fit one 9-minute GPU call with the regime measurement
@@ -417,7 +417,8 @@ def pretrain_tiny(
     references of the completion's level (see `Examples`). `pool` > 0 draws that many examples
     once and trains on length-bucketed batches of them (`ExamplePool`, the GPU path); 0 draws
     every batch afresh (the shipped tiny model's path): `batch_size` rows a batch, where the
-    pool's batches hold up to `batch_tokens` padded tokens. Training on CPU is bit-for-bit reproducible; on GPU, kernels may add float noise.
+    pool's batches hold up to `batch_tokens` padded tokens. Training on CPU is bit-for-bit
+    reproducible; on GPU, kernels may add float noise.
     """
     if steps < 1 or n_per_level < 1 or batch_size < 1 or pool < 0:
         raise ValueError("steps, n_per_level and batch_size must be >= 1, pool >= 0")
@@ -473,7 +474,7 @@ def pretrain_tiny(
         "device": str(dev),
         "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "command": command or " ".join(sys.argv),
-        "batch_size": batch_size,
+        "batch_size": None if pool else batch_size,  # the pool's batches: batch_tokens
         "lr": lr,
         "n_per_level": n_per_level,
         "teacher_max_level": teacher_max_level,
