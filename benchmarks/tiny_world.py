@@ -39,7 +39,8 @@ def main() -> None:
     ap.add_argument("--pool-per-level", type=int, default=40, help="reference pool per type/level")
     ap.add_argument("--levels", type=int, nargs="+", default=[1, 2, 3, 4, 5])
     ap.add_argument("--heldout-per-level", type=int, default=0, help="0: skip held-out pass@1")
-    ap.add_argument("--teacher-max-new-tokens", type=int, default=256)
+    ap.add_argument("--teacher-max-new-tokens", type=int, default=512,
+                    help="level-5 programs are ~330 tokens (p90 ~400)")
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto", help="auto: bfloat16 on GPU (as the loop), else float32")

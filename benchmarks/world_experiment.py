@@ -42,7 +42,7 @@ ARMS = ("population", "single", "independent", "noevolve")
 SELECT_SEED = "world-select-v1"
 COMPLEXITY = ("cyclomatic", "ast_depth", "loc", "variables")
 CURVES = (*COMPLEXITY, "solve_rate", "valid_rate", "partial_share", "teacher_reward_var",
-          "entropy", "coverage", "valid_programs", "replacements")
+          "entropy", "kl", "coverage", "valid_programs", "replacements")
 
 
 # -- the runs ---------------------------------------------------------------------------------
@@ -145,8 +145,9 @@ def cross_one(job: dict) -> dict:
 
 def curves(rows: list[dict]) -> dict[str, list[float | None]]:
     """Per step: complexity of the teachers' code_o/code_i programs, own-task solve rate, valid
-    rate, share of tasks with 0 < s < 1, teacher reward variance, entropy, cumulative coverage
-    and valid programs (code_o + code_i), cumulative replacements."""
+    rate, share of tasks with 0 < s < 1, teacher reward variance, entropy, the update's KL
+    (`train.kl_rows`), cumulative coverage and valid programs (code_o + code_i), cumulative
+    replacements."""
     out: dict[str, list[float | None]] = {k: [] for k in CURVES}
     valid = repl = 0
     for r in rows:
@@ -163,8 +164,9 @@ def curves(rows: list[dict]) -> dict[str, list[float | None]]:
         out["valid_rate"].append(fmean(vr) if vr else None)
         out["partial_share"].append((r.get("task_solve_rates") or {}).get("partial"))
         out["teacher_reward_var"].append(r.get("teacher_reward_var"))
-        ent = [x["entropy"] for x in r["members"].values() if x.get("entropy") is not None]
-        out["entropy"].append(fmean(ent) if ent else None)
+        for k in ("entropy", "kl"):
+            xs = [x[k] for x in r["members"].values() if x.get(k) is not None]
+            out[k].append(fmean(xs) if xs else None)
         valid += sum(p["valid"] for p in progs)
         out["coverage"].append(sum(p["coverage"] for p in progs))
         out["valid_programs"].append(valid)
@@ -227,6 +229,35 @@ def paired_bootstrap(a: list[list[float]], b: list[list[float]], idx: list[int],
             "ci95": [float(stats[int(0.025 * n_boot)]), float(stats[int(0.975 * n_boot) - 1])]}
 
 
+def collapse(c: dict[str, list]) -> dict:
+    """The gate on one single-agent run's curves: last-10% own solve rate >= 0.8 and a
+    negative cyclomatic-complexity slope."""
+    sl, solve = slope(c["cyclomatic"]), window(c["solve_rate"], last=True)
+    return {"final_solve_rate": solve, "complexity_slope": sl,
+            "collapsed": solve is not None and solve >= 0.8 and sl is not None and sl < 0}
+
+
+def gate_probe(out: Path) -> dict:
+    """The gate on what the single-agent runs under OUT/runs have logged so far (finished or
+    not), with first/last-10% means of the main curves and the seconds per step."""
+    from lorapop.report import read_metrics
+
+    res = {}
+    for d in sorted((out / "runs").glob("single_s*")):
+        rows = read_metrics(d) if (d / "metrics.jsonl").is_file() else []
+        if not rows:
+            continue
+        c = curves(rows)
+        res[d.name] = {
+            "steps": len(rows), **collapse(c),
+            **{f"{k}_first_last": [window(c[k], last=False), window(c[k], last=True)]
+               for k in ("solve_rate", "valid_rate", "cyclomatic", "partial_share", "kl")},
+            "step_s": fmean(sum(r["phase_s"].values()) for r in rows),
+        }  # fmt: skip
+    (out / "gate_probe.json").write_text(json.dumps(res, indent=1) + "\n")
+    return res
+
+
 def summarize(runs: list[dict], cross: dict, levels: list[int], seeds: list[int]) -> dict:
     """Curves per arm and seed, the gate, the criterion and the end points."""
     by: dict[tuple[str, int], list[dict]] = {}
@@ -236,13 +267,7 @@ def summarize(runs: list[dict], cross: dict, levels: list[int], seeds: list[int]
                   for arm in ARMS if all((arm, s) in by for s in seeds)}  # fmt: skip
     if not {"population", "single"} <= set(arm_curves):
         raise ValueError("the gate and the criterion need the population and single arms")
-    gate_seeds = []
-    for s in seeds:
-        c = arm_curves["single"][s]
-        sl, solve = slope(c["cyclomatic"]), window(c["solve_rate"], last=True)
-        gate_seeds.append({"seed": s, "final_solve_rate": solve, "complexity_slope": sl,
-                           "collapsed": solve is not None and solve >= 0.8
-                           and sl is not None and sl < 0})  # fmt: skip
+    gate_seeds = [{"seed": s, **collapse(arm_curves["single"][s])} for s in seeds]
     need = math.ceil(2 * len(seeds) / 3)
     gate = {"seeds": gate_seeds, "passed": sum(g["collapsed"] for g in gate_seeds) >= need,
             "rule": f"single agent: last-10% own solve rate >= 0.8 and cyclomatic slope < 0 "
@@ -453,11 +478,11 @@ def plot(path: Path) -> None:
 
     s = json.loads(Path(path).read_text())
     keys = ("cyclomatic", "ast_depth", "solve_rate", "valid_rate", "partial_share",
-            "teacher_reward_var", "entropy", "replacements")
-    fig, axes = plt.subplots(3, 3, figsize=(15, 11))
+            "teacher_reward_var", "entropy", "kl", "replacements")
+    fig, axes = plt.subplots(3, 4, figsize=(19, 11))
     for ax, key in zip(axes.flat, keys, strict=False):
         for color, (arm, cs) in zip(("C0", "C3", "C2", "C1"), s["curves"].items(), strict=False):
-            series = [c[key] for c in cs.values()]
+            series = [c.get(key) or [] for c in cs.values()]
             n = min(len(x) for x in series)
             cols = [[x[i] for x in series if x[i] is not None] for i in range(n)]
             mean = [fmean(c) if c else float("nan") for c in cols]
@@ -466,7 +491,9 @@ def plot(path: Path) -> None:
             ax.plot(range(1, n + 1), mean, color=color, lw=1.5, label=arm)
             ax.fill_between(range(1, n + 1), lo, hi, color=color, alpha=0.2)
         ax.set(title=key.replace("_", " "), xlabel="step")
-    ax = axes.flat[8]
+    axes.flat[10].axis("off")
+    axes.flat[11].axis("off")
+    ax = axes.flat[9]
     grid = s["coverage_at_valid"]["valid_programs"]
     for color, arm in zip(("C0", "C3", "C2", "C1"), s["curves"], strict=False):
         rows = list(s["coverage_at_valid"][arm].values())
@@ -500,12 +527,16 @@ def main() -> None:
     ap.add_argument("--recent-tasks", type=int, default=60, help="cross-play: tasks per run")
     ap.add_argument("--workers", type=int, default=4, help="sandbox workers for set-up")
     ap.add_argument("--plot", type=Path, help="plot a finished world_experiment.json")
+    ap.add_argument("--gate-probe", action="store_true",
+                    help="print the gate on the single-agent runs under --out so far (any steps)")
     ap.add_argument("--train-one", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--cross-one", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help="key.path=value for every run (before matching)")
     args = ap.parse_args()
     if args.plot:
         plot(args.plot)
+    elif args.gate_probe:
+        print(json.dumps(gate_probe(Path(args.out)), indent=1))
     elif args.train_one or args.cross_one:
         path = args.train_one or args.cross_one
         job = json.loads(path.read_text())

@@ -184,9 +184,12 @@ def test_one_update_step_moves_each_adapter_with_its_advantages(tmp_path):
     log-probability of each adapter's positive-advantage rollouts and lowers its negative
     ones, and adapters without rollouts are left exactly as they were. Proposals, verdicts and
     answers are the model's and the sandbox's; the answers' grades alternate right / wrong
-    (the tiny model rarely solves anything), so the students' rewards differ."""
+    (the tiny model rarely solves anything), so the students' rewards differ. With
+    `train.kl_rows` covering every rollout, the logged KL is each member's mean per-token
+    k3 estimate between the policy before and after the update."""
     cfg = _cfg("tasks.types=[code_o, code_i]", "sampling.teacher_max_new_tokens=64",
-               "sampling.student_max_new_tokens=8", "train.lr=1e-3", "seed=1")
+               "sampling.student_max_new_tokens=8", "train.lr=1e-3", "seed=1",
+               "train.kl_rows=1000")
     sp = SelfPlay(cfg, tmp_path)
     p = sp.parts
     try:
@@ -200,17 +203,26 @@ def test_one_update_step_moves_each_adapter_with_its_advantages(tmp_path):
         idle = set(p.slot) - {r.member for r in rollouts}
         assert len(idle) == 2 and "T1" in idle
 
-        def logprobs() -> torch.Tensor:
+        def logprobs() -> tuple[torch.Tensor, torch.Tensor]:
             with torch.no_grad():
                 lp, mask = sequence_logprobs(p.model, p.bank, [r.prompt_ids for r in rollouts],
                                              [r.token_ids for r in rollouts],
                                              [p.slot[r.member] for r in rollouts])
-            return (lp.float() * mask).sum(1)
+            return lp.float() * mask, mask
 
-        before_lp = logprobs()
+        before_lp, mask = logprobs()
         before = {m: p.bank.slot_state(p.slot[m]) for m in idle}
         update = sp.update(pairs, proposals, validities, attempts)
-        moved = logprobs() - before_lp
+        after_lp, _ = logprobs()
+        moved = (after_lp - before_lp).sum(1)
+        d = after_lp - before_lp
+        k3 = torch.expm1(d) - d
+        for member in {r.member for r in rollouts if r.token_ids}:
+            rows = [i for i, r in enumerate(rollouts) if r.member == member]
+            assert update.kl[member] == pytest.approx(float(k3[rows][mask[rows]].mean()),
+                                                      rel=1e-3, abs=1e-7)
+            assert update.kl[member] > 0
+        assert set(update.kl) & idle == set()
         for m, state in before.items():
             after = p.bank.slot_state(p.slot[m])
             assert all(torch.equal(after[k][w], state[k][w]) for k in state for w in state[k])

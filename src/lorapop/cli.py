@@ -376,7 +376,7 @@ def pretrain_tiny(
         "tiny", help="tiny (the shipped 3.5M model) or small (~26M, the regime world; GPU)."
     ),
     seed: int = typer.Option(0, help="Seed for the corpus, tokenizer and training."),
-    steps: int = typer.Option(None, help="Optimizer steps, batch 64 (default: the size's)."),
+    steps: int = typer.Option(None, help="Optimizer steps (default: the size's)."),
     device: str = typer.Option("auto", help="auto, cpu or cuda."),
     n_per_level: int = typer.Option(None, help="Programs per difficulty level (default: the size's)."),
     workers: int = typer.Option(2, help="Sandbox processes verifying generated programs."),

@@ -168,6 +168,10 @@ class TrainConfig(Section):
     share_prompts: bool = True
     """Answers of one prompt under one adapter train as one sequence, the prompt computed once
     (exact; `engine/pack_attention`). false: every answer is its own sequence."""
+    kl_rows: int = Field(0, ge=0)
+    """Rollouts per step (a seeded subsample) on which each member's per-token KL between the
+    policy before and after the update is measured and logged (`kl` in metrics.jsonl): two
+    extra no-grad forwards of these rows. 0: off."""
     teacher_conversion: Literal["one_minus", "inverse"] = "one_minus"
     """A valid task's reward from its solve rate s, AZR's `generation_accuracy_convertion`:
     one_minus = 1-s if s > 0 else 0 (so 0 at s in {0,1}: PopuLoRA's rule), inverse = 1-s."""

@@ -33,6 +33,7 @@ from lorapop.config import Config, dump_config
 from lorapop.engine.generate import Generation, SamplingParams, generate
 from lorapop.engine.logprobs import (
     HEAD_CHUNK,
+    micro_batches,
     pack_micro_batches,
     pack_widths,
     sequence_logprobs,
@@ -248,7 +249,10 @@ class SelfPlay:
             for p, v in zip(proposals, validities, strict=True)
         ]
         rollouts = [p.rollout for p in proposals] + [a.rollout for a in attempts]
+        probe = self._kl_rows(rollouts)
+        before = self._token_logprobs(probe)
         losses, grad_norms, advs = self._policy_step(rollouts, teacher_rewards + student_rewards)
+        kl = self._kl(probe, before)
         if self.parts.ratings is not None:
             lg = self.cfg.league
             match_rates = [solve_rate(a.grade.outcome for a in attempts
@@ -258,7 +262,40 @@ class SelfPlay:
             for (teacher, student), result in zip(pairs, results, strict=True):
                 self.parts.ratings.record(teacher, student, result)
         n = len(proposals)
-        return Update(teacher_rewards, student_rewards, losses, grad_norms, advs[:n], advs[n:])
+        return Update(teacher_rewards, student_rewards, losses, grad_norms, advs[:n], advs[n:],
+                      kl)
+
+    def _kl_rows(self, rollouts: list[Rollout]) -> list[Rollout]:
+        """`train.kl_rows` of the step's non-empty rollouts, drawn from the step's own seed
+        (so probing the KL changes nothing else in the run)."""
+        rows = [r for r in rollouts if r.token_ids]
+        k = min(self.cfg.train.kl_rows, len(rows))
+        return _rng(self.cfg.seed, self.step_done + 1, "kl").sample(rows, k) if k else []
+
+    @torch.no_grad()
+    def _token_logprobs(self, rows: list[Rollout]) -> list[torch.Tensor]:
+        """Each row's completion-token log-probs under its member's current adapter."""
+        p, tc = self.parts, self.cfg.train
+        out: list[torch.Tensor] = [torch.empty(0)] * len(rows)
+        widths = [len(r.prompt_ids) + len(r.token_ids) for r in rows]
+        for group in micro_batches(widths, tc.micro_batch_tokens, tc.micro_batch_size):
+            part = [rows[i] for i in group]
+            lp, mask = sequence_logprobs(p.model, p.bank, [r.prompt_ids for r in part],
+                                         [r.token_ids for r in part],
+                                         [p.slot[r.member] for r in part])
+            for i, row, m in zip(group, lp.float(), mask, strict=True):
+                out[i] = row[m]
+        return out
+
+    def _kl(self, rows: list[Rollout], before: list[torch.Tensor]) -> dict[str, float]:
+        """Per member, the mean per-token KL(before || after) of the update on `rows`: the
+        k3 estimator exp(r) - 1 - r, r = log pi_after - log pi_before, on tokens sampled from
+        the policy before the update (unbiased and never negative)."""
+        per: dict[str, list[torch.Tensor]] = defaultdict(list)
+        for r, old, new in zip(rows, before, self._token_logprobs(rows), strict=True):
+            d = new - old
+            per[r.member].append(torch.expm1(d) - d)
+        return {m: float(torch.cat(v).mean()) for m, v in per.items()}
 
     def replacement(self, step: int) -> list[dict[str, Any]]:
         """The weakest members of each sub-population become children of the strongest; the

@@ -7,7 +7,7 @@ training state, so logging a step (or not) never changes the run.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from statistics import fmean, pvariance
 from typing import Any
 
@@ -73,6 +73,8 @@ class Update:
     grad_norms: dict[str, float]  # member -> norm; empty when nothing was trained
     teacher_advantages: list[float | None]  # None: an empty completion, not trained on
     student_advantages: list[float | None]
+    kl: dict[str, float] = field(default_factory=dict)  # member -> per-token KL of the update
+    # on a subsample of the step's rollouts (`train.kl_rows`; empty when off)
 
 
 @dataclass(frozen=True)
@@ -130,6 +132,8 @@ def step_metrics(rec: StepRecord, league: dict[str, MemberInfo]) -> dict[str, An
             m["mu"], m["sigma"] = info.mu, info.sigma
         m["grad_norm"] = rec.update.grad_norms.get(name)
         m["loss"] = rec.update.losses.get(name)
+        if name in rec.update.kl:
+            m["kl"] = rec.update.kl[name]
         members[name] = m
     matchups = []
     for teacher, student in rec.pairs:

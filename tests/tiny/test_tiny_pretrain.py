@@ -13,6 +13,7 @@ from lorapop.tiny.evaluate import proposal_validity
 from lorapop.tiny.pretrain import (
     ROLES,
     TINY_MODEL_DIR,
+    ExamplePool,
     Examples,
     ModelSize,
     as_type,
@@ -74,6 +75,35 @@ def test_loss_covers_only_the_completion(corpus: list[Task], tiny_sandbox) -> No
         assert labels[row, n_p : n_p + n_c].tolist() == ids[row, n_p : n_p + n_c].tolist()
         assert labels[row, n_p + n_c - 1] == tok.eos_token_id
         assert (labels[row, n_p + n_c :] == -100).all() and mask[row].sum() == n_p + n_c
+
+
+def _rows(ids, mask, labels) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Each row's real tokens and trained labels."""
+    return [(tuple(i[m.bool()].tolist()), tuple(y[y != -100].tolist()))
+            for i, m, y in zip(ids, mask, labels, strict=True)]  # fmt: skip
+
+
+def test_pool_batches_hold_the_encoded_rows_within_the_token_budget(corpus: list[Task]) -> None:
+    """The GPU path's batches are `encode`'s rows (same ids, same labels), bounded in padded
+    tokens, every row once per epoch, in an order fixed by the seed."""
+    tok = AutoTokenizer.from_pretrained(TINY_MODEL_DIR)
+    ex = Examples(corpus, random.Random(0), teacher_max_level=5, level_refs=True)
+    pairs = [ex.draw()[1:] for _ in range(60)]
+
+    def pool(seed: int) -> ExamplePool:
+        return ExamplePool(tok, pairs, max_len=200, batch_tokens=800, seed=seed)
+
+    got = []
+    for batch in pool(3).batches(len(pool(3)._epoch())):
+        assert batch[0].numel() <= 800 and batch[1][:, -1].any()  # no all-padding column
+        got += _rows(*batch)
+    assert sorted(got) == sorted(_rows(*encode(tok, pairs, max_len=200)))
+    full = [len(tok(p, add_special_tokens=False)["input_ids"])
+            + len(tok(c, add_special_tokens=False)["input_ids"]) + 1 for p, c in pairs]
+    assert pool(3).cut == sum(n > 200 for n in full) > 0
+    a, again, other = ([x[0] for x in pool(s).batches(3)] for s in (3, 3, 4))
+    assert all(torch.equal(x, y) for x, y in zip(a, again, strict=True))
+    assert not all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, other, strict=True))
 
 
 def _run(tmp_path, corpus, seed: int, name: str) -> tuple[dict, dict]:

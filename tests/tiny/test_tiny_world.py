@@ -72,6 +72,27 @@ def test_reference_conditioned_examples_extend_a_shown_reference(corpus, variant
     assert seen > 20
 
 
+def test_level_matched_references_are_of_the_completions_level(corpus, variants) -> None:
+    level = {t.program: t.meta["difficulty"] for t in corpus}
+    ex = Examples(corpus, random.Random(5), teacher_max_level=5, variants=variants,
+                  variant_share=0.5, level_refs=True)  # fmt: skip
+    checked = 0
+    for _ in range(300):
+        role, prompt, completion = ex.draw()
+        if not role.startswith("teacher/code_o"):
+            continue
+        program = completion.split("</f>")[0]
+        shown = [r.split("</f>")[0] for r in prompt.split("<f>")[1:-1]]
+        target = level.get(program)
+        if target is None:  # a variant: its references are of its anchor's level
+            target = next(level[r] for r in shown
+                          if program.startswith(r.replace("def f(", "def g(", 1)))
+        levels = {level[r] for r in shown if r in level}  # (AZR's seed task has no level)
+        assert levels <= {target}, (levels, target)
+        checked += len(levels)
+    assert checked > 20
+
+
 def test_sizes_keep_tiny_as_shipped_and_reject_unknown(tmp_path) -> None:
     tiny = SIZES["tiny"]
     assert tiny.size == ModelSize() and (tiny.steps, tiny.n_per_level, tiny.lr) == (3000, 1000, 2e-3)

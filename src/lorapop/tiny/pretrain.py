@@ -9,33 +9,38 @@ family's parser accepts, ended by EOS:
 - teacher code_f: `teacher_prompt(refs, base)` -> `<in_1></i><i>...</i><m><message></m>`
 - student code_o / code_i / code_f: `student_prompt(task)` -> output / input / program
 
-The loss covers the completion tokens only. Examples are drawn afresh for each batch (a random
-pair, 0..K references, a random n for code_f) from one `random.Random(seed)`, so a run is a
-function of its arguments: the same seed gives the same loss curve and the same weights on CPU
-(GPU kernels may add float noise). Teachers learn programs of levels 1..`teacher_max_level`
+The loss covers the completion tokens only. Examples (a random pair, 0..K references, a random
+n for code_f) come from one `random.Random(seed)`: drawn afresh for each batch (the `tiny`
+recipe), or drawn once into a pre-tokenized pool whose length-bucketed batches are gathered by
+tensor indexing on the device (`ExamplePool`, the GPU recipes). Either way a run is a function
+of its arguments: the same seed gives the same loss curve and the same weights on CPU (GPU
+kernels may add float noise). Teachers learn programs of levels 1..`teacher_max_level`
 (short enough to sample on a laptop); students learn all five levels.
 
 Sizes (`SIZES`, `lorapop pretrain-tiny --size`): `tiny` is the shipped 3.5M model, made exactly
 as above. Larger sizes are for a world in the paper's regime (GPU): teachers learn all five
-levels, and a share of their code_o/code_i examples are *reference-conditioned*: one of the
-shown references is an anchor program and the completion is a harder variant of it
-(`generate_variants`: the anchor becomes helper `g` of a new, longer `f`), so what a teacher
-proposes depends on what it is shown and it has a cue to raise difficulty.
+levels, their references are of their completion's level, and a share of their code_o/code_i
+examples are *reference-conditioned*: one of the shown references is an anchor program and the
+completion is a harder variant of it (`generate_variants`: the anchor becomes helper `g` of a
+new, longer `f`), so what a teacher proposes depends on what it is shown and it has a cue to
+raise difficulty.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import platform
 import random
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import transformers
 from transformers import PreTrainedTokenizerFast
@@ -80,16 +85,26 @@ class Recipe:
     lr: float
     teacher_max_level: int
     variant_share: float  # share of code_o/code_i teacher examples that extend a shown reference
+    level_refs: bool = False  # teacher references are of the completion's level (variants: anchor's)
+    ref_max_chars: int = 400  # longest reference program shown in pretraining prompts
+    batch_size: int = 64
+    max_len: int = 1024  # longest example in tokens (longer ones are cut at the end)
+    pool: int = 0  # > 0: pre-tokenize this many examples, batches by length (`ExamplePool`)
+    batch_tokens: int = 81_920  # the pool's batches: most padded tokens (rows x longest row)
 
 
 SIZES: dict[str, Recipe] = {
     # today's shipped model (src/lorapop/assets/tiny), rebuilt exactly by these settings
     "tiny": Recipe(ModelSize(), steps=3000, n_per_level=1000, lr=2e-3, teacher_max_level=3,
                    variant_share=0.0),
-    # about 26M parameters, for the regime world on one GPU (a few minutes on an H100)
+    # about 26M parameters, for the regime world on one GPU (~6 minutes on an H100):
+    # references of the completion's level (level 5 programs are ~330 tokens, so longer
+    # references and rows), a pre-tokenized pool in length-bucketed batches of ~80k tokens
+    # (~250 rows); steps sized to fit one 9-minute GPU call with the regime measurement
     "small": Recipe(ModelSize(hidden=512, layers=8, heads=8, kv_heads=4, intermediate=1536),
-                    steps=3000, n_per_level=1000, lr=1e-3, teacher_max_level=5,
-                    variant_share=0.5),
+                    steps=1400, n_per_level=1000, lr=1e-3, teacher_max_level=5,
+                    variant_share=0.5, level_refs=True, ref_max_chars=1500, max_len=1536,
+                    pool=120_000, batch_tokens=81_920),
 }  # fmt: skip
 
 
@@ -149,15 +164,18 @@ class Examples:
 
     With `variants` ((anchor, variant) pairs) and `variant_share` > 0, that share of code_o /
     code_i teacher examples shows the anchor among the references and completes its variant.
-    With none, the draws are exactly those of the shipped tiny model's recipe.
+    With `level_refs`, a teacher's references are of its completion's level (a variant's, of
+    its anchor's level), so the level of what it writes follows the level of what it is shown.
+    With neither, the draws are exactly those of the shipped tiny model's recipe.
     """
 
     def __init__(
         self, corpus: Sequence[Task], rng: random.Random, max_refs: int = 2,
         teacher_max_level: int = 3, ref_max_chars: int = 400,
         variants: Sequence[tuple[Task, Task]] = (), variant_share: float = 0.0,
+        level_refs: bool = False,
     ) -> None:  # fmt: skip
-        self.rng, self.max_refs = rng, max_refs
+        self.rng, self.max_refs, self.level_refs = rng, max_refs, level_refs
         self.variants = [(a, v) for a, v in variants if len(a.program) <= ref_max_chars]
         self.variant_share = variant_share
         self.all = list(corpus)
@@ -167,17 +185,22 @@ class Examples:
             raise ValueError("the corpus is empty")
         short = [t for t in corpus if len(t.program) <= ref_max_chars]
         self.ref_pool = short or self.all
+        self.refs_by_level: dict[object, list[Task]] = {}
+        for t in self.ref_pool:
+            self.refs_by_level.setdefault(t.meta.get("difficulty"), []).append(t)
         self.seeds = {k: get_family(k, template="compact").seed_tasks()[0] for k in
                       ("code_o", "code_i")}  # fmt: skip
 
-    def _refs(self, kind: str, n_inputs: int) -> list[Task]:
+    def _refs(self, kind: str, n_inputs: int, level: object = None) -> list[Task]:
+        pool = self.refs_by_level.get(level) if self.level_refs else None
+        pool = pool or self.ref_pool
         k = self.rng.randint(0, self.max_refs)
         refs = []
         for _ in range(k):
             if self.rng.random() < 0.1 and kind != "code_f":
                 refs.append(self.seeds[kind])  # the loop's buffers start with AZR's seed task
                 continue
-            t = self.rng.choice(self.ref_pool)
+            t = self.rng.choice(pool)
             j = self.rng.randrange(len(t.inputs))
             refs.append(as_type(t, kind, j, n_inputs))
         return refs
@@ -192,14 +215,14 @@ class Examples:
         src = self.rng.choice(self.teach if who == "teacher" else self.all)
         n = self.rng.choice(CODE_F_NS)
         task = as_type(src, kind, self.rng.randrange(len(src.inputs)), n)
-        refs = self._refs(kind, n) if who == "teacher" else []
+        refs = self._refs(kind, n, src.meta.get("difficulty")) if who == "teacher" else []
         return role, prompt(role, task, refs), completion(role, task)
 
     def _variant(self, role: str, kind: str) -> tuple[str, str]:
         """A teacher example whose completion extends one of the references it shows."""
         anchor, variant = self.rng.choice(self.variants)
         task = as_type(variant, kind, self.rng.randrange(len(variant.inputs)))
-        refs = self._refs(kind, 0)[: self.max_refs - 1]
+        refs = self._refs(kind, 0, anchor.meta.get("difficulty"))[: self.max_refs - 1]
         refs.insert(self.rng.randint(0, len(refs)),
                     as_type(anchor, kind, self.rng.randrange(len(anchor.inputs))))  # fmt: skip
         return prompt(role, task, refs), completion(role, task)
@@ -247,47 +270,115 @@ def lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
     return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
+class ExamplePool:
+    """Examples drawn once, tokenized once and stored flat; batches are gathered by index.
+
+    Each epoch is a permutation of the rows from `seed`, sorted by length within windows of
+    16384 rows and cut into batches of at most `batch_tokens` padded tokens (rows x longest
+    row; many short rows or a few long ones, so memory is bounded), the batches then shuffled:
+    a batch is padded to little more than its own longest row, and the order is a function of
+    `seed`. Rows longer than `max_len` are cut at the end (`cut` counts them).
+    """
+
+    def __init__(self, tok: PreTrainedTokenizerFast, pairs: Sequence[tuple[str, str]],
+                 max_len: int, batch_tokens: int, seed: int) -> None:  # fmt: skip
+        if not pairs or batch_tokens < max_len:
+            raise ValueError("need examples, and batch_tokens >= max_len")
+        ps = tok([p for p, _ in pairs], add_special_tokens=False)["input_ids"]
+        cs = tok([c for _, c in pairs], add_special_tokens=False)["input_ids"]
+        eos = [tok.eos_token_id]
+        lengths = [min(len(p) + len(c) + 1, max_len) for p, c in zip(ps, cs, strict=True)]
+        self.cut = sum(len(p) + len(c) + 1 > max_len for p, c in zip(ps, cs, strict=True))
+        flat = np.fromiter(itertools.chain.from_iterable(
+            (p + c + eos)[:max_len] for p, c in zip(ps, cs, strict=True)),
+            dtype=np.int64, count=sum(lengths))  # fmt: skip
+        self.tokens = torch.from_numpy(flat)
+        self.lengths = torch.tensor(lengths)
+        self.prompt_lens = torch.tensor([len(p) for p in ps]).clamp_(max=self.lengths)
+        self.offsets = torch.cumsum(self.lengths, 0) - self.lengths
+        self.batch_tokens, self.pad = batch_tokens, tok.pad_token_id
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def to(self, device: torch.device) -> ExamplePool:
+        for k in ("tokens", "lengths", "prompt_lens", "offsets"):
+            setattr(self, k, getattr(self, k).to(device))
+        return self
+
+    def _epoch(self) -> list[torch.Tensor]:
+        lengths = self.lengths.cpu()
+        batches = []
+        for w in torch.randperm(len(lengths), generator=self.gen).split(16384):
+            w = w[torch.argsort(lengths[w], stable=True)]
+            start = 0
+            for i, width in enumerate(lengths[w].tolist()):  # ascending: the last is the widest
+                if (i + 1 - start) * width > self.batch_tokens:
+                    batches.append(w[start:i])
+                    start = i
+            batches.append(w[start:])
+        order = torch.randperm(len(batches), generator=self.gen).tolist()
+        return [batches[i] for i in order]
+
+    def batches(self, steps: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """`steps` batches of (input_ids, attention_mask, labels) on the pool's device."""
+        dev, done = self.tokens.device, 0
+        lengths = self.lengths.cpu()
+        while done < steps:
+            for rows in self._epoch()[: steps - done]:
+                width = int(lengths[rows].max())
+                rows = rows.to(dev)
+                pos = torch.arange(width, device=dev)[None, :]
+                inside = pos < self.lengths[rows, None]
+                at = (self.offsets[rows, None] + pos).clamp_(max=len(self.tokens) - 1)
+                ids = torch.where(inside, self.tokens[at], self.pad)
+                labels = torch.where(inside & (pos >= self.prompt_lens[rows, None]), ids, -100)
+                yield ids, inside.long(), labels
+                done += 1
+
+
 def train(
     model: torch.nn.Module,
-    tok: PreTrainedTokenizerFast,
-    examples: Examples,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
     steps: int,
     device: torch.device,
     *,
-    batch_size: int = 64,
     lr: float = 2e-3,
     warmup: int = 100,
-    max_len: int = 1024,
     log_every: int = 50,
     log: Callable[[str], None] | None = None,
+    attention_mask: bool = True,
 ) -> list[float]:
-    """AdamW on the completion-token mean loss; returns the loss of every step."""
+    """AdamW on the completion-token mean loss of `steps` batches; returns every step's loss.
+
+    On CUDA: bf16 autocast, fused AdamW, and the loss read back only at log steps (no sync
+    per step). `attention_mask=False` drops the batches' masks: rows are right-padded, so
+    under the causal mask no real token sees padding (whose labels are -100), and attention
+    runs as plain causal SDPA (flash kernels) instead of a masked one."""
     model.to(device).train()
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     other = [p for n, p in model.named_parameters() if p.ndim < 2]
+    amp = device.type == "cuda"
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
-        lr=lr, betas=(0.9, 0.95),
+        lr=lr, betas=(0.9, 0.95), fused=amp or None,
     )  # fmt: skip
-    amp = device.type == "cuda"
-    losses: list[float] = []
+    losses: list[torch.Tensor] = []
     t0 = time.perf_counter()
-    for step in range(steps):
-        pairs = [examples.draw()[1:] for _ in range(batch_size)]
-        ids, mask, labels = (x.to(device) for x in encode(tok, pairs, max_len))
+    for step, batch in zip(range(steps), batches, strict=False):
+        ids, mask, labels = (x.to(device, non_blocking=True) for x in batch)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps, lr, warmup)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
-            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            loss = model(input_ids=ids, attention_mask=mask if attention_mask else None,
+                         labels=labels).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        losses.append(float(loss.item()))
+        losses.append(loss.detach())
         if log and (step % log_every == 0 or step == steps - 1):
-            log(f"step {step:5d}  loss {losses[-1]:.4f}  {time.perf_counter() - t0:6.1f}s")
+            log(f"step {step:5d}  loss {float(losses[-1]):.4f}  {time.perf_counter() - t0:6.1f}s")
     model.eval()
-    return losses
+    return [float(x) for x in torch.stack(losses).float().cpu().tolist()] if losses else []
 
 
 # -- the whole recipe ---------------------------------------------------------------------------
@@ -306,6 +397,11 @@ def pretrain_tiny(
     lr: float = 2e-3,
     teacher_max_level: int = 3,
     variant_share: float = 0.0,
+    level_refs: bool = False,
+    ref_max_chars: int = 400,
+    max_len: int = 1024,
+    pool: int = 0,
+    batch_tokens: int = 81_920,
     workers: int = 2,
     corpus: Sequence[Task] | None = None,
     command: str | None = None,
@@ -317,11 +413,15 @@ def pretrain_tiny(
     files and training.json (the record returned: seed, steps, device, final loss, loss curve,
     corpus fingerprint, versions). `corpus` skips generation (tests); `workers` sizes the
     sandbox that verifies generated programs; `command` is recorded as given (default: argv).
-    `variant_share` > 0 adds reference-conditioned teacher examples (see the module doc).
-    Training on CPU is bit-for-bit reproducible; on GPU, kernels may add float noise.
+    `variant_share` > 0 adds reference-conditioned teacher examples, `level_refs` shows
+    references of the completion's level (see `Examples`). `pool` > 0 draws that many examples
+    once and trains on length-bucketed batches of them (`ExamplePool`, the GPU path); 0 draws
+    every batch afresh (the shipped tiny model's path): `batch_size` rows a batch, where the
+    pool's batches hold up to `batch_tokens` padded tokens. Training on CPU is bit-for-bit
+    reproducible; on GPU, kernels may add float noise.
     """
-    if steps < 1 or n_per_level < 1 or batch_size < 1:
-        raise ValueError("steps, n_per_level and batch_size must be >= 1")
+    if steps < 1 or n_per_level < 1 or batch_size < 1 or pool < 0:
+        raise ValueError("steps, n_per_level and batch_size must be >= 1, pool >= 0")
     if not 0.0 <= variant_share <= 1.0 or teacher_max_level not in LEVELS:
         raise ValueError("variant_share must be in [0, 1] and teacher_max_level in 1..5")
     size = size or ModelSize()
@@ -344,8 +444,26 @@ def pretrain_tiny(
     tok = train_tokenizer(texts, vocab_size=vocab_size)
     model = build_model(tok, size, seed)
     examples = Examples(corpus, random.Random(f"pretrain/{seed}"), teacher_max_level=teacher_max_level,
-                        variants=variants, variant_share=variant_share)  # fmt: skip
-    losses = train(model, tok, examples, steps, dev, batch_size=batch_size, lr=lr, log=log)
+                        variants=variants, variant_share=variant_share, level_refs=level_refs,
+                        ref_max_chars=ref_max_chars)  # fmt: skip
+    if pool:
+        t1 = time.perf_counter()
+        data = ExamplePool(tok, [examples.draw()[1:] for _ in range(pool)], max_len,
+                           batch_tokens, seed).to(dev)  # fmt: skip
+        pool_info = {"examples": pool, "tokens": len(data.tokens), "cut_rows": data.cut,
+                     "batch_tokens": batch_tokens,
+                     "seconds": round(time.perf_counter() - t1, 1)}  # fmt: skip
+        if log:
+            log(f"pool: {pool} examples, {len(data.tokens)} tokens, {data.cut} cut at {max_len} "
+                f"in {pool_info['seconds']}s")
+        batches: Iterable = data.batches(steps)
+    else:
+        pool_info = None
+        batches = (encode(tok, [examples.draw()[1:] for _ in range(batch_size)], max_len)
+                   for _ in range(steps))  # fmt: skip
+    t_train = time.perf_counter()
+    losses = train(model, batches, steps, dev, lr=lr, log=log, attention_mask=not pool)
+    t_train = time.perf_counter() - t_train
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.to("cpu").save_pretrained(str(out), safe_serialization=True)
@@ -356,12 +474,16 @@ def pretrain_tiny(
         "device": str(dev),
         "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "command": command or " ".join(sys.argv),
-        "batch_size": batch_size,
+        "batch_size": None if pool else batch_size,  # the pool's batches: batch_tokens
         "lr": lr,
         "n_per_level": n_per_level,
         "teacher_max_level": teacher_max_level,
         "variant_share": variant_share,
         "variants": len(variants),
+        "level_refs": level_refs,
+        "ref_max_chars": ref_max_chars,
+        "max_len": max_len,
+        "pool": pool_info,
         "vocab_size": len(tok),
         "size": size.__dict__,
         "parameters": sum(p.numel() for p in model.parameters()),
@@ -370,6 +492,8 @@ def pretrain_tiny(
         "final_loss": sum(losses[-50:]) / len(losses[-50:]),
         "loss_curve": {str(i): round(x, 4) for i, x in enumerate(losses) if i % 50 == 0},
         "corpus_s": round(t_corpus, 1),
+        "train_s": round(t_train, 1),
+        "step_ms": round(1000 * t_train / steps, 1),
         "total_s": round(time.perf_counter() - t0, 1),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "python": platform.python_version()},  # fmt: skip
@@ -387,10 +511,12 @@ def pretrain_size(
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; known: {', '.join(SIZES)}")
     r = SIZES[size]
+    kwargs.setdefault("batch_size", r.batch_size)
     record = pretrain_tiny(
         out_dir, seed, steps or r.steps, device, n_per_level=n_per_level or r.n_per_level,
         size=r.size, lr=lr or r.lr, teacher_max_level=r.teacher_max_level,
-        variant_share=r.variant_share, **kwargs,  # type: ignore[arg-type]
+        variant_share=r.variant_share, level_refs=r.level_refs, ref_max_chars=r.ref_max_chars,
+        max_len=r.max_len, pool=r.pool, batch_tokens=r.batch_tokens, **kwargs,  # type: ignore[arg-type]
     )  # fmt: skip
     record["size_name"] = size
     (Path(out_dir) / "training.json").write_text(json.dumps(record, indent=1) + "\n")
@@ -406,13 +532,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--steps", type=int, help="default: the size's recipe")
     p.add_argument("--device", default="auto")
     p.add_argument("--n-per-level", type=int, help="default: the size's recipe")
-    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--batch-size", type=int, help="default: the size's recipe")
     p.add_argument("--lr", type=float, help="default: the size's recipe")
     p.add_argument("--workers", type=int, default=2)
     a = p.parse_args(argv)
     args = sys.argv[1:] if argv is None else list(argv)
     rec = pretrain_size(a.out, a.size, a.seed, a.device, steps=a.steps, n_per_level=a.n_per_level,
-                        lr=a.lr, batch_size=a.batch_size, workers=a.workers,
+                        lr=a.lr, workers=a.workers,
+                        **({"batch_size": a.batch_size} if a.batch_size else {}),
                         command=" ".join(["python -m lorapop.tiny.pretrain", *args]))  # fmt: skip
     print(f"saved to {a.out}: final loss {rec['final_loss']:.4f}")
     return 0
