@@ -596,7 +596,8 @@ def write_report(run_dir: str | Path, extra_html: str = "") -> Path:
     sections: list[tuple[str, str, Callable[[], str | None], str]] = [
         ("individuals", "Learning curves per individual", lambda: plot_individuals(rows),
          note + " Line style changes when a slot gets a new individual."),
-        ("arms", "Learning curves per arm (mean over members; teachers and students apart where both log a metric)", lambda: plot_arms(runs), note),
+        ("arms", "Learning curves per arm (mean over members; teachers and students apart "
+                 "where both log a metric)", lambda: plot_arms(runs), note),
         ("ratings", "Ratings", lambda: plot_ratings(rows),
          "TrueSkill μ per individual, band ±σ."),
         ("matchups", "Solve rate per matchup", lambda: plot_matchups(rows),
