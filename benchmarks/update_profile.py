@@ -87,9 +87,9 @@ def update_pass(parts, rows: tuple[list, list, list], share: bool, mode: bool | 
         pack_widths,
         sequence_logprobs,
         shared_prompt_packs,
-        use_checkpointing,
     )
     from lorapop.engine.memory import free_memory, plan_update, update_bytes_per_token
+    from lorapop.engine.model import use_checkpointing
     from lorapop.rl.loss import policy_loss
 
     model = parts.model
@@ -118,11 +118,8 @@ def update_pass(parts, rows: tuple[list, list, list], share: bool, mode: bool | 
         ckpt = bool(mode) if keep is None else keep < max(widths)
         model.train()
         groups = pack_micro_batches(packs, widths, cap, 64)
-        pack_of = {i: j for j, g in enumerate(packs) for i in g}
-        for idx in groups:
-            units = {pack_of[i] for i in idx}
-            use_checkpointing(model, ckpt if keep is None
-                              else len(units) * max(widths[j] for j in units) > keep)
+        for idx, padded in groups:
+            use_checkpointing(model, ckpt if keep is None else padded > keep)
             micro(idx)
         _sync()
         dt = time.perf_counter() - t0
@@ -130,7 +127,7 @@ def update_pass(parts, rows: tuple[list, list, list], share: bool, mode: bool | 
         tokens = sum(len(p) + len(c) for p, c in zip(prompts, comps, strict=True))
         out = {"share": share, "mode": mode, "held_copy": held, "checkpointing": ckpt,
                "micro_batch_tokens": cap, "micro_batches": len(groups),
-               "sequences_per_micro_batch": max(sum(g[0] in idx for g in packs) for idx in groups),
+               "sequences_per_micro_batch": max(sum(g[0] in idx for g in packs) for idx, _ in groups),
                "est_bytes_per_token": update_bytes_per_token(model),
                "row_tokens": tokens, "forward_tokens": sum(widths), "s": dt,
                "tokens_per_s": tokens / dt, "mfu_4n": 4 * flop_params(model) * tokens / dt / 989e12,
@@ -138,9 +135,9 @@ def update_pass(parts, rows: tuple[list, list, list], share: bool, mode: bool | 
         if profile:
             with profiler.profile(activities=[profiler.ProfilerActivity.CUDA,
                                               profiler.ProfilerActivity.CPU]) as prof:
-                micro(groups[0])
+                micro(groups[0][0])
                 _sync()
-            out["profiled_micro_batch_rows"] = len(groups[0])
+            out["profiled_micro_batch_rows"] = len(groups[0][0])
             out["kernel_kinds_ms"] = _kernel_kinds(prof)
             out["kernels"] = _kernels(prof, 30)
             out["cpu_ops"] = [{"name": e.key[:100], "calls": e.count,
@@ -220,7 +217,8 @@ def paper_case(parts, args, write) -> dict:
 
 def update_case(parts, prompt: int, completion: int, tokens: int, ckpt: bool, reps: int,
                 profile: bool) -> dict:
-    from lorapop.engine.logprobs import sequence_logprobs, use_checkpointing
+    from lorapop.engine.logprobs import sequence_logprobs
+    from lorapop.engine.model import use_checkpointing
     from lorapop.rl.loss import policy_loss
 
     model, bank = parts.model, parts.bank

@@ -38,9 +38,9 @@ from lorapop.engine.logprobs import (
     pack_widths,
     sequence_logprobs,
     shared_prompt_packs,
-    use_checkpointing,
 )
 from lorapop.engine.memory import free_memory, plan_update
+from lorapop.engine.model import use_checkpointing
 from lorapop.league import Role, match, match_results, plan_replacement, rate_children
 from lorapop.lora import evolve
 from lorapop.parts import build, derive_seed, load_state, save_state
@@ -405,12 +405,11 @@ class SelfPlay:
         mine = dist.shard(widths, self.world.size)[self.world.rank]
         with p.bank.held_copy(p.model.dtype):  # one cast of the bank for the whole update
             keep, max_tokens = self._update_memory_plan(max(widths))  # (copy not free memory)
-            pack_of = {i: j for j in mine for i in packs[j]}
-            for rows in pack_micro_batches([packs[j] for j in mine], [widths[j] for j in mine],
-                                           max_tokens, tc.micro_batch_size):
+            for rows, padded in pack_micro_batches([packs[j] for j in mine],
+                                                   [widths[j] for j in mine], max_tokens,
+                                                   tc.micro_batch_size):
                 if keep is not None:  # checkpoint only what does not fit with activations kept
-                    units = {pack_of[i] for i in rows}
-                    use_checkpointing(p.model, len(units) * max(widths[j] for j in units) > keep)
+                    use_checkpointing(p.model, padded > keep)
                 part = [rollouts[i] for i in rows]
                 idx = torch.tensor(rows, device=dev)
                 logprobs, mask = sequence_logprobs(

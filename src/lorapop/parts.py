@@ -20,8 +20,7 @@ from typing import Any
 import torch
 
 from lorapop.config import Config, dump_config
-from lorapop.engine.logprobs import use_checkpointing
-from lorapop.engine.model import load_base_model, load_tokenizer
+from lorapop.engine.model import load_base_model, load_tokenizer, use_checkpointing
 from lorapop.engine.step import BankOptimizer
 from lorapop.league import Lineage, Ratings
 from lorapop.lora.bank import AdapterBank

@@ -12,8 +12,8 @@ from lorapop.engine.logprobs import (
     pack_widths,
     sequence_logprobs,
     shared_prompt_packs,
-    use_checkpointing,
 )
+from lorapop.engine.model import use_checkpointing
 from lorapop.lora.bank import AdapterBank
 from tiny_models import tiny_model
 
@@ -86,10 +86,12 @@ def test_pack_micro_batches_keep_packs_whole_and_apart_from_lone_rows():
     widths = pack_widths(packs, prompts, completions)
     assert packs == [[0, 1, 3], [2], [4, 5]] and widths == [22, 38, 11]
     for max_tokens in (1, 30, 60, 1000):
-        groups = pack_micro_batches(packs, widths, max_tokens, max_rows=4)
+        batches = pack_micro_batches(packs, widths, max_tokens, max_rows=4)
+        groups = [rows for rows, _ in batches]
         assert sorted(i for g in groups for i in g) == list(range(6))
         for g in groups:
             assert 2 not in g or g == [2]  # the lone row never shares a forward with a pack
             for pack in packs:
                 assert set(pack) <= set(g) or not set(pack) & set(g)
-    assert pack_micro_batches(packs, widths, 1000, 4) == [[0, 1, 3, 4, 5], [2]]
+    # padded tokens: two packs (widest 22) in one forward, the lone row alone
+    assert pack_micro_batches(packs, widths, 1000, 4) == [([0, 1, 3, 4, 5], 44), ([2], 38)]

@@ -66,30 +66,18 @@ def pack_widths(packs: Sequence[Sequence[int]], prompt_ids: Sequence[Sequence[in
 
 
 def pack_micro_batches(packs: Sequence[Sequence[int]], widths: Sequence[int], max_tokens: int,
-                       max_rows: int) -> list[list[int]]:
-    """Row indices of length-grouped micro-batches of whole packs (`micro_batches` over pack
-    widths, `max_rows` sequences); shared packs and lone rows never share a micro-batch, so
-    the lone rows keep the causal kernel."""
+                       max_rows: int) -> list[tuple[list[int], int]]:
+    """Length-grouped micro-batches of whole packs (`micro_batches` over pack widths,
+    `max_rows` sequences), each as (row indices, padded tokens: sequences x the widest);
+    shared packs and lone rows never share a micro-batch, so the lone rows keep the causal
+    kernel."""
     out = []
     for shared in (True, False):
         units = [j for j, g in enumerate(packs) if (len(g) > 1) == shared]
         for group in micro_batches([widths[j] for j in units], max_tokens, max_rows):
-            out.append(sorted(i for j in group for i in packs[units[j]]))
+            rows = sorted(i for j in group for i in packs[units[j]])
+            out.append((rows, len(group) * max(widths[units[j]] for j in group)))
     return out
-
-
-def use_checkpointing(model: Any, on: bool) -> None:
-    """Turn the model's activation checkpointing on or off (transformers >= 5.24 renamed the
-    methods `activation_checkpointing_*`; 5.17 has only `gradient_checkpointing_*`)."""
-    new = hasattr(model, "activation_checkpointing_enable")
-    if on == (model.is_activation_checkpointing if new else model.is_gradient_checkpointing):
-        return
-    if not on:
-        (model.activation_checkpointing_disable if new else model.gradient_checkpointing_disable)()
-    elif new:
-        model.activation_checkpointing_enable({"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def _token_logprobs(head: torch.nn.Module, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -177,4 +165,3 @@ def sequence_logprobs(
         else:
             parts.append(_token_logprobs(head, h, y))
     return torch.cat(parts, dim=1).masked_fill(~mask, 0.0), mask
-

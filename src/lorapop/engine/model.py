@@ -7,6 +7,7 @@ code path on a laptop without downloading anything.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
@@ -78,6 +79,20 @@ def tiny_random_model(tokenizer: PreTrainedTokenizerBase, seed: int = 0) -> torc
         tokenizer, seed, hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2,
         max_positions=2048,
     )  # fmt: skip
+
+
+def use_checkpointing(model: Any, on: bool) -> None:
+    """Turn the model's activation checkpointing on or off (transformers >= 5.24 renamed the
+    methods `activation_checkpointing_*`; 5.17 has only `gradient_checkpointing_*`)."""
+    new = hasattr(model, "activation_checkpointing_enable")
+    if on == (model.is_activation_checkpointing if new else model.is_gradient_checkpointing):
+        return
+    if not on:
+        (model.activation_checkpointing_disable if new else model.gradient_checkpointing_disable)()
+    elif new:
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def _resolve(name_or_path: str) -> str:
