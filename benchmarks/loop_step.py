@@ -137,21 +137,53 @@ def static_batches(generate):
 
 
 class UpdateCount:
-    """Tokens the update's log-prob forwards see: real (prompt + completion) and padded."""
+    """Tokens the update's log-prob forwards see: real (prompt + completion) and padded.
+
+    Each micro-batch's start is printed with the tokens so far, so a run cut off by a time
+    limit still shows the update's rate in its log.
+    """
 
     def __init__(self) -> None:
-        self.real = self.padded = 0
+        self.real = self.padded = self.micro_batches = 0
+        self.start: float | None = None
 
     def __call__(self, fn):
         @functools.wraps(fn)
         def run(model, bank, prompt_ids, completion_ids, *a, **kw):
             if torch.is_grad_enabled():
                 lens = [len(p) + len(c) for p, c in zip(prompt_ids, completion_ids, strict=True)]
+                now = time.perf_counter()
+                self.start = self.start or now
+                print(f"[update] micro-batch {self.micro_batches}: {len(lens)} rows; "
+                      f"{self.real} tokens done in {now - self.start:.1f} s", flush=True)
                 self.real += sum(lens)
                 self.padded += len(lens) * max(lens, default=0)
+                self.micro_batches += 1
             return fn(model, bank, prompt_ids, completion_ids, *a, **kw)
 
         return run
+
+    def reset(self) -> None:
+        self.real = self.padded = self.micro_batches = 0
+        self.start = None
+
+
+def trace_generate(generate):
+    """Print each generation call as it ends (rows, new tokens, seconds)."""
+
+    @functools.wraps(generate)
+    def run(*a, **kw):
+        t0 = time.perf_counter()
+        out = generate(*a, **kw)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        new = sum(len(g.token_ids) for g in out)
+        print(f"[generate] {len(out)} rows, {new} new tokens in {dt:.1f} s "
+              f"({new / max(dt, 1e-9):.0f} tok/s)", flush=True)
+        return out
+
+    return run
 
 
 def flop_params(model) -> int:
@@ -188,7 +220,7 @@ def measure(config: str, overrides: list[str], warmup: int, steps: int, run_dir:
             if i >= warmup:
                 rows.append(row)
             else:
-                counter.real = counter.padded = 0
+                counter.reset()
             print(f"{config} step {i}: {row['wall_s']:.1f}s {row['phase_s']}", flush=True)
     finally:
         sp.close()
@@ -214,6 +246,7 @@ def measure(config: str, overrides: list[str], warmup: int, steps: int, run_dir:
         "update": None if skip_update else {
             "tokens": counter.real // len(rows),
             "padded_tokens": counter.padded // len(rows),
+            "micro_batches": counter.micro_batches // len(rows),
             "tokens_per_s": counter.real / update_s if update_s else None,
             "flop_params": n_params,
             "gradient_checkpointing": ckpt,
@@ -251,6 +284,7 @@ def main() -> None:
     if args.max_new_tokens:
         common += [f"sampling.teacher_max_new_tokens={args.max_new_tokens}",
                    f"sampling.student_max_new_tokens={args.max_new_tokens}"]
+    _patch("generate", trace_generate)  # innermost: one line per batch under --static
     if args.static:
         _patch("generate", static_batches)
     if args.lengths:  # outside the static split: lengths follow the prompt, not its batch;
