@@ -282,7 +282,6 @@ def decode_case(parts, rows: int, prompt: int, new: int, profile: bool) -> dict:
     g = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, vocab, (rows, prompt), generator=g).tolist()
     slots = [i % len(parts.slot) for i in range(rows)]
-    params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=new, eos_token_ids=())
 
     def run(n_new: int) -> float:
         p = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=n_new, eos_token_ids=())
@@ -295,10 +294,21 @@ def decode_case(parts, rows: int, prompt: int, new: int, profile: bool) -> dict:
     short, full = run(8), run(new)
     out = {"rows": rows, "prompt": prompt, "new": new, "s_8": short, f"s_{new}": full,
            "step_ms": (full - short) / (new - 8) * 1e3}
-    if profile:
-        with profiler.profile(activities=[profiler.ProfilerActivity.CUDA, profiler.ProfilerActivity.CPU]) as prof:
-            generate(model, bank, None, prompts, slots, params, seed=0, batch_size=rows)
-            _sync()
+    if profile:  # eager steps (no graph): kernel time by kind per decode step, launch gaps
+        # left out; a 1-token run is subtracted from a 25-token run (the prefill cancels)
+        def kinds(n_new: int):
+            p = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=n_new, eos_token_ids=())
+            with profiler.profile(activities=[profiler.ProfilerActivity.CUDA,
+                                              profiler.ProfilerActivity.CPU]) as prof:
+                generate(model, bank, None, prompts, slots, p, seed=0, batch_size=rows,
+                         cuda_graph=False)
+                _sync()
+            return _kernel_kinds(prof), prof
+
+        kinds(2)  # warm-up
+        one, _ = kinds(1)
+        many, prof = kinds(25)
+        out["eager_step_kernel_ms"] = {k: (many[k] - one[k]) / 24 for k in many}
         out["kernels"] = _kernels(prof, 30)
         out["cpu_ops"] = [{"name": e.key[:100], "calls": e.count, "cpu_ms": e.cpu_time_total / 1e3}
                           for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:20]]
