@@ -13,9 +13,9 @@ per token on code). Each run does `--warmup` steps first, then times `--steps` s
 asked), `--skip-update` times the generation phases only (no policy-gradient step),
 `--max-new-tokens N` sets both generation lengths, `--lengths MEDIAN[:SIGMA[:CAP]]`
 makes each row stop at a length drawn from a log-normal (through `generate`'s stop function,
-keyed by call and prompt; EOS stays off), and `--static` cuts every generation into
-static batches of `sampling.batch_size` prompts (each run until its slowest row ends: no
-refills), for comparison with continuous batching. A run writes one JSON (`--out`): phase
+keyed by call and prompt; EOS stays off), and `--static` decodes static batches (no
+refills: each batch, of the size continuous batching gets from the free memory, runs until
+its slowest row ends), for comparison with continuous batching. A run writes one JSON (`--out`): phase
 times, peak memory, generated tokens/s and the update's tokens/s and model FLOP utilisation.
 """
 
@@ -111,27 +111,12 @@ def length_stop(median_len: float, sigma: float, cap: int | None):
 
 
 def static_batches(generate):
-    """Static batching: each batch of `batch_size` prompts (longest first) runs alone."""
+    """Static batching at the batch size continuous batching gets (the engine's
+    `refill=False`): a batch's rows wait for its slowest before the next batch starts."""
 
     @functools.wraps(generate)
-    def run(model, bank, tok, prompts, slots, params=None, seed=0, batch_size=None, **kw):
-        n = len(prompts)
-        if not batch_size or batch_size >= n:
-            return generate(model, bank, tok, prompts, slots, params, seed, batch_size, **kw)
-        lens = [len(p) for p in prompts]
-        order = sorted(range(n), key=lambda i: -lens[i])
-        out = [None] * n
-        stop = kw.pop("stop_fn", None)
-        keys = kw.pop("row_keys", None) or list(range(n))  # the loop passes global row keys
-        for s in range(0, n, batch_size):
-            part = order[s : s + batch_size]
-            sub = None if stop is None else (lambda j, t, part=part: stop(part[j], t))
-            gens = generate(model, bank, tok, [prompts[i] for i in part], [slots[i] for i in part],
-                            params, seed, batch_size, row_keys=[keys[i] for i in part],
-                            stop_fn=sub, **kw)
-            for i, g in zip(part, gens, strict=True):
-                out[i] = g
-        return out
+    def run(*a, **kw):
+        return generate(*a, refill=False, **kw)
 
     return run
 
@@ -284,10 +269,10 @@ def main() -> None:
     if args.max_new_tokens:
         common += [f"sampling.teacher_max_new_tokens={args.max_new_tokens}",
                    f"sampling.student_max_new_tokens={args.max_new_tokens}"]
-    _patch("generate", trace_generate)  # innermost: one line per batch under --static
+    _patch("generate", trace_generate)  # one line per generation call
     if args.static:
         _patch("generate", static_batches)
-    if args.lengths:  # outside the static split: lengths follow the prompt, not its batch;
+    if args.lengths:  # lengths follow the prompt (its key), not its batch;
         # EOS stays off (random weights): the drawn length is the only stop
         parts = [*map(float, args.lengths.split(":"))]
         median_len, sigma, cap = [*parts, *[300.0, 1.0, 0.0][len(parts):]][:3]

@@ -83,6 +83,34 @@ def test_refilled_rows_equal_each_prompt_alone(tok, spy, device):
         )  # fmt: skip
 
 
+def test_static_batches_give_the_same_rows_in_more_steps(tok, monkeypatch):
+    """`refill=False` (the benchmarks' static baseline) admits the next batch only when the
+    whole batch is free: same tokens per prompt, more decode steps."""
+    steps: list[int] = []
+
+    class Counting(Decoder):
+        def _step(self) -> None:
+            steps[-1] += 1
+            super()._step()
+
+    monkeypatch.setattr(gen_mod, "Decoder", Counting)
+    model, bank = _setup(tok, "cpu")
+    slots = [0, 1, 2, 1, 0, 2, 1]
+    runs = {}
+    for refill in (True, False):
+        steps.append(0)
+        runs[refill] = generate(model, bank, tok, PROMPTS, slots, SAMPLED, seed=4, batch_size=2,
+                                stop_fn=_lengths, refill=refill)
+    assert [g.token_ids for g in runs[False]] == [g.token_ids for g in runs[True]]
+    continuous, static = steps
+    assert static > continuous
+    # admitted longest prompt first, in pairs; a pair decodes until its longer row ends
+    # (host checks every 8 steps round each wait up)
+    lengths = [[3, 16, 7, 1, 12, 5, 9][i] for i in sorted(range(7), key=lambda i: -len(PROMPTS[i]))]
+    pairs = [max(lengths[j : j + 2]) for j in range(0, 7, 2)]
+    assert static >= sum(pairs)
+
+
 def test_row_keys_make_a_row_independent_of_its_call(tok):
     """A prompt split off into another call (another rank) samples the same with its key."""
     model, bank = _setup(tok, "cpu")

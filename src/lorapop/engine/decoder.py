@@ -172,12 +172,15 @@ class Decoder:
         u: torch.Tensor,
         stop_fn: StopFn | None = None,
         check_every: int = 8,
+        refill: bool = True,
     ) -> list[Result]:
         """Each prompt's (tokens, logprobs, stopped by stop_fn), admitted in the given order.
 
         `u` [len(prompts), max_new_tokens] holds each prompt's uniforms. A row stops at EOS
         (returned), at max_new_tokens, or where `stop_fn` says (cut to the count it returns;
-        it gets the row's token list, which it must not modify).
+        it gets the row's token list, which it must not modify). `refill=False` is static
+        batching (the baseline continuous batching is measured against): waiting prompts
+        are admitted only once every row of the batch has finished.
         """
         steps = self.params.max_new_tokens
         if max(len(p) for p in prompts) + steps - 1 > self.length:
@@ -197,6 +200,8 @@ class Decoder:
             while True:
                 if n % check_every == 0:  # also right after the first prefill
                     free = self._collect(q, stop_fn)
+                    if not refill:  # static: the next batch once every row is free
+                        free = list(range(b)) if all(o < 0 for o in q.owner) else []
                     if free and q.waiting:
                         self._admit(q, free)
                     if all(o < 0 for o in q.owner):

@@ -56,6 +56,7 @@ def generate(
     stop_fn: StopFn | None = None,
     prefill_tokens: int = 8192,
     memory_budget: int | None = None,
+    refill: bool = True,
 ) -> list[Generation]:
     """Sample one completion per prompt, prompt i under adapter slot `slot_ids[i]`.
 
@@ -72,7 +73,8 @@ def generate(
     at most `prefill_tokens` tokens per forward, and identical prompts under the same slot
     are prefilled once (the others copy its cache rows). `stop_fn(i, tokens)` may end
     prompt i early (it returns how many tokens to keep; `tokens` is read-only), on top of EOS
-    and `params.stop`.
+    and `params.stop`. `refill=False` decodes static batches instead (a batch's rows wait
+    for its slowest before the next batch starts): a baseline for benchmarks.
 
     `cuda_graph=False` forces the eager decode step on GPU. `compile=True` (None: on CUDA
     only; default off) runs the decode step's model forward through torch.compile before
@@ -117,6 +119,7 @@ def generate(
         row_uniforms(seed, [keys[i] for i in order], steps),
         host_stop,
         _CHECK_EVERY,
+        refill,
     )
     del decoder  # its cache and graph pool go back before the caller's next phase
     if next(model.parameters()).device.type == "cuda":
