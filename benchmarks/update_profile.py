@@ -187,6 +187,20 @@ def paper_case(parts, args, write) -> dict:
              ("student", False, "auto", True), ("student", True, "auto", True),
              ("teacher", False, True, True), ("teacher", False, "auto", True),
              ("student", True, "auto", False), ("teacher", False, "auto", False)]
+    if args.lora_ab:  # the bank's LoRA kernel for the update: grouped_mm vs the default
+        cases = [("student", True, "auto", True), ("teacher", False, "auto", True)]
+        for kernel in ("grouped", "auto", "grouped", "auto"):
+            parts.bank.kernel = kernel
+            for name, share, mode, held in cases:
+                rows = student if name == "student" else teacher
+                r = {"rows": name, "lora_kernel": kernel,
+                     **update_pass(parts, rows, share, mode, args.max_tokens, kernel == "auto", held)}
+                print(json.dumps({k: v for k, v in r.items() if k not in ("kernels", "cpu_ops")}),
+                      flush=True)
+                out["runs"].append(r)
+                write()
+        parts.bank.kernel = "auto"
+        return out
     for name, share, mode, held in cases:
         rows = student if name == "student" else teacher
         profile = name == "student" and share and mode == "auto" and held
@@ -328,6 +342,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16384, help="train.micro_batch_tokens")
     ap.add_argument("--budgets", default="", help="tokens,... one micro-batch per budget")
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--lora-ab", action="store_true",
+                    help="paper case: only the bank's LoRA kernel, grouped vs auto, twice each")
     ap.add_argument("--decode", default="", help="ROWS:PROMPT,... decode cases (e.g. 192:1500)")
     ap.add_argument("--decode-new", type=int, default=96)
     ap.add_argument("--out", default="benchmarks/results/update_profile.json")
