@@ -140,7 +140,7 @@ class UpdateCount:
                 now = time.perf_counter()
                 self.start = self.start or now
                 print(f"[update] micro-batch {self.micro_batches}: {len(lens)} rows; "
-                      f"{self.real} tokens done in {now - self.start:.1f} s", flush=True)
+                      f"{self.real} tokens done in {now - self.start:.1f} s{_peak()}", flush=True)
                 self.real += sum(lens)
                 self.padded += len(lens) * max(lens, default=0)
                 self.micro_batches += 1
@@ -151,6 +151,11 @@ class UpdateCount:
     def reset(self) -> None:
         self.real = self.padded = self.micro_batches = 0
         self.start = None
+
+
+def _peak() -> str:
+    """The process's peak GPU memory so far, for a log line ('' on CPU)."""
+    return f"; peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if torch.cuda.is_available() else ""
 
 
 def trace_generate(generate):
@@ -165,7 +170,7 @@ def trace_generate(generate):
         dt = time.perf_counter() - t0
         new = sum(len(g.token_ids) for g in out)
         print(f"[generate] {len(out)} rows, {new} new tokens in {dt:.1f} s "
-              f"({new / max(dt, 1e-9):.0f} tok/s)", flush=True)
+              f"({new / max(dt, 1e-9):.0f} tok/s){_peak()}", flush=True)
         return out
 
     return run
