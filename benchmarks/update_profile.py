@@ -168,6 +168,17 @@ def packed_difference(parts, rows: tuple[list, list, list]) -> dict:
             "alone_vs_batch_max_abs": float((alone.float() - unpacked[:1].float()).abs()[mask[:1]].max())}
 
 
+AB_VARIANTS = ("grouped LoRA, HF norms", "LoRA runs, HF norms", "LoRA runs, fused norms")
+
+
+def set_variant(parts, variant: str) -> None:
+    """The bank's multi-token LoRA kernel and the model's RMSNorms for one `--ab` variant."""
+    from lorapop.engine.fused import fuse_rms_norms, unfuse_rms_norms
+
+    parts.bank.kernel = "grouped" if variant.startswith("grouped") else "auto"
+    (fuse_rms_norms if variant.endswith("fused norms") else unfuse_rms_norms)(parts.model)
+
+
 def paper_case(parts, args, write) -> dict:
     """Student rows (shared prompts) and teacher rows at the paper's composition, timed with
     checkpointing or `auto`, prompts shared or not, the bank held or cast per forward; the
@@ -187,19 +198,19 @@ def paper_case(parts, args, write) -> dict:
              ("student", False, "auto", True), ("student", True, "auto", True),
              ("teacher", False, True, True), ("teacher", False, "auto", True),
              ("student", True, "auto", False), ("teacher", False, "auto", False)]
-    if args.lora_ab:  # the bank's LoRA kernel for the update: grouped_mm vs the default
+    if args.ab:  # what this session changed: LoRA runs as plain GEMMs, fused RMSNorms
         cases = [("student", True, "auto", True), ("teacher", False, "auto", True)]
-        for kernel in ("grouped", "auto", "grouped", "auto"):
-            parts.bank.kernel = kernel
+        for variant in [*AB_VARIANTS, *AB_VARIANTS]:
+            set_variant(parts, variant)
             for name, share, mode, held in cases:
                 rows = student if name == "student" else teacher
-                r = {"rows": name, "lora_kernel": kernel,
-                     **update_pass(parts, rows, share, mode, args.max_tokens, kernel == "auto", held)}
+                r = {"rows": name, "variant": variant,
+                     **update_pass(parts, rows, share, mode, args.max_tokens, False, held)}
                 print(json.dumps({k: v for k, v in r.items() if k not in ("kernels", "cpu_ops")}),
                       flush=True)
                 out["runs"].append(r)
                 write()
-        parts.bank.kernel = "auto"
+        set_variant(parts, AB_VARIANTS[-1])
         return out
     for name, share, mode, held in cases:
         rows = student if name == "student" else teacher
@@ -342,8 +353,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16384, help="train.micro_batch_tokens")
     ap.add_argument("--budgets", default="", help="tokens,... one micro-batch per budget")
     ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--lora-ab", action="store_true",
-                    help="paper case: only the bank's LoRA kernel, grouped vs auto, twice each")
+    ap.add_argument("--ab", action="store_true",
+                    help="paper case and decode cases: only the A/B of AB_VARIANTS, twice each")
     ap.add_argument("--decode", default="", help="ROWS:PROMPT,... decode cases (e.g. 192:1500)")
     ap.add_argument("--decode-new", type=int, default=96)
     ap.add_argument("--out", default="benchmarks/results/update_profile.json")
@@ -382,6 +393,14 @@ def main() -> None:
             write()
     for case in filter(None, args.decode.split(",")):
         rows, prompt = map(int, case.split(":"))
+        if args.ab:  # the decode step with the model's RMSNorms as loaded vs fused
+            for variant in [*AB_VARIANTS[1:], *AB_VARIANTS[1:]]:
+                set_variant(parts, variant)
+                r = {"variant": variant, **decode_case(parts, rows, prompt, args.decode_new, False)}
+                print(json.dumps(r), flush=True)
+                result["decode"].append(r)
+                write()
+            continue
         r = decode_case(parts, rows, prompt, args.decode_new, profile=True)
         print(json.dumps({k: v for k, v in r.items() if k not in ("kernels", "cpu_ops")}), flush=True)
         result["decode"].append(r)

@@ -13,6 +13,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
+from lorapop.engine.fused import fuse_rms_norms
+
 hf_logging.disable_progress_bar()  # a 3 MB model's "Loading weights" bar is noise in run logs
 
 TINY_RANDOM = "tiny-random"
@@ -128,6 +130,7 @@ def load_base_model(
     random_init: bool = False,
 ) -> torch.nn.Module:
     """The frozen base: every parameter has requires_grad False; adapters are added later.
+    Its RMSNorms run the fused kernel (`engine/fused.py`).
 
     `random_init` builds the architecture from the config alone, directly on the device.
     """
@@ -156,6 +159,7 @@ def load_base_model(
     model.to(device=dev, dtype=dt)
     model.requires_grad_(False)
     model.eval()
+    fuse_rms_norms(model)
     return model
 
 
