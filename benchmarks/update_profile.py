@@ -168,15 +168,14 @@ def packed_difference(parts, rows: tuple[list, list, list]) -> dict:
             "alone_vs_batch_max_abs": float((alone.float() - unpacked[:1].float()).abs()[mask[:1]].max())}
 
 
-AB_VARIANTS = ("grouped LoRA, HF norms", "LoRA runs, HF norms", "LoRA runs, fused norms")
+AB_VARIANTS = ("HF norms", "fused norms")
 
 
 def set_variant(parts, variant: str) -> None:
-    """The bank's multi-token LoRA kernel and the model's RMSNorms for one `--ab` variant."""
+    """The model's RMSNorms for one `--ab` variant: the classes' own or the fused kernel."""
     from lorapop.engine.fused import fuse_rms_norms, unfuse_rms_norms
 
-    parts.bank.kernel = "grouped" if variant.startswith("grouped") else "auto"
-    (fuse_rms_norms if variant.endswith("fused norms") else unfuse_rms_norms)(parts.model)
+    (fuse_rms_norms if variant == "fused norms" else unfuse_rms_norms)(parts.model)
 
 
 def paper_case(parts, args, write) -> dict:
@@ -198,7 +197,7 @@ def paper_case(parts, args, write) -> dict:
              ("student", False, "auto", True), ("student", True, "auto", True),
              ("teacher", False, True, True), ("teacher", False, "auto", True),
              ("student", True, "auto", False), ("teacher", False, "auto", False)]
-    if args.ab:  # what this session changed: LoRA runs as plain GEMMs, fused RMSNorms
+    if args.ab:  # the model's RMSNorms: Hugging Face's classes vs the fused kernel
         cases = [("student", True, "auto", True), ("teacher", False, "auto", True)]
         for variant in [*AB_VARIANTS, *AB_VARIANTS]:
             set_variant(parts, variant)
@@ -354,7 +353,7 @@ def main() -> None:
     ap.add_argument("--budgets", default="", help="tokens,... one micro-batch per budget")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--ab", action="store_true",
-                    help="paper case and decode cases: only the A/B of AB_VARIANTS, twice each")
+                    help="paper and decode cases: only HF vs fused RMSNorms, twice each")
     ap.add_argument("--decode", default="", help="ROWS:PROMPT,... decode cases (e.g. 192:1500)")
     ap.add_argument("--decode-new", type=int, default=96)
     ap.add_argument("--out", default="benchmarks/results/update_profile.json")
@@ -393,8 +392,8 @@ def main() -> None:
             write()
     for case in filter(None, args.decode.split(",")):
         rows, prompt = map(int, case.split(":"))
-        if args.ab:  # the decode step with the model's RMSNorms as loaded vs fused
-            for variant in [*AB_VARIANTS[1:], *AB_VARIANTS[1:]]:
+        if args.ab:
+            for variant in [*AB_VARIANTS, *AB_VARIANTS]:
                 set_variant(parts, variant)
                 r = {"variant": variant, **decode_case(parts, rows, prompt, args.decode_new, False)}
                 print(json.dumps(r), flush=True)

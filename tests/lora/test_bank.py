@@ -115,38 +115,6 @@ def test_kernels_agree_on_unsorted_mixed_batch(tokens):
         torch.testing.assert_close(_logits(model, ids[order]), outs["gather"][order])
 
 
-@pytest.mark.parametrize("slots", [[1, 1, 1, 1], [0, 0, 2, 2], [0, 1, 1, 3], [0, 1, 2, 3, 3, 3]])
-def test_sorted_runs_match_the_gather_kernel_in_values_and_gradients(slots):
-    """Rows routed in slot order run as plain GEMMs per run of one slot (the update's path):
-    the same logits and bank gradients as the gather kernel, with few runs or many."""
-    model = tiny_model().train()
-    bank = AdapterBank(model, n_slots=4, rank=4, alpha=8)
-    randomize_b(bank)
-    ids = torch.randint(0, VOCAB, (len(slots), 6))
-    runs = {}
-    for k in ("gather", "auto"):
-        bank.kernel = k
-        bank.zero_grad()
-        with bank.route(slots):
-            out = model(ids, labels=ids)
-            out.loss.backward()
-        runs[k] = (out.logits.detach(), bank.grads.clone())
-    torch.testing.assert_close(runs["auto"][0], runs["gather"][0], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(runs["auto"][1], runs["gather"][1], rtol=1e-5, atol=1e-7)
-    assert runs["auto"][1].abs().sum() > 0
-
-
-def test_route_records_runs_of_sorted_ids_only():
-    bank = AdapterBank(tiny_model(), n_slots=4, rank=4)
-    with bank.route([0, 0, 2, 3, 3]):
-        assert bank._active.segments == ((0, 0, 2), (2, 2, 3), (3, 3, 5))
-        with bank.route([3, 1]):
-            assert bank._active.segments is None  # not in slot order
-        assert bank._active.segments == ((0, 0, 2), (2, 2, 3), (3, 3, 5))
-    bank.set_slot_ids_(torch.tensor([1, 1]))
-    assert bank._active.segments is None  # decode routing: nothing known on the host
-
-
 def test_set_slot_ids_reuses_buffers_in_place():
     """A CUDA graph captured once must see later routings of the same batch size."""
     bank = AdapterBank(tiny_model(), n_slots=3, rank=4)

@@ -22,15 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from lorapop.lora.routing import (
-    KERNELS,
-    DecodeCache,
-    Routing,
-    add_segment_deltas,
-    grouped_supported,
-    lora_delta,
-    segments_of,
-)
+from lorapop.lora.routing import KERNELS, DecodeCache, Routing, grouped_supported, lora_delta
 
 DEFAULT_TARGETS: tuple[str, ...] = (
     "q_proj",
@@ -44,9 +36,6 @@ DEFAULT_TARGETS: tuple[str, ...] = (
 
 SlotState = dict[str, dict[str, Tensor]]
 DECODE_KERNELS = (*KERNELS, "fused")
-# more runs than this: the grouped kernel (a few large GEMMs beat many small ones; a guess,
-# not measured: the update's micro-batches hold one or two)
-SEGMENT_RUNS = 4
 # Projections of one parent module that read the same input: their decode LoRA shares one GEMM.
 SHARED_INPUT: tuple[frozenset[str], ...] = (
     frozenset({"q_proj", "k_proj", "v_proj"}),
@@ -102,11 +91,9 @@ class AdapterBank:
     allocates its weights on the device of the base weights.
 
     Kernels: ``kernel`` is used for multi-token rows (prefill, training) and
-    ``decode_kernel`` for one-token rows. "auto" picks, for multi-token rows routed by
-    `route` in slot order in at most `SEGMENT_RUNS` runs of one slot (the update's
-    micro-batches), two plain GEMMs per run (`routing.add_segment_deltas`); else "grouped"
-    when the rows are in slot order and this torch build runs grouped_mm for the compute
-    dtype, else "gather" (row permutations cost more than per-row weight gathers); for one-token
+    ``decode_kernel`` for one-token rows. "auto" picks, for multi-token rows, "grouped" when
+    the rows are in slot order and this torch build runs grouped_mm for the compute dtype,
+    else "gather" (row permutations cost more than per-row weight gathers); for one-token
     rows "fused" without grad (a cached compute-dtype copy of the bank, 3 GEMM-sized kernels
     per projection, q/k/v and gate/up sharing their A GEMM) and "dense" with grad.
     Measurements in benchmarks/README.md.
@@ -227,8 +214,8 @@ class AdapterBank:
             raise ValueError(f"slot ids must lie in [0, {self.n_slots}), got range [{lo}, {hi}]")
         is_sorted = bool((host[1:] >= host[:-1]).all())
         prev = self._active
-        saved = None if prev is None else (prev.ids.clone(), prev.is_sorted, prev.segments)
-        self.set_slot_ids_(ids.to(self.device), is_sorted, segments_of(host) if is_sorted else None)
+        saved = None if prev is None else (prev.ids.clone(), prev.is_sorted)
+        self.set_slot_ids_(ids.to(self.device), is_sorted=is_sorted)
         try:
             yield
         finally:
@@ -238,26 +225,19 @@ class AdapterBank:
             else:
                 self.set_slot_ids_(*saved)
 
-    def set_slot_ids_(
-        self,
-        slot_ids: Tensor,
-        is_sorted: bool = False,
-        segments: tuple[tuple[int, int, int], ...] | None = None,
-    ) -> None:
+    def set_slot_ids_(self, slot_ids: Tensor, is_sorted: bool = False) -> None:
         """Set the routing in place, without host synchronisation or validation.
 
         Index buffers persist per batch size, so a CUDA graph captured after this call reads
         whatever a later call with the same batch size writes. `is_sorted=True` promises the
-        ids are non-decreasing (the grouped kernel then skips its row gathers); `segments`
-        (`routing.segments_of` the sorted ids, from `route`) let multi-token forwards run
-        each run of one slot as plain GEMMs.
+        ids are non-decreasing (the grouped kernel then skips its row gathers).
         """
         batch = slot_ids.numel()
         routing = self._routings.get(batch)
         if routing is None:
             routing = Routing.empty(batch, self.n_slots, self.device)
             self._routings[batch] = routing
-        routing.fill_(slot_ids.reshape(-1), is_sorted, segments)
+        routing.fill_(slot_ids.reshape(-1), is_sorted)
         self._active = routing
         self._version += 1
 
@@ -315,10 +295,6 @@ class AdapterBank:
                 tracing = torch.compiler.is_compiling()
                 cache = self.decode_cache(dt, check=not tracing)
                 return cache.add_delta(target.name, x, output, routing, True, tracing)
-            runs = routing.segments
-            if kernel in ("auto", "fused") and not one_token and runs and len(runs) <= SEGMENT_RUNS:
-                a, b = self._compute_weights(target, dt)
-                return add_segment_deltas(x.to(dt), output, a, b, runs, self.scaling)
             if kernel in ("auto", "fused"):
                 grouped = routing.is_sorted and self._grouped_ok.get(dt, False)
                 kernel = "dense" if one_token else "grouped" if grouped else "gather"

@@ -28,7 +28,6 @@ launch (5-10 us on an H100/H200) more than its bytes, so fewer kernels is what c
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -56,8 +55,6 @@ class Routing:
     ends: Tensor  # [N] int32: exclusive end of each slot's group among the sorted rows
     mask: Tensor  # [N, B] float32: mask[s, b] = 1 when row b uses slot s
     is_sorted: bool  # rows already in slot order: the grouped kernel skips its gathers (T > 1)
-    # (slot, first row, end row) of each run of equal ids, when known on the host
-    segments: tuple[tuple[int, int, int], ...] | None = None
     _ends_by_len: dict[int, Tensor] = field(default_factory=dict)
     _masks: dict[tuple[int, torch.dtype, float], Tensor] = field(default_factory=dict)
     _cols: dict[tuple[int, int, torch.dtype], Tensor] = field(default_factory=dict)
@@ -75,13 +72,9 @@ class Routing:
         )
 
     @torch.no_grad()
-    def fill_(
-        self, ids: Tensor, is_sorted: bool, segments: tuple[tuple[int, int, int], ...] | None = None
-    ) -> None:
-        """Recompute every index tensor in place from `ids` (no host synchronisation);
-        `segments`, if the caller knows them, are `ids`' runs (see `segments_of`)."""
+    def fill_(self, ids: Tensor, is_sorted: bool) -> None:
+        """Recompute every index tensor in place from `ids` (no host synchronisation)."""
         n_slots = self.ends.numel()
-        self.segments = segments
         self.ids.copy_(ids)
         sorted_ids, perm = torch.sort(self.ids, stable=True)
         self.perm.copy_(perm)
@@ -144,42 +137,7 @@ class Routing:
             ends=self.ends.clone(),
             mask=self.mask.clone(),
             is_sorted=self.is_sorted,
-            segments=self.segments,
         )
-
-
-def segments_of(ids: Tensor) -> tuple[tuple[int, int, int], ...]:
-    """(slot, first row, end row) of each run of equal ids in host tensor `ids`."""
-    slots, counts = torch.unique_consecutive(ids, return_counts=True)
-    ends = counts.cumsum(0).tolist()
-    return tuple((s, e - c, e) for s, c, e in zip(slots.tolist(), counts.tolist(), ends, strict=True))
-
-
-def add_segment_deltas(
-    x: Tensor, out: Tensor, a: Tensor, b: Tensor, segments: Sequence[tuple[int, int, int]],
-    scaling: float,
-) -> Tensor:
-    """out + scaling * B[s] @ A[s] @ x for rows in runs of one slot each (`segments`).
-
-    Two plain GEMMs per run, the second an addmm into the base output. The update's
-    micro-batches are sorted by slot and mostly hold one or two runs of many tokens, where
-    `grouped_mm`'s skinny per-group GEMMs and the separate add cost far more than this.
-    """
-    rows = x.shape[0]
-    if not segments or segments[-1][2] != rows:
-        n = segments[-1][2] if segments else 0
-        raise ValueError(f"AdapterBank: batch has {rows} rows but the routing has {n} slot ids")
-    parts = []
-    for slot, lo, hi in segments:
-        xs, os = x[lo:hi], out[lo:hi]
-        h = torch.mm(xs.reshape(-1, xs.shape[-1]), a[slot].t()) * scaling
-        o2 = os.reshape(-1, os.shape[-1])
-        if o2.dtype == h.dtype:
-            y = torch.addmm(o2, h, b[slot].t())
-        else:
-            y = o2 + torch.mm(h, b[slot].t()).to(o2.dtype)
-        parts.append(y.view(os.shape))
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def lora_delta(
