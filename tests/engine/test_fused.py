@@ -10,11 +10,15 @@ from lorapop.engine.model import load_base_model, load_tokenizer
 from tiny_models import VOCAB, tiny_model
 
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_norms_give_the_same_logits_and_gradients(arch, dtype):
-    model = tiny_model(arch).to(dtype)
-    ids = torch.randint(0, VOCAB, (3, 9), generator=torch.Generator().manual_seed(0))
+def test_fused_norms_give_the_same_logits_and_gradients(arch, dtype, device):
+    model = tiny_model(arch).to(device=device, dtype=dtype)
+    ids = torch.randint(0, VOCAB, (3, 9), generator=torch.Generator().manual_seed(0)).to(device)
     emb = model.get_input_embeddings()
 
     def run():
@@ -27,9 +31,11 @@ def test_fused_norms_give_the_same_logits_and_gradients(arch, dtype):
     layers = model.config.num_hidden_layers
     assert fuse_rms_norms(model) == 2 * layers + 1  # two per layer and the final norm
     fused = run()
-    # on CPU the composite rms_norm does the same arithmetic as the original: bit for bit
-    torch.testing.assert_close(fused[0], ref[0], rtol=0, atol=0)
-    torch.testing.assert_close(fused[1], ref[1], rtol=0, atol=0)
+    # on CPU the composite rms_norm does the same arithmetic as the original: bit for bit;
+    # CUDA's fused kernel sums in another order (a rounding step in bf16)
+    tol = 0 if device == "cpu" else 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(fused[0], ref[0], rtol=tol, atol=tol)
+    torch.testing.assert_close(fused[1], ref[1], rtol=tol, atol=tol)
     unfuse_rms_norms(model)
     assert all("forward" not in vars(m) for m in model.modules())
 
