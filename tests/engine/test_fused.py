@@ -9,7 +9,6 @@ from lorapop.engine.fused import fuse_rms_norms, unfuse_rms_norms
 from lorapop.engine.model import load_base_model, load_tokenizer
 from tiny_models import VOCAB, tiny_model
 
-
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
