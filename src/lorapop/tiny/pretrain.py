@@ -53,7 +53,7 @@ from lorapop.engine.model import TINY_DIR, random_qwen2, resolve_device
 from lorapop.tasks import Task, get_family
 from lorapop.tiny.corpus import generate_corpus, generate_variants_fast
 from lorapop.tiny.generator import generate_tasks, generate_variants
-from lorapop.tiny.grammar import LEVELS
+from lorapop.tiny.grammar import ALPHABET, LEVELS
 from lorapop.tiny.heldout import fingerprint
 from lorapop.tiny.tokenizer import corpus_texts, save_tokenizer, train_tokenizer
 from lorapop.verify import Sandbox
@@ -64,6 +64,8 @@ ROLES = (
     "teacher/code_o", "teacher/code_i", "teacher/code_f",
     "student/code_o", "student/code_i", "student/code_f",
 )  # fmt: skip
+#: The grammar's string alphabet (both cases): the world's tokenizer never merges these.
+STRING_CHARS = ALPHABET + ALPHABET.upper()
 #: code_f teacher prompts ask for this many inputs (the corpus has 6 pairs per program).
 CODE_F_NS = (4, 6)
 
@@ -101,27 +103,28 @@ class Recipe:
     student_level_weights: dict[int, float] | None = None  # None: every level alike
     example_alpha: float = 0.0  # loss weight of an example's tokens: n_tokens ** -alpha
     tokenizer_programs: int = 0  # > 0: train the tokenizer on this many programs
+    single_chars: str = ""  # characters the tokenizer never merges (`train_tokenizer`)
 
 
 SIZES: dict[str, Recipe] = {
     # today's shipped model (src/lorapop/assets/tiny), rebuilt exactly by these settings
     "tiny": Recipe(ModelSize(), steps=3000, n_per_level=1000, lr=2e-3, teacher_max_level=3,
                    variant_share=0.0),
-    # about 26M parameters, for the regime world on one GPU (~7 minutes on an H100 with 16
-    # cores): 200k distinct programs made by worker processes (`lorapop.tiny.corpus`, not the
-    # sandbox) and ~80k reference-conditioned variants, so ~640k examples (one pass, no
-    # repeats) see each program a few times and the model learns the grammar instead of its
-    # corpus; references of the completion's level; more student examples, of levels 1-3
-    # above all, and examples weighted by n_tokens ** -0.5, so students learn to execute;
-    # length-bucketed batches of ~80k tokens; steps sized to fit one 9-minute GPU call with
-    # the regime measurement
+    # about 26M parameters, for the regime world on one GPU (~7.5 minutes on an H100 with 16
+    # cores): 150k distinct programs made by worker processes (`lorapop.tiny.corpus`, not the
+    # sandbox) and their reference-conditioned variants, so ~640k examples (one pass, no
+    # repeats) see each program a few times and the model learns the grammar, not its corpus;
+    # references of the completion's level; more student examples, of levels 1-3 above all,
+    # weighted by n_tokens ** -0.5, and string literals one token per character, so students
+    # can learn to execute; length-bucketed batches of ~80k tokens; steps sized to fit one
+    # 9-minute GPU call with the regime measurement
     "small": Recipe(ModelSize(hidden=512, layers=8, heads=8, kv_heads=4, intermediate=1536),
-                    steps=1800, n_per_level=40_000, lr=1.5e-3, teacher_max_level=5,
-                    variant_share=0.5, level_refs=True, ref_max_chars=1500, max_len=1536,
+                    steps=1800, n_per_level=30_000, lr=1.5e-3, teacher_max_level=5,
+                    variant_share=0.25, level_refs=True, ref_max_chars=1500, max_len=1536,
                     pool=640_000, batch_tokens=81_920, fast_corpus=True,
                     role_weights=(1, 1, 0.5, 1.5, 1, 1.5),
                     student_level_weights={1: 2, 2: 2, 3: 2, 4: 1, 5: 1},
-                    example_alpha=0.5, tokenizer_programs=8000),
+                    example_alpha=0.5, tokenizer_programs=8000, single_chars=STRING_CHARS),
 }  # fmt: skip
 
 
@@ -521,6 +524,7 @@ def pretrain_tiny(
     student_level_weights: Mapping[int, float] | None = None,
     example_alpha: float = 0.0,
     tokenizer_programs: int = 0,
+    single_chars: str = "",
     workers: int = 2,
     corpus: Sequence[Task] | None = None,
     command: str | None = None,
@@ -540,7 +544,8 @@ def pretrain_tiny(
     and variants in `workers` processes (`lorapop.tiny.corpus`) instead of the sandbox, and the
     pool is drawn by `workers` forked processes; `role_weights`, `student_level_weights` skew
     the example mix (`Examples`), `example_alpha` the loss (`example_weighted_loss`);
-    `tokenizer_programs` > 0 trains the tokenizer on that many programs spread over the corpus.
+    `tokenizer_programs` > 0 trains the tokenizer on that many programs spread over the corpus,
+    never merging `single_chars` (`train_tokenizer`).
     Training on CPU is bit-for-bit reproducible; on GPU, kernels may add float noise.
     """
     if steps < 1 or n_per_level < 1 or batch_size < 1 or pool < 0:
@@ -572,7 +577,7 @@ def pretrain_tiny(
         progs = progs[:: math.ceil(len(progs) / tokenizer_programs)]
     texts = list(corpus_texts([as_type(t, k) for t in progs for k in ("code_o", "code_i")]))
     texts += list(corpus_texts(progs))
-    tok = train_tokenizer(texts, vocab_size=vocab_size)
+    tok = train_tokenizer(texts, vocab_size=vocab_size, single_chars=single_chars)
     model = build_model(tok, size, seed)
     examples = Examples(corpus, random.Random(f"pretrain/{seed}"), teacher_max_level=teacher_max_level,
                         variants=variants, variant_share=variant_share, level_refs=level_refs,
@@ -618,6 +623,7 @@ def pretrain_tiny(
         "role_weights": list(role_weights) if role_weights else None,
         "student_level_weights": dict(student_level_weights or {}) or None,
         "example_alpha": example_alpha,
+        "single_chars": single_chars,
         "level_refs": level_refs,
         "ref_max_chars": ref_max_chars,
         "max_len": max_len,
