@@ -110,18 +110,18 @@ SIZES: dict[str, Recipe] = {
     # today's shipped model (src/lorapop/assets/tiny), rebuilt exactly by these settings
     "tiny": Recipe(ModelSize(), steps=3000, n_per_level=1000, lr=2e-3, teacher_max_level=3,
                    variant_share=0.0),
-    # about 26M parameters, for the regime world on one GPU (~7.5 minutes on an H100 with 16
-    # cores): 150k distinct programs made by worker processes (`lorapop.tiny.corpus`, not the
-    # sandbox) and their reference-conditioned variants, so ~640k examples (one pass, no
+    # about 26M parameters, for the regime world on one GPU (~6 minutes on an H100 with 16
+    # cores): 120k distinct programs made by worker processes (`lorapop.tiny.corpus`, not the
+    # sandbox) and their reference-conditioned variants, so ~520k examples (one pass, no
     # repeats) see each program a few times and the model learns the grammar, not its corpus;
     # references of the completion's level; more student examples, of levels 1-3 above all,
     # weighted by n_tokens ** -0.5, and string literals one token per character, so students
     # can learn to execute; length-bucketed batches of ~80k tokens; steps sized to fit one
     # 9-minute GPU call with the regime measurement
     "small": Recipe(ModelSize(hidden=512, layers=8, heads=8, kv_heads=4, intermediate=1536),
-                    steps=1800, n_per_level=30_000, lr=1.5e-3, teacher_max_level=5,
+                    steps=1500, n_per_level=24_000, lr=1.5e-3, teacher_max_level=5,
                     variant_share=0.25, level_refs=True, ref_max_chars=1500, max_len=1536,
-                    pool=640_000, batch_tokens=81_920, fast_corpus=True,
+                    pool=520_000, batch_tokens=81_920, fast_corpus=True,
                     role_weights=(1, 1, 0.5, 1.5, 1, 1.5),
                     student_level_weights={1: 2, 2: 2, 3: 2, 4: 1, 5: 1},
                     example_alpha=0.5, tokenizer_programs=8000, single_chars=STRING_CHARS),
