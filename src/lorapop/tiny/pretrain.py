@@ -23,7 +23,9 @@ levels, their references are of their completion's level, and a share of their c
 examples are *reference-conditioned*: one of the shown references is an anchor program and the
 completion is a harder variant of it (`generate_variants`: the anchor becomes helper `g` of a
 new, longer `f`), so what a teacher proposes depends on what it is shown and it has a cue to
-raise difficulty.
+raise difficulty. Their corpus is large enough not to be memorised (`lorapop.tiny.corpus` makes
+it in worker processes), the pool is drawn once and trained in one pass, and the example mix,
+the loss weights and the tokenizer favour students learning to execute (`Recipe`).
 """
 
 from __future__ import annotations
