@@ -591,6 +591,7 @@ def pretrain_tiny(
                          workers=workers if fast_corpus else 1)  # fmt: skip
         data = ExamplePool.from_rows(rows, tok.pad_token_id, batch_tokens, seed).to(dev)
         pool_info = {"examples": pool, "tokens": len(data.tokens), "cut_rows": data.cut,
+                     # (counting draws one pass's order from the pool's seeded generator)
                      "batch_tokens": batch_tokens, "batches_per_pass": len(data._epoch()),
                      "seconds": round(time.perf_counter() - t1, 1)}  # fmt: skip
         if log:
