@@ -60,7 +60,9 @@ def program_split(source: str) -> str:
 
 
 @dataclass(frozen=True)
-class _Candidate:
+class Candidate:
+    """A generated program and its inputs, before any run."""
+
     program: Program
     inputs: tuple[str, ...]
     level: int | None
@@ -81,7 +83,7 @@ def _level_key(difficulty: int | Knobs) -> str:
 
 def candidate(
     difficulty: int | Knobs, seed: int | str, split: str, n_inputs: int, i: int
-) -> _Candidate | None:
+) -> Candidate | None:
     """Candidate `i` of a stream: a program with `n_inputs` distinct inputs, or None when the
     program is of the other split or has too few distinct inputs."""
     rng = random.Random(f"{split}/{seed}/{_level_key(difficulty)}/{i}")
@@ -95,13 +97,13 @@ def candidate(
             inputs.append(text)
         if len(inputs) == n_inputs:
             level = difficulty if isinstance(difficulty, int) else None
-            return _Candidate(program, tuple(inputs), level)
+            return Candidate(program, tuple(inputs), level)
     return None
 
 
 def _candidates(
     difficulty: int | Knobs, seed: int | str, split: str, n_inputs: int
-) -> Iterator[_Candidate]:
+) -> Iterator[Candidate]:
     """Programs of the given split with `n_inputs` distinct inputs each, in a fixed order."""
     for i in itertools.count():
         if (cand := candidate(difficulty, seed, split, n_inputs, i)) is not None:
@@ -180,7 +182,8 @@ def acceptable(verdicts: Sequence[Verdict], max_output_chars: int) -> bool:
     return max(len(o) for o in outputs) <= max_output_chars and len(set(outputs)) > 1
 
 
-def make_task(kind: str, cand: _Candidate, outputs: list[str], seed: int | str, split: str) -> Task:
+def make_task(kind: str, cand: Candidate, outputs: list[str], seed: int | str, split: str) -> Task:
+    """The task of `kind` for `cand` with the outputs its runs gave (code_f keeps every pair)."""
     keep = len(cand.inputs) if kind == "code_f" else 1
     meta = {
         "difficulty": cand.level,
@@ -212,7 +215,8 @@ def generate_variants(
     offset: int = 0,
 ) -> list[tuple[Task, Task]]:
     """(anchor, variant) pairs: each variant is `extend_program` of its anchor at the anchor's
-    level + `level_up` (capped at 5), run by the sandbox on the anchor's inputs and kept under
+    level + `level_up` (capped at 5), run by `sandbox` (or any runner of grammar programs, e.g.
+    `lorapop.tiny.corpus.TrustedRunner`) on the anchor's inputs and kept under
     the same rules as `generate_tasks` (train split, all `ok`, short and not all equal outputs).
 
     Anchors must be helper-free grammar code_f tasks (levels 1..3); others are skipped. The
@@ -239,7 +243,7 @@ def generate_variants(
         vs = [next(verdicts) for _ in a.inputs]
         if acceptable(vs, max_output_chars):
             level = min(5, a.meta["difficulty"] + level_up)
-            cand = _Candidate(prog, a.inputs, level)
+            cand = Candidate(prog, a.inputs, level)
             variant = make_task("code_f", cand, [v.output or "" for v in vs], seed, "train")
             out.append((a, variant))
     return out
