@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import random
 import sys
 from collections import defaultdict
@@ -99,6 +101,7 @@ def main() -> None:
         result = {
             "benchmark": "tiny_memorization",
             "command": "PYTHONPATH=src python " + " ".join(sys.argv),
+            "machine": {"device": "cpu", "cpus": os.cpu_count(), "platform": platform.platform()},
             "model": {"path": a.model, "final_loss": rec.get("final_loss"),
                       "steps": rec.get("steps"), "corpus_seed": rec["seed"]},
             "loss_own_programs": role_losses(model, tok, rec, rec["seed"], a.per_level,

@@ -379,7 +379,8 @@ def pretrain_tiny(
     steps: int = typer.Option(None, help="Optimizer steps (default: the size's)."),
     device: str = typer.Option("auto", help="auto, cpu or cuda."),
     n_per_level: int = typer.Option(None, help="Programs per difficulty level (default: the size's)."),
-    workers: int = typer.Option(2, help="Sandbox processes verifying generated programs."),
+    workers: int = typer.Option(2, help="Processes making the corpus (the sandbox's, or worker "
+                                "processes for the larger sizes) and the example pool."),
 ) -> None:
     """Re-make the tiny world's base model: corpus, tokenizer, supervised warm start."""
     import sys

@@ -83,3 +83,22 @@ def test_saves_and_loads_through_transformers(tok, tmp_path) -> None:
         assert loaded.decode([1, *ids, 2], skip_special_tokens=True) == text
     with pytest.raises(FileNotFoundError):
         load_tokenizer(tmp_path / "missing.json")
+
+
+def test_single_chars_are_never_merged_and_qwen2_loading_agrees(corpus, tmp_path) -> None:
+    from transformers import Qwen2Config
+
+    chars = "abcdexyzABCDEXYZ"
+    tok = train_tokenizer(corpus, vocab_size=512, single_chars=chars)
+    merged = train_tokenizer(corpus, vocab_size=512)
+    literal = "<i>'abxdcey'</i><o>'YECDXBA'</o>"
+    pieces = [tok.decode([i]) for i in tok(literal)["input_ids"]]
+    assert "".join(pieces) == literal
+    assert all(len(p) == 1 for p in pieces if set(p) <= set(chars))
+    assert any(len(p) > 1 and set(p) <= set(chars)
+               for p in (merged.decode([i]) for i in merged(literal)["input_ids"]))  # fmt: skip
+    save_tokenizer(tok, tmp_path)
+    Qwen2Config(vocab_size=len(tok)).save_pretrained(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(str(tmp_path))  # rebuilt as a Qwen2 tokenizer
+    for text in [literal, *corpus[:40]]:
+        assert loaded(text)["input_ids"] == tok(text)["input_ids"]

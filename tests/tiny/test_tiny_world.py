@@ -141,3 +141,59 @@ def test_pretrain_with_reference_conditioned_examples_records_its_variants(tmp_p
     assert (tmp_path / "m" / "model.safetensors").is_file()
     with pytest.raises(ValueError, match="variant_share"):
         pretrain_tiny(tmp_path / "x", steps=1, corpus=corpus, variant_share=1.5, log=None)
+
+
+def test_role_and_student_level_weights_skew_the_mix(corpus) -> None:
+    ex = Examples(corpus, random.Random(2), teacher_max_level=5,
+                  role_weights=(0, 0, 0, 1, 0, 1), student_level_weights={1: 1})  # fmt: skip
+    level1 = {t.program for t in corpus if t.meta["difficulty"] == 1}
+    for _ in range(60):
+        role, prompt, completion = ex.draw()
+        assert role in ("student/code_o", "student/code_f")
+        program = completion[: -len("</f>")] if role == "student/code_f" else (
+            prompt.split("<f>")[1].split("</f>")[0])  # fmt: skip
+        assert program in level1
+    with pytest.raises(ValueError, match="role_weights"):
+        Examples(corpus, random.Random(2), role_weights=(1, 1))
+
+
+def test_example_weighted_loss_spans_token_mean_to_example_mean() -> None:
+    import torch
+
+    from lorapop.tiny.pretrain import example_weighted_loss
+
+    logits = torch.randn(2, 6, 5, generator=torch.Generator().manual_seed(0))
+    labels = torch.tensor([[-100, 1, 2, 3, 4, 0], [-100, -100, -100, -100, 2, -100]])
+    ce = torch.nn.functional.cross_entropy(
+        logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), reduction="none", ignore_index=-100
+    ).view(2, 5)  # fmt: skip
+    long, short = ce[0, :].sum() / 5, ce[1, 3]
+    token_mean = ce.sum() / 6
+    assert example_weighted_loss(logits, labels, 0.0) == pytest.approx(float(token_mean), rel=1e-5)
+    assert example_weighted_loss(logits, labels, 1.0) == pytest.approx(float((long + short) / 2),
+                                                                       rel=1e-5)  # fmt: skip
+
+
+def test_fast_recipe_pool_rows_do_not_depend_on_workers(tmp_path, corpus) -> None:
+    """The pool path of a fast recipe: rows drawn by forked workers equal those drawn in one
+    process, and a small end-to-end build records its settings."""
+    from lorapop.tiny.pretrain import TINY_MODEL_DIR, draw_rows, pretrain_tiny
+    from lorapop.tiny.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(TINY_MODEL_DIR)
+
+    def rows(workers: int):
+        ex = Examples(corpus, random.Random(0), teacher_max_level=5, level_refs=True)
+        return draw_rows(ex, tok, 50, 300, "s", workers=workers, chunk=7)
+
+    one, two = rows(1), rows(2)
+    assert all((a == b).all() for a, b in zip(one[:3], two[:3], strict=True)) and one[3] == two[3]
+    assert len(one[1]) == 50 and one[1].sum() == len(one[0]) and (one[2] <= one[1]).all()
+    size = ModelSize(hidden=32, layers=1, heads=2, kv_heads=1, intermediate=64, max_positions=1024)
+    rec = pretrain_tiny(tmp_path / "m", seed=1, steps=2, device="cpu", vocab_size=300, size=size,
+                        corpus=corpus, teacher_max_level=5, pool=40, batch_tokens=2048,
+                        max_len=512, fast_corpus=True, variant_share=0.5, example_alpha=0.5,
+                        role_weights=(1, 1, 1, 2, 1, 2), student_level_weights={1: 2, 2: 1},
+                        tokenizer_programs=5, log=None)  # fmt: skip
+    assert rec["variants"] > 0 and rec["pool"]["examples"] == 40 and rec["fast_corpus"]
+    assert rec["example_alpha"] == 0.5 and rec["student_level_weights"] == {1: 2, 2: 1}

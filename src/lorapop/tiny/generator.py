@@ -16,10 +16,12 @@ from __future__ import annotations
 import ast
 import contextlib
 import hashlib
+import itertools
 import random
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
+from lorapop.tasks.family import Runner
 from lorapop.tasks.task import Task
 from lorapop.tiny.grammar import (
     Knobs,
@@ -58,7 +60,9 @@ def program_split(source: str) -> str:
 
 
 @dataclass(frozen=True)
-class _Candidate:
+class Candidate:
+    """A generated program and its inputs, before any run."""
+
     program: Program
     inputs: tuple[str, ...]
     level: int | None
@@ -77,27 +81,33 @@ def _level_key(difficulty: int | Knobs) -> str:
     return str(difficulty) if isinstance(difficulty, int) else repr(difficulty)
 
 
+def candidate(
+    difficulty: int | Knobs, seed: int | str, split: str, n_inputs: int, i: int
+) -> Candidate | None:
+    """Candidate `i` of a stream: a program with `n_inputs` distinct inputs, or None when the
+    program is of the other split or has too few distinct inputs."""
+    rng = random.Random(f"{split}/{seed}/{_level_key(difficulty)}/{i}")
+    program = generate_program(rng, difficulty)
+    if program_split(program.source) != split:
+        return None
+    inputs: list[str] = []
+    for _ in range(4 * n_inputs):
+        text = generate_input(rng, program)
+        if text not in inputs:
+            inputs.append(text)
+        if len(inputs) == n_inputs:
+            level = difficulty if isinstance(difficulty, int) else None
+            return Candidate(program, tuple(inputs), level)
+    return None
+
+
 def _candidates(
     difficulty: int | Knobs, seed: int | str, split: str, n_inputs: int
-) -> Iterator[_Candidate]:
+) -> Iterator[Candidate]:
     """Programs of the given split with `n_inputs` distinct inputs each, in a fixed order."""
-    level = difficulty if isinstance(difficulty, int) else None
-    i = 0
-    while True:
-        rng = random.Random(f"{split}/{seed}/{_level_key(difficulty)}/{i}")
-        i += 1
-        program = generate_program(rng, difficulty)
-        if program_split(program.source) != split:
-            continue
-        inputs: list[str] = []
-        for _ in range(4 * n_inputs):
-            text = generate_input(rng, program)
-            if text not in inputs:
-                inputs.append(text)
-            if len(inputs) == n_inputs:
-                break
-        if len(inputs) == n_inputs:
-            yield _Candidate(program, tuple(inputs), level)
+    for i in itertools.count():
+        if (cand := candidate(difficulty, seed, split, n_inputs, i)) is not None:
+            yield cand
 
 
 def generate_tasks(
@@ -158,19 +168,22 @@ def generate_tasks(
             verdicts = iter(sb.run(jobs))
             for cand in chunk:
                 outputs = [next(verdicts) for _ in cand.inputs]
-                if len(out) < n and _acceptable(outputs, max_output_chars):
-                    out.append(_task(kind, cand, [v.output or "" for v in outputs], seed, split))
+                if len(out) < n and acceptable(outputs, max_output_chars):
+                    texts = [v.output or "" for v in outputs]
+                    out.append(make_task(kind, cand, texts, seed, split))
     return out
 
 
-def _acceptable(verdicts: Sequence[Verdict], max_output_chars: int) -> bool:
+def acceptable(verdicts: Sequence[Verdict], max_output_chars: int) -> bool:
+    """A program's runs make a task: all ok, outputs short and not all equal."""
     if not all(v.ok and v.output is not None for v in verdicts):
         return False
     outputs = [v.output for v in verdicts]
     return max(len(o) for o in outputs) <= max_output_chars and len(set(outputs)) > 1
 
 
-def _task(kind: str, cand: _Candidate, outputs: list[str], seed: int | str, split: str) -> Task:
+def make_task(kind: str, cand: Candidate, outputs: list[str], seed: int | str, split: str) -> Task:
+    """The task of `kind` for `cand` with the outputs its runs gave (code_f keeps every pair)."""
     keep = len(cand.inputs) if kind == "code_f" else 1
     meta = {
         "difficulty": cand.level,
@@ -195,17 +208,20 @@ _RESULT_TYPES = {int: "int", str: "str", list: "list", dict: "dict"}
 def generate_variants(
     anchors: Sequence[Task],
     seed: int | str,
-    sandbox: Sandbox,
+    sandbox: Runner,
     *,
     level_up: int = 1,
     max_output_chars: int = 60,
+    offset: int = 0,
 ) -> list[tuple[Task, Task]]:
     """(anchor, variant) pairs: each variant is `extend_program` of its anchor at the anchor's
-    level + `level_up` (capped at 5), run by the sandbox on the anchor's inputs and kept under
+    level + `level_up` (capped at 5), run by `sandbox` (or any runner of grammar programs, e.g.
+    `lorapop.tiny.corpus.TrustedRunner`) on the anchor's inputs and kept under
     the same rules as `generate_tasks` (train split, all `ok`, short and not all equal outputs).
 
     Anchors must be helper-free grammar code_f tasks (levels 1..3); others are skipped. The
-    variant of anchor `i` is drawn from `random.Random(f"variant/{seed}/{i}")`.
+    variant of anchor `i` is drawn from `random.Random(f"variant/{seed}/{offset + i}")`, so a
+    slice of the anchors with its `offset` gives that slice of the variants.
     """
     cands: list[tuple[Task, Program]] = []
     for i, a in enumerate(anchors):
@@ -213,7 +229,7 @@ def generate_variants(
         kind = type(_literal(a.outputs[0])) if a.outputs else None
         if not isinstance(level, int) or kind not in _RESULT_TYPES:
             continue
-        rng = random.Random(f"variant/{seed}/{i}")
+        rng = random.Random(f"variant/{seed}/{offset + i}")
         try:
             prog = extend_program(rng, a.program, _RESULT_TYPES[kind], min(5, level + level_up))
         except ValueError:
@@ -225,10 +241,10 @@ def generate_variants(
     out = []
     for a, prog in cands:
         vs = [next(verdicts) for _ in a.inputs]
-        if _acceptable(vs, max_output_chars):
+        if acceptable(vs, max_output_chars):
             level = min(5, a.meta["difficulty"] + level_up)
-            cand = _Candidate(prog, a.inputs, level)
-            variant = _task("code_f", cand, [v.output or "" for v in vs], seed, "train")
+            cand = Candidate(prog, a.inputs, level)
+            variant = make_task("code_f", cand, [v.output or "" for v in vs], seed, "train")
             out.append((a, variant))
     return out
 

@@ -35,7 +35,7 @@ _NAMES = {
 }
 _LOOP_NAMES = {INT: ["i", "j", "x", "y", "v", "e"], STR: ["c", "ch", "key", "w"]}
 _HELPER_NAMES = ["g", "h"]
-_ALPHABET = "abcdexyz"
+ALPHABET = "abcdexyz"
 _WORDS = ["ab", "abc", "xyz", "hello", "cab", "dad", "zed", "bee", "ace", "exa"]
 _CMP = [">", "<", ">=", "<=", "==", "!="]
 
@@ -172,18 +172,18 @@ class _Builder:
         if t == INT:
             return str(r.randint(0, 9) if r.random() < 0.85 else r.randint(-5, -1))
         if t == STR:
-            return repr(r.choice(_ALPHABET) if r.random() < 0.6 else r.choice(_WORDS))
+            return repr(r.choice(ALPHABET) if r.random() < 0.6 else r.choice(_WORDS))
         if t == LIST:
             return repr([r.randint(-3, 9) for _ in range(r.randint(0, 4))])
-        keys = r.sample(_ALPHABET[:5], r.randint(0, 3))
+        keys = r.sample(ALPHABET[:5], r.randint(0, 3))
         return "{" + ", ".join(f"{k!r}: {r.randint(0, 9)}" for k in keys) + "}"
 
     def char(self) -> str:
-        return repr(self.rng.choice(_ALPHABET))
+        return repr(self.rng.choice(ALPHABET))
 
     def swap(self) -> str:
         """Arguments of `str.replace`: a char by another char or by nothing (never longer)."""
-        old, new = self.rng.sample(_ALPHABET, 2)
+        old, new = self.rng.sample(ALPHABET, 2)
         return f"{old!r}, {new!r}" if self.rng.random() < 0.7 else f"{old!r}, ''"
 
     def arith(self) -> str:
@@ -667,11 +667,11 @@ def generate_value(rng: random.Random, t: str) -> object:
     if t == STR:
         if rng.random() < 0.3:
             return rng.choice(_WORDS)
-        return "".join(rng.choice(_ALPHABET) for _ in range(rng.randint(0, 7)))
+        return "".join(rng.choice(ALPHABET) for _ in range(rng.randint(0, 7)))
     if t == LIST:
         return [rng.randint(-5, 15) for _ in range(rng.randint(0, 6))]
     if t == DICT:
-        keys = rng.sample(_ALPHABET[:6], rng.randint(0, 4))
+        keys = rng.sample(ALPHABET[:6], rng.randint(0, 4))
         return {k: rng.randint(0, 9) for k in keys}
     raise ValueError(f"unknown type {t!r}")
 

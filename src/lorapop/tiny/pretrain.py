@@ -23,21 +23,27 @@ levels, their references are of their completion's level, and a share of their c
 examples are *reference-conditioned*: one of the shown references is an anchor program and the
 completion is a harder variant of it (`generate_variants`: the anchor becomes helper `g` of a
 new, longer `f`), so what a teacher proposes depends on what it is shown and it has a cue to
-raise difficulty.
+raise difficulty. Their corpus is large enough not to be memorised (`lorapop.tiny.corpus` makes
+it in worker processes), the pool is drawn once and trained in one pass, and the example mix,
+the loss weights and the tokenizer favour students learning to execute (`Recipe`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import math
+import os
 import platform
 import random
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from multiprocessing import get_context
 from pathlib import Path
 
 import numpy as np
@@ -47,8 +53,9 @@ from transformers import PreTrainedTokenizerFast
 
 from lorapop.engine.model import TINY_DIR, random_qwen2, resolve_device
 from lorapop.tasks import Task, get_family
+from lorapop.tiny.corpus import generate_corpus, generate_variants_fast
 from lorapop.tiny.generator import generate_tasks, generate_variants
-from lorapop.tiny.grammar import LEVELS
+from lorapop.tiny.grammar import ALPHABET, LEVELS
 from lorapop.tiny.heldout import fingerprint
 from lorapop.tiny.tokenizer import corpus_texts, save_tokenizer, train_tokenizer
 from lorapop.verify import Sandbox
@@ -59,6 +66,8 @@ ROLES = (
     "teacher/code_o", "teacher/code_i", "teacher/code_f",
     "student/code_o", "student/code_i", "student/code_f",
 )  # fmt: skip
+#: The grammar's string alphabet (both cases): the world's tokenizer never merges these.
+STRING_CHARS = ALPHABET + ALPHABET.upper()
 #: code_f teacher prompts ask for this many inputs (the corpus has 6 pairs per program).
 CODE_F_NS = (4, 6)
 
@@ -91,20 +100,33 @@ class Recipe:
     max_len: int = 1024  # longest example in tokens (longer ones are cut at the end)
     pool: int = 0  # > 0: pre-tokenize this many examples, batches by length (`ExamplePool`)
     batch_tokens: int = 81_920  # the pool's batches: most padded tokens (rows x longest row)
+    fast_corpus: bool = False  # corpus, variants and pool made by worker processes
+    role_weights: tuple[float, ...] | None = None  # per role of ROLES; None: uniform
+    student_level_weights: dict[int, float] | None = None  # None: every level alike
+    example_alpha: float = 0.0  # loss weight of an example's tokens: n_tokens ** -alpha
+    tokenizer_programs: int = 0  # > 0: train the tokenizer on this many programs
+    single_chars: str = ""  # characters the tokenizer never merges (`train_tokenizer`)
 
 
 SIZES: dict[str, Recipe] = {
     # today's shipped model (src/lorapop/assets/tiny), rebuilt exactly by these settings
     "tiny": Recipe(ModelSize(), steps=3000, n_per_level=1000, lr=2e-3, teacher_max_level=3,
                    variant_share=0.0),
-    # about 26M parameters, for the regime world on one GPU (~6 minutes on an H100):
-    # references of the completion's level (level 5 programs are ~330 tokens, so longer
-    # references and rows), a pre-tokenized pool in length-bucketed batches of ~80k tokens
-    # (~250 rows); steps sized to fit one 9-minute GPU call with the regime measurement
+    # about 26M parameters, for the regime world on one GPU (~6 minutes on an H100 with 16
+    # cores): 120k distinct programs made by worker processes (`lorapop.tiny.corpus`, not the
+    # sandbox) and their reference-conditioned variants, so ~520k examples (one pass, no
+    # repeats) see each program a few times and the model learns the grammar, not its corpus;
+    # references of the completion's level; more student examples, of levels 1-3 above all,
+    # weighted by n_tokens ** -0.5, and string literals one token per character, so students
+    # can learn to execute; length-bucketed batches of ~80k tokens; steps sized to fit one
+    # 9-minute GPU call with the regime measurement
     "small": Recipe(ModelSize(hidden=512, layers=8, heads=8, kv_heads=4, intermediate=1536),
-                    steps=1400, n_per_level=1000, lr=1e-3, teacher_max_level=5,
-                    variant_share=0.5, level_refs=True, ref_max_chars=1500, max_len=1536,
-                    pool=120_000, batch_tokens=81_920),
+                    steps=1500, n_per_level=24_000, lr=1.5e-3, teacher_max_level=5,
+                    variant_share=0.25, level_refs=True, ref_max_chars=1500, max_len=1536,
+                    pool=520_000, batch_tokens=81_920, fast_corpus=True,
+                    role_weights=(1, 1, 0.5, 1.5, 1, 1.5),
+                    student_level_weights={1: 2, 2: 2, 3: 2, 4: 1, 5: 1},
+                    example_alpha=0.5, tokenizer_programs=8000, single_chars=STRING_CHARS),
 }  # fmt: skip
 
 
@@ -166,16 +188,22 @@ class Examples:
     code_i teacher examples shows the anchor among the references and completes its variant.
     With `level_refs`, a teacher's references are of its completion's level (a variant's, of
     its anchor's level), so the level of what it writes follows the level of what it is shown.
-    With neither, the draws are exactly those of the shipped tiny model's recipe.
+    `role_weights` (one per role of `ROLES`) and `student_level_weights` (level -> weight)
+    skew the mix; without them roles are uniform and students draw programs of every level
+    alike. With none of these, the draws are exactly those of the shipped tiny model's recipe.
     """
 
     def __init__(
         self, corpus: Sequence[Task], rng: random.Random, max_refs: int = 2,
         teacher_max_level: int = 3, ref_max_chars: int = 400,
         variants: Sequence[tuple[Task, Task]] = (), variant_share: float = 0.0,
-        level_refs: bool = False,
+        level_refs: bool = False, role_weights: Sequence[float] | None = None,
+        student_level_weights: Mapping[int, float] | None = None,
     ) -> None:  # fmt: skip
         self.rng, self.max_refs, self.level_refs = rng, max_refs, level_refs
+        self.role_weights = list(role_weights) if role_weights else None
+        if self.role_weights is not None and len(self.role_weights) != len(ROLES):
+            raise ValueError(f"role_weights: one weight per role of {ROLES}")
         self.variants = [(a, v) for a, v in variants if len(a.program) <= ref_max_chars]
         self.variant_share = variant_share
         self.all = list(corpus)
@@ -190,6 +218,12 @@ class Examples:
             self.refs_by_level.setdefault(t.meta.get("difficulty"), []).append(t)
         self.seeds = {k: get_family(k, template="compact").seed_tasks()[0] for k in
                       ("code_o", "code_i")}  # fmt: skip
+        by_level: dict[object, list[Task]] = {}
+        for t in self.all:
+            by_level.setdefault(t.meta.get("difficulty"), []).append(t)
+        weights = {lv: w for lv, w in (student_level_weights or {}).items() if lv in by_level}
+        self.student_levels = [by_level[lv] for lv in weights]
+        self.student_weights = list(weights.values())
 
     def _refs(self, kind: str, n_inputs: int, level: object = None) -> list[Task]:
         pool = self.refs_by_level.get(level) if self.level_refs else None
@@ -207,12 +241,18 @@ class Examples:
 
     def draw(self) -> tuple[str, str, str]:
         """(role, prompt, completion) of one random example."""
-        role = ROLES[self.rng.randrange(len(ROLES))]
+        if self.role_weights is None:
+            role = ROLES[self.rng.randrange(len(ROLES))]
+        else:
+            role = self.rng.choices(ROLES, self.role_weights)[0]
         who, kind = role.split("/")
         if (who == "teacher" and kind != "code_f" and self.variants and self.variant_share > 0
                 and self.rng.random() < self.variant_share):  # fmt: skip
             return role, *self._variant(role, kind)
-        src = self.rng.choice(self.teach if who == "teacher" else self.all)
+        if who == "student" and self.student_levels:
+            src = self.rng.choice(self.rng.choices(self.student_levels, self.student_weights)[0])
+        else:
+            src = self.rng.choice(self.teach if who == "teacher" else self.all)
         n = self.rng.choice(CODE_F_NS)
         task = as_type(src, kind, self.rng.randrange(len(src.inputs)), n)
         refs = self._refs(kind, n, src.meta.get("difficulty")) if who == "teacher" else []
@@ -270,6 +310,62 @@ def lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
     return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
+Rows = tuple[np.ndarray, np.ndarray, np.ndarray, int]  # tokens, lengths, prompt lengths, cut
+
+
+def tokenize_pairs(tok: PreTrainedTokenizerFast, pairs: Sequence[tuple[str, str]],
+                   max_len: int) -> Rows:  # fmt: skip
+    """(prompt + completion + EOS) of every pair, cut at `max_len`, stored flat (int32).
+
+    Prompt and completion are tokenized apart, as at sampling time; `cut` counts cut rows."""
+    ps = tok([p for p, _ in pairs], add_special_tokens=False)["input_ids"]
+    cs = tok([c for _, c in pairs], add_special_tokens=False)["input_ids"]
+    eos = [tok.eos_token_id]
+    lengths = [min(len(p) + len(c) + 1, max_len) for p, c in zip(ps, cs, strict=True)]
+    cut = sum(len(p) + len(c) + 1 > max_len for p, c in zip(ps, cs, strict=True))
+    flat = np.fromiter(itertools.chain.from_iterable(
+        (p + c + eos)[:max_len] for p, c in zip(ps, cs, strict=True)),
+        dtype=np.int32, count=sum(lengths))  # fmt: skip
+    prompt_lens = np.minimum([len(p) for p in ps], lengths).astype(np.int32)
+    return flat, np.asarray(lengths, dtype=np.int32), prompt_lens, cut
+
+
+#: What forked `draw_rows` workers draw from (set in the parent just before the fork).
+_DRAW: dict[str, object] = {}
+
+
+def _draw_chunk(k: int, n: int) -> Rows:
+    examples, tok = _DRAW["examples"], _DRAW["tok"]
+    assert isinstance(examples, Examples) and isinstance(tok, PreTrainedTokenizerFast)
+    examples.rng = random.Random(f"{_DRAW['seed']}/{k}")
+    pairs = [examples.draw()[1:] for _ in range(n)]
+    return tokenize_pairs(tok, pairs, int(_DRAW["max_len"]))  # type: ignore[arg-type]
+
+
+def draw_rows(examples: Examples, tok: PreTrainedTokenizerFast, n: int, max_len: int,
+              seed: str, workers: int = 1, chunk: int = 4096) -> Rows:  # fmt: skip
+    """`n` examples drawn and tokenized in chunks of `chunk`: chunk k from
+    `random.Random(f"{seed}/{k}")`, so the rows do not depend on `workers` (forked processes)."""
+    sizes = [min(chunk, n - s) for s in range(0, n, chunk)]
+    _DRAW.update(examples=examples, tok=tok, seed=seed, max_len=max_len)
+    env = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # no rayon in forked workers (nor its warning)
+    try:
+        if workers <= 1:
+            parts = [_draw_chunk(k, m) for k, m in enumerate(sizes)]
+        else:
+            with ProcessPoolExecutor(workers, mp_context=get_context("fork")) as pool:
+                parts = list(pool.map(_draw_chunk, range(len(sizes)), sizes))
+    finally:
+        _DRAW.clear()
+        if env is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = env
+    return (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
+            np.concatenate([p[2] for p in parts]), sum(p[3] for p in parts))  # fmt: skip
+
+
 class ExamplePool:
     """Examples drawn once, tokenized once and stored flat; batches are gathered by index.
 
@@ -282,21 +378,24 @@ class ExamplePool:
 
     def __init__(self, tok: PreTrainedTokenizerFast, pairs: Sequence[tuple[str, str]],
                  max_len: int, batch_tokens: int, seed: int) -> None:  # fmt: skip
-        if not pairs or batch_tokens < max_len:
-            raise ValueError("need examples, and batch_tokens >= max_len")
-        ps = tok([p for p, _ in pairs], add_special_tokens=False)["input_ids"]
-        cs = tok([c for _, c in pairs], add_special_tokens=False)["input_ids"]
-        eos = [tok.eos_token_id]
-        lengths = [min(len(p) + len(c) + 1, max_len) for p, c in zip(ps, cs, strict=True)]
-        self.cut = sum(len(p) + len(c) + 1 > max_len for p, c in zip(ps, cs, strict=True))
-        flat = np.fromiter(itertools.chain.from_iterable(
-            (p + c + eos)[:max_len] for p, c in zip(ps, cs, strict=True)),
-            dtype=np.int64, count=sum(lengths))  # fmt: skip
-        self.tokens = torch.from_numpy(flat)
-        self.lengths = torch.tensor(lengths)
-        self.prompt_lens = torch.tensor([len(p) for p in ps]).clamp_(max=self.lengths)
+        self._setup(*tokenize_pairs(tok, pairs, max_len), tok.pad_token_id, batch_tokens, seed)
+
+    @classmethod
+    def from_rows(cls, rows: Rows, pad: int, batch_tokens: int, seed: int) -> ExamplePool:
+        """A pool of rows already tokenized (`tokenize_pairs`, `draw_rows`)."""
+        pool = cls.__new__(cls)
+        pool._setup(*rows, pad, batch_tokens, seed)
+        return pool
+
+    def _setup(self, tokens: np.ndarray, lengths: np.ndarray, prompt_lens: np.ndarray, cut: int,
+               pad: int, batch_tokens: int, seed: int) -> None:  # fmt: skip
+        if not len(lengths) or batch_tokens < int(lengths.max()):
+            raise ValueError("need examples, and batch_tokens >= the longest row")
+        self.tokens = torch.from_numpy(tokens.astype(np.int64))
+        self.lengths = torch.from_numpy(lengths.astype(np.int64))
+        self.prompt_lens = torch.from_numpy(prompt_lens.astype(np.int64))
         self.offsets = torch.cumsum(self.lengths, 0) - self.lengths
-        self.batch_tokens, self.pad = batch_tokens, tok.pad_token_id
+        self.cut, self.batch_tokens, self.pad = cut, batch_tokens, pad
         self.gen = torch.Generator().manual_seed(seed)
 
     def to(self, device: torch.device) -> ExamplePool:
@@ -335,6 +434,20 @@ class ExamplePool:
                 done += 1
 
 
+def example_weighted_loss(logits: torch.Tensor, labels: torch.Tensor, alpha: float) -> torch.Tensor:
+    """Completion-token cross-entropy, each example's tokens weighted by n ** -alpha (n: its
+    completion tokens), normalised by the weights. alpha 0 is the plain token mean, where a
+    300-token program outweighs a 5-token output 60 to 1 and students barely learn to execute;
+    alpha 1 is the mean of per-example means."""
+    y = labels[:, 1:]
+    ce = torch.nn.functional.cross_entropy(
+        logits[:, :-1].flatten(0, 1).float(), y.flatten(), ignore_index=-100, reduction="none"
+    ).view_as(y)  # fmt: skip
+    n = (y != -100).sum(1)
+    w = n.clamp(min=1).float().pow(-alpha)
+    return (ce.sum(1) * w).sum() / (n * w).sum().clamp(min=1e-9)
+
+
 def train(
     model: torch.nn.Module,
     batches: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
@@ -346,13 +459,15 @@ def train(
     log_every: int = 50,
     log: Callable[[str], None] | None = None,
     attention_mask: bool = True,
+    example_alpha: float = 0.0,
 ) -> list[float]:
     """AdamW on the completion-token mean loss of `steps` batches; returns every step's loss.
 
     On CUDA: bf16 autocast, fused AdamW, and the loss read back only at log steps (no sync
     per step). `attention_mask=False` drops the batches' masks: rows are right-padded, so
     under the causal mask no real token sees padding (whose labels are -100), and attention
-    runs as plain causal SDPA (flash kernels) instead of a masked one."""
+    runs as plain causal SDPA (flash kernels) instead of a masked one. `example_alpha` > 0
+    weights examples (`example_weighted_loss`) instead of taking the plain token mean."""
     model.to(device).train()
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     other = [p for n, p in model.named_parameters() if p.ndim < 2]
@@ -368,8 +483,12 @@ def train(
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps, lr, warmup)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
-            loss = model(input_ids=ids, attention_mask=mask if attention_mask else None,
-                         labels=labels).loss
+            kw = {"input_ids": ids, "attention_mask": mask if attention_mask else None,
+                  "use_cache": False}  # fmt: skip
+            if example_alpha:
+                loss = example_weighted_loss(model(**kw).logits, labels, example_alpha)
+            else:
+                loss = model(**kw, labels=labels).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -402,6 +521,12 @@ def pretrain_tiny(
     max_len: int = 1024,
     pool: int = 0,
     batch_tokens: int = 81_920,
+    fast_corpus: bool = False,
+    role_weights: Sequence[float] | None = None,
+    student_level_weights: Mapping[int, float] | None = None,
+    example_alpha: float = 0.0,
+    tokenizer_programs: int = 0,
+    single_chars: str = "",
     workers: int = 2,
     corpus: Sequence[Task] | None = None,
     command: str | None = None,
@@ -417,8 +542,13 @@ def pretrain_tiny(
     references of the completion's level (see `Examples`). `pool` > 0 draws that many examples
     once and trains on length-bucketed batches of them (`ExamplePool`, the GPU path); 0 draws
     every batch afresh (the shipped tiny model's path): `batch_size` rows a batch, where the
-    pool's batches hold up to `batch_tokens` padded tokens. Training on CPU is bit-for-bit
-    reproducible; on GPU, kernels may add float noise.
+    pool's batches hold up to `batch_tokens` padded tokens. `fast_corpus` generates the corpus
+    and variants in `workers` processes (`lorapop.tiny.corpus`) instead of the sandbox, and the
+    pool is drawn by `workers` forked processes; `role_weights`, `student_level_weights` skew
+    the example mix (`Examples`), `example_alpha` the loss (`example_weighted_loss`);
+    `tokenizer_programs` > 0 trains the tokenizer on that many programs spread over the corpus,
+    never merging `single_chars` (`train_tokenizer`).
+    Training on CPU is bit-for-bit reproducible; on GPU, kernels may add float noise.
     """
     if steps < 1 or n_per_level < 1 or batch_size < 1 or pool < 0:
         raise ValueError("steps, n_per_level and batch_size must be >= 1, pool >= 0")
@@ -428,7 +558,13 @@ def pretrain_tiny(
     dev = resolve_device(device)  # ModelLoadError (one line) for cuda without a GPU
     t0 = time.perf_counter()
     variants: list[tuple[Task, Task]] = []
-    if corpus is None or variant_share > 0:
+    if fast_corpus:
+        if corpus is None:
+            corpus = generate_corpus(n_per_level, f"pretrain/{seed}", workers=workers, log=log)
+        if variant_share > 0:
+            anchors = [t for t in corpus if (t.meta.get("difficulty") or 5) <= 3]
+            variants = generate_variants_fast(anchors, f"pretrain/{seed}", workers=workers)
+    elif corpus is None or variant_share > 0:
         with Sandbox(workers=workers, timeout_s=2.0) as sb:
             corpus = build_corpus(n_per_level, seed, sb) if corpus is None else corpus
             if variant_share > 0:
@@ -439,19 +575,24 @@ def pretrain_tiny(
     if log:
         log(f"corpus: {len(corpus)} programs, {len(variants)} variants in {t_corpus:.1f}s")
     progs = corpus + [v for _, v in variants]
+    if 0 < tokenizer_programs < len(progs):
+        progs = progs[:: math.ceil(len(progs) / tokenizer_programs)]
     texts = list(corpus_texts([as_type(t, k) for t in progs for k in ("code_o", "code_i")]))
     texts += list(corpus_texts(progs))
-    tok = train_tokenizer(texts, vocab_size=vocab_size)
+    tok = train_tokenizer(texts, vocab_size=vocab_size, single_chars=single_chars)
     model = build_model(tok, size, seed)
     examples = Examples(corpus, random.Random(f"pretrain/{seed}"), teacher_max_level=teacher_max_level,
                         variants=variants, variant_share=variant_share, level_refs=level_refs,
-                        ref_max_chars=ref_max_chars)  # fmt: skip
+                        ref_max_chars=ref_max_chars, role_weights=role_weights,
+                        student_level_weights=student_level_weights)  # fmt: skip
     if pool:
         t1 = time.perf_counter()
-        data = ExamplePool(tok, [examples.draw()[1:] for _ in range(pool)], max_len,
-                           batch_tokens, seed).to(dev)  # fmt: skip
+        rows = draw_rows(examples, tok, pool, max_len, f"pretrain/{seed}",
+                         workers=workers if fast_corpus else 1)  # fmt: skip
+        data = ExamplePool.from_rows(rows, tok.pad_token_id, batch_tokens, seed).to(dev)
         pool_info = {"examples": pool, "tokens": len(data.tokens), "cut_rows": data.cut,
-                     "batch_tokens": batch_tokens,
+                     # (counting draws one pass's order from the pool's seeded generator)
+                     "batch_tokens": batch_tokens, "batches_per_pass": len(data._epoch()),
                      "seconds": round(time.perf_counter() - t1, 1)}  # fmt: skip
         if log:
             log(f"pool: {pool} examples, {len(data.tokens)} tokens, {data.cut} cut at {max_len} "
@@ -462,7 +603,8 @@ def pretrain_tiny(
         batches = (encode(tok, [examples.draw()[1:] for _ in range(batch_size)], max_len)
                    for _ in range(steps))  # fmt: skip
     t_train = time.perf_counter()
-    losses = train(model, batches, steps, dev, lr=lr, log=log, attention_mask=not pool)
+    losses = train(model, batches, steps, dev, lr=lr, log=log, attention_mask=not pool,
+                   example_alpha=example_alpha)
     t_train = time.perf_counter() - t_train
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -480,6 +622,11 @@ def pretrain_tiny(
         "teacher_max_level": teacher_max_level,
         "variant_share": variant_share,
         "variants": len(variants),
+        "fast_corpus": fast_corpus,
+        "role_weights": list(role_weights) if role_weights else None,
+        "student_level_weights": dict(student_level_weights or {}) or None,
+        "example_alpha": example_alpha,
+        "single_chars": single_chars,
         "level_refs": level_refs,
         "ref_max_chars": ref_max_chars,
         "max_len": max_len,
@@ -503,21 +650,19 @@ def pretrain_tiny(
 
 
 def pretrain_size(
-    out_dir: str | Path, size: str = "tiny", seed: int = 0, device: str = "auto", *,
-    steps: int | None = None, n_per_level: int | None = None, lr: float | None = None,
+    out_dir: str | Path, size: str = "tiny", seed: int = 0, device: str = "auto",
     **kwargs: object,
 ) -> dict:  # fmt: skip
-    """`pretrain_tiny` with the settings of `SIZES[size]`; given values override the recipe."""
+    """`pretrain_tiny` with the settings of `SIZES[size]`. A keyword named as a `Recipe` field
+    overrides it (None keeps the recipe's); others (workers, command, log, corpus) pass on."""
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; known: {', '.join(SIZES)}")
-    r = SIZES[size]
-    kwargs.setdefault("batch_size", r.batch_size)
-    record = pretrain_tiny(
-        out_dir, seed, steps or r.steps, device, n_per_level=n_per_level or r.n_per_level,
-        size=r.size, lr=lr or r.lr, teacher_max_level=r.teacher_max_level,
-        variant_share=r.variant_share, level_refs=r.level_refs, ref_max_chars=r.ref_max_chars,
-        max_len=r.max_len, pool=r.pool, batch_tokens=r.batch_tokens, **kwargs,  # type: ignore[arg-type]
-    )  # fmt: skip
+    fields = {f.name for f in dataclasses.fields(Recipe)}
+    r = dataclasses.replace(SIZES[size], **{k: v for k, v in kwargs.items()
+                                             if k in fields and v is not None})  # fmt: skip
+    rest = {k: v for k, v in kwargs.items() if k not in fields}
+    record = pretrain_tiny(out_dir, seed, device=device, **dataclasses.asdict(r) | {"size": r.size},
+                           **rest)  # type: ignore[arg-type]  # fmt: skip
     record["size_name"] = size
     (Path(out_dir) / "training.json").write_text(json.dumps(record, indent=1) + "\n")
     return record
@@ -534,12 +679,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--n-per-level", type=int, help="default: the size's recipe")
     p.add_argument("--batch-size", type=int, help="default: the size's recipe")
     p.add_argument("--lr", type=float, help="default: the size's recipe")
-    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--pool", type=int, help="pool examples (pool recipes); default: the recipe's")
+    p.add_argument("--workers", type=int, default=2,
+                   help="processes making the corpus (sandbox or worker processes) and the pool")
     a = p.parse_args(argv)
     args = sys.argv[1:] if argv is None else list(argv)
     rec = pretrain_size(a.out, a.size, a.seed, a.device, steps=a.steps, n_per_level=a.n_per_level,
-                        lr=a.lr, workers=a.workers,
-                        **({"batch_size": a.batch_size} if a.batch_size else {}),
+                        lr=a.lr, batch_size=a.batch_size, pool=a.pool, workers=a.workers,
                         command=" ".join(["python -m lorapop.tiny.pretrain", *args]))  # fmt: skip
     print(f"saved to {a.out}: final loss {rec['final_loss']:.4f}")
     return 0

@@ -9,6 +9,7 @@ pad tokens. No post-processor: callers add bos/eos where their format wants them
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -31,9 +32,15 @@ SPLIT = (
 
 
 def train_tokenizer(
-    texts: Iterable[str], vocab_size: int = 1024, min_frequency: int = 2
+    texts: Iterable[str], vocab_size: int = 1024, min_frequency: int = 2, single_chars: str = ""
 ) -> PreTrainedTokenizerFast:
-    """Train byte-level BPE on `texts`; the same texts give the same tokenizer."""
+    """Train byte-level BPE on `texts`; the same texts give the same tokenizer.
+
+    `single_chars`: merges whose result is made only of these characters are dropped, so a
+    run of them is one token per character. With the grammar's string alphabet, a literal
+    like 'abxdcey' is seven tokens, not 'abx' 'dc' 'ey', and a student can reverse, count or
+    slice it character by character. Only the merge list changes (the split and byte-level
+    steps are Qwen2's), so `AutoTokenizer`'s Qwen2Tokenizer still encodes exactly alike."""
     if vocab_size < _BYTES + len(SPECIAL_TOKENS):
         raise ValueError(f"vocab_size must be >= {_BYTES + len(SPECIAL_TOKENS)}, got {vocab_size}")
     tok = Tokenizer(models.BPE())
@@ -51,6 +58,12 @@ def train_tokenizer(
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
+    if single_chars:
+        spec = json.loads(tok.to_str())
+        keep = set(single_chars)
+        spec["model"]["merges"] = [m for m in spec["model"]["merges"]
+                                   if not set("".join(m)) <= keep]  # fmt: skip
+        tok = Tokenizer.from_str(json.dumps(spec))
     return wrap(tok)
 
 

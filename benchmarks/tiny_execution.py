@@ -1,0 +1,109 @@
+"""How much data does executing programs take? A model trained on student code_o alone.
+
+    PYTHONPATH=src python benchmarks/tiny_execution.py --level 1 --steps 1500 \\
+        --out benchmarks/results/tiny_execution_level1.json
+    PYTHONPATH=src python benchmarks/tiny_execution.py --model DIR --level 1   # a base, no training
+
+The regime world's students barely execute (README, "A world in the paper's regime"). This
+trains a fresh model of `--size`'s shape (the world tokenizer: string characters unmerged) on
+student code_o examples of one level only, drawn from a fresh corpus (`lorapop.tiny.corpus`),
+and reports greedy and T=1 accuracy on unseen programs of that level, by output type; with
+`--model` it scores an existing base on the same tasks instead. How many examples a model
+needs for a level says how a pretraining budget should be split between roles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import platform
+import random
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from lorapop.engine.generate import SamplingParams, generate
+from lorapop.engine.model import load_base_model, load_tokenizer, resolve_device
+from lorapop.tasks import Outcome, get_family
+from lorapop.tiny.corpus import generate_corpus
+from lorapop.tiny.generator import generate_tasks
+from lorapop.tiny.pretrain import (
+    SIZES,
+    STRING_CHARS,
+    Examples,
+    as_type,
+    build_model,
+    encode,
+    train,
+)
+from lorapop.tiny.tokenizer import corpus_texts, train_tokenizer
+from lorapop.verify import Sandbox
+
+
+def accuracy(model, tok, tasks, sb, temperature: float) -> dict:
+    fam = get_family("code_o", template="compact")
+    gens = generate(model, None, tok, [fam.student_prompt(t) for t in tasks], [0] * len(tasks),
+                    SamplingParams(temperature=temperature, max_new_tokens=48), seed=0)  # fmt: skip
+    by: dict[str, list[bool]] = defaultdict(list)
+    for t, g in zip(tasks, fam.check(tasks, [g.text for g in gens], sb), strict=True):
+        ok = g.outcome == Outcome.CORRECT
+        by["all"].append(ok)
+        by[type(ast.literal_eval(t.output)).__name__].append(ok)
+    return {k: round(sum(v) / len(v), 3) for k, v in sorted(by.items())}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--level", type=int, default=1)
+    ap.add_argument("--model", help="score this base instead of training one")
+    ap.add_argument("--size", default="tiny", help="model shape of a pretrain-tiny size")
+    ap.add_argument("--programs", type=int, default=20_000, help="training programs")
+    ap.add_argument("--steps", type=int, default=1500)
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--eval", type=int, default=80, help="unseen tasks to score")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--out", default="benchmarks/results/tiny_execution.json")
+    a = ap.parse_args()
+    dev = resolve_device(a.device)
+    t0 = time.perf_counter()
+    record: dict = {"benchmark": "tiny_execution", "level": a.level,
+                    "command": "PYTHONPATH=src python " + " ".join(sys.argv),
+                    "machine": {"device": str(dev), "cpus": os.cpu_count(),
+                                "platform": platform.platform(), "torch": torch.__version__}}  # fmt: skip
+    with Sandbox(workers=a.workers, timeout_s=2.0) as sb:
+        tasks = generate_tasks("code_o", a.eval, a.level, "probe-exec", sandbox=sb)
+        if a.model:
+            tok = load_tokenizer(a.model)
+            model = load_base_model(a.model, tok, str(dev), "float32", 0).eval()
+            record["model"] = a.model
+        else:
+            corpus = generate_corpus(a.programs, "exec/0", levels=(a.level,), workers=a.workers)
+            texts = corpus_texts([as_type(t, "code_o") for t in corpus[:5000]])
+            tok = train_tokenizer(texts, vocab_size=1024, single_chars=STRING_CHARS)
+            model = build_model(tok, SIZES[a.size].size, 0)
+            ex = Examples(corpus, random.Random("exec/0"), role_weights=(0, 0, 0, 1, 0, 0))
+            batches = (encode(tok, [ex.draw()[1:] for _ in range(a.batch_size)], 512)
+                       for _ in range(a.steps))  # fmt: skip
+            losses = train(model, batches, a.steps, dev, lr=a.lr, log=None)
+            record.update(size=a.size, programs=a.programs, steps=a.steps,
+                          examples=a.steps * a.batch_size, lr=a.lr,
+                          loss={str(i): round(x, 4) for i, x in enumerate(losses) if i % 250 == 0},
+                          final_loss=sum(losses[-50:]) / len(losses[-50:]))  # fmt: skip
+        tok.padding_side = "left"
+        record["greedy"] = accuracy(model, tok, tasks, sb, 0.0)
+        record["t1"] = accuracy(model, tok, tasks, sb, 1.0)
+    record["seconds"] = round(time.perf_counter() - t0, 1)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(record, indent=1) + "\n")
+    print(json.dumps({k: record.get(k) for k in ("greedy", "t1", "final_loss", "seconds")}))
+
+
+if __name__ == "__main__":
+    main()
