@@ -27,7 +27,7 @@ from lorapop.engine.model import TINY_DIR, load_base_model, load_tokenizer, reso
 from lorapop.tiny.evaluate import evaluate_tiny
 from lorapop.tiny.grammar import LEVEL_TABLES
 from lorapop.tiny.heldout import build_heldout, fingerprint
-from lorapop.tiny.world import measure_world, model_level_table, regime_checks, world_pools
+from lorapop.tiny.world import measure_world, regime_checks, world_of, world_pools
 from lorapop.verify import Sandbox
 
 
@@ -37,7 +37,8 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/tiny_world.json")
     ap.add_argument("--proposals", type=int, default=20, help="per task type and level")
     ap.add_argument("--answers", type=int, default=8, help="answers per valid task")
-    ap.add_argument("--references", type=int, default=2)
+    ap.add_argument("--references", type=int,
+                    help="default: as many as the model's teacher prompts showed (at most)")
     ap.add_argument("--pool-per-level", type=int, default=40, help="reference pool per type/level")
     ap.add_argument("--levels", type=int, nargs="+", default=[1, 2, 3, 4, 5])
     ap.add_argument("--level-table", choices=sorted(LEVEL_TABLES),
@@ -53,7 +54,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
     model_dir = TINY_DIR if a.model == "tiny" else Path(a.model)
-    table = a.level_table or model_level_table(model_dir)
+    world = world_of(model_dir)
+    table = a.level_table or world["levels"]
+    references = a.references or world["references"]
     dev = resolve_device(a.device)
     tok = load_tokenizer(a.model)
     tok.padding_side = "left"
@@ -63,7 +66,7 @@ def main() -> None:
         pools = world_pools(a.pool_per_level, sb, levels=a.levels, table=table)
         t1 = time.perf_counter()
         m = measure_world(model, tok, sb, pools, proposals=a.proposals, answers=a.answers,
-                          references=a.references, teacher_max_new_tokens=a.teacher_max_new_tokens,
+                          references=references, teacher_max_new_tokens=a.teacher_max_new_tokens,
                           batch_size=a.batch_size, seed=a.seed)  # fmt: skip
         m["settings"]["level_table"] = table
         t2 = time.perf_counter()

@@ -401,12 +401,14 @@ def run_all(args: argparse.Namespace) -> None:
     (out / "jobs").mkdir(parents=True, exist_ok=True)
     model = ensure_model(args)
     from lorapop.engine.model import TINY_DIR
-    from lorapop.tiny.world import model_level_table
+    from lorapop.tiny.world import world_of
 
-    table = model_level_table(TINY_DIR if model == "tiny" else model)
+    world = world_of(TINY_DIR if model == "tiny" else model)  # what the base was made for
+    table = world["levels"]
     paths = prepare(out, args.per_level, args.workers, table)
     base = [f"model.name_or_path={Path(model).resolve() if Path(model).exists() else model}",
-            f"tasks.seed_tasks={Path(paths['seed_tasks']).resolve()}", *args.overrides]
+            f"tasks.seed_tasks={Path(paths['seed_tasks']).resolve()}",
+            f"tasks.references={world['references']}", *args.overrides]
     jobs = []
     for arm in args.arms:
         for seed in args.seeds:

@@ -57,15 +57,20 @@ def world_pools(
     }  # fmt: skip
 
 
-def model_level_table(model_dir: str | Path) -> str:
-    """The level table a base model was pretrained on (its training.json's `levels`): the
-    world of its measurement, held-out set and seed tasks. `standard` when not recorded."""
-    path = Path(model_dir) / "training.json"
+def world_of(model_dir: str | Path) -> dict[str, Any]:
+    """The world a base model was pretrained for, from its training.json: `levels` (its level
+    table: the levels of its measurement, held-out set and seed tasks) and `references` (the
+    most references its teacher prompts showed: what the loop should show). Defaults (the
+    shipped model, older records): the standard table and 2."""
     try:
-        table = json.loads(path.read_text()).get("levels", "standard")
-    except (OSError, ValueError, AttributeError):
-        return "standard"
-    return table if table in LEVEL_TABLES else "standard"
+        rec = json.loads((Path(model_dir) / "training.json").read_text())
+    except (OSError, ValueError):
+        rec = {}
+    rec = rec if isinstance(rec, dict) else {}
+    table = rec.get("levels", "standard")
+    refs = rec.get("max_refs", 2)
+    return {"levels": table if table in LEVEL_TABLES else "standard",
+            "references": refs if isinstance(refs, int) and refs >= 1 else 2}  # fmt: skip
 
 
 @dataclass(frozen=True)
