@@ -4,6 +4,8 @@
         --workers 15 --deadline 560 --json benchmarks/results/world_recipes.json \\
         --measure="--proposals 20" world world-exec world-refs "world,steps=800,lr=2e-3"
     PYTHONPATH=src python benchmarks/world_recipes.py --smoke --out /tmp/recipes   # CPU check
+    PYTHONPATH=src python benchmarks/world_recipes.py --mix small world world-exec world-refs \\
+        --json benchmarks/results/world_mix.json                 # CPU: the mixes, no training
 
 A variant is a `lorapop pretrain-tiny` size, optionally with recipe fields overridden
 (`SIZE,key=value,...`, values as Python literals: `steps=800`, `levels='world'`,
@@ -15,7 +17,9 @@ them, and is measured by `benchmarks/tiny_world.py` (its regime checks; `--measu
 arguments) as soon as it is built.
 The JSON (`--json`) is rewritten whenever a variant changes state, so a call cut short by a
 time limit still returns every finished variant; `--deadline` stops what is still running at
-that many seconds and records it as `timeout`.
+that many seconds and records it as `timeout`. `--mix` trains nothing: it measures each
+variant's example mix on CPU (shares of tokens and examples per role and level, as drawn, on a
+smaller corpus with the recipe's own tokenizer) and the corpus's program lengths per level.
 """
 
 from __future__ import annotations
@@ -27,11 +31,14 @@ import json
 import os
 import pickle
 import platform
+import random
 import shlex
 import subprocess
 import sys
 import threading
 import time
+from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from statistics import fmean
@@ -181,6 +188,78 @@ def shared_corpora(variants: dict[str, tuple[str, dict]], out: Path, seed: int, 
     return paths, facts
 
 
+def measure_mix(variants: dict[str, tuple[str, dict]], seed: int, workers: int,
+                n_per_level: int, draws: int) -> dict:  # fmt: skip
+    """Each variant's example mix as drawn (no training): shares of tokens (rows: prompt +
+    completion + EOS, as trained) and of examples per (role, level), the budget's plan, and
+    the program length per level of its corpus, in characters and in its tokenizer's tokens."""
+    from lorapop.tiny.corpus import generate_corpus, generate_variants_fast
+    from lorapop.tiny.grammar import table_levels
+    from lorapop.tiny.pretrain import Examples, budget_cells, recipe_tokenizer, tokenize_pairs
+
+    corpora: dict[str, tuple[list, list]] = {}
+    out = {}
+    for label, (size, ov) in variants.items():
+        r = recipe_of(size, ov)
+        if r.levels not in corpora:
+            corpus = generate_corpus(n_per_level, f"pretrain/{seed}", workers=workers,
+                                     levels=table_levels(r.levels))  # fmt: skip
+            anchors = [t for t in corpus if t.meta["difficulty"] <= 3]
+            corpora[r.levels] = (corpus, generate_variants_fast(
+                anchors, f"pretrain/{seed}", workers=workers, table=r.levels))  # fmt: skip
+        corpus, pairs = corpora[r.levels]
+        pairs = pairs if r.variant_share > 0 else []
+        tok = recipe_tokenizer(corpus + [v for _, v in pairs], 2048, r.tokenizer_programs,
+                               r.single_chars)  # fmt: skip
+        ex = Examples(corpus, random.Random(f"mix/{seed}"), max_refs=r.max_refs,
+                      teacher_max_level=r.teacher_max_level, ref_max_chars=r.ref_max_chars,
+                      variants=pairs, variant_share=r.variant_share, level_refs=r.level_refs,
+                      role_weights=r.role_weights,
+                      student_level_weights=r.student_level_weights)  # fmt: skip
+        plan = None
+        if r.token_shares:
+            plan = budget_cells(r.token_shares, r.token_levels, (1, 2, 3, 4, 5), r.teacher_max_level)
+            ex.budget(plan, tok, r.max_len)
+        got = [ex.draw_cell() for _ in range(draws)]
+        lengths = tokenize_pairs(tok, [(p, c) for *_, p, c in got], r.max_len)[1]
+        tokens: Counter = Counter()
+        count: Counter = Counter()
+        for (role, level, _, _), n in zip(got, lengths, strict=True):
+            tokens[(role, level)] += int(n)
+            count[(role, level)] += 1
+        total = sum(tokens.values())
+
+        chars: dict[int, list[int]] = {}
+        for t in corpus:
+            chars.setdefault(t.meta["difficulty"], []).append(len(t.program))
+        sample = {lv: [t.program for t in corpus if t.meta["difficulty"] == lv][:500] for lv in chars}
+        out[label] = {
+            "levels": r.levels, "draws": draws,
+            "mean_tokens_per_example": round(float(lengths.mean()), 1),
+            "examples_per_pass": round(r.steps * r.batch_tokens / float(lengths.mean())),
+            "token_share_by_role": {role: _share(tokens, lambda ro, lv, role=role: ro == role)
+                                    for role in sorted({k[0] for k in tokens})},
+            "token_share_students": _share(tokens, lambda ro, lv: ro.startswith("student")),
+            "token_share_students_levels_1_3": _share(
+                tokens, lambda ro, lv: ro.startswith("student") and lv in (1, 2, 3)),
+            "cells": {f"{ro}@{lv}": {"tokens": round(tokens[(ro, lv)] / total, 4),
+                                     "examples": round(count[(ro, lv)] / draws, 4),
+                                     "mean_tokens": round(tokens[(ro, lv)] / count[(ro, lv)], 1),
+                                     "planned": round(plan[(ro, lv)], 4) if plan else None}
+                      for ro, lv in sorted(tokens, key=str)},
+            "program_chars_by_level": {str(lv): round(fmean(xs)) for lv, xs in sorted(chars.items())},
+            "program_tokens_by_level": {
+                str(lv): round(fmean(len(ids) for ids in tok(ps, add_special_tokens=False)["input_ids"]))
+                for lv, ps in sorted(sample.items())},
+        }  # fmt: skip
+    return out
+
+
+def _share(tokens: Counter, pred: Callable[[str, object], bool]) -> float:
+    """The share of `tokens` ((role, level) -> count) in the cells where `pred` holds."""
+    return round(sum(v for k, v in tokens.items() if pred(*k)) / sum(tokens.values()), 3)
+
+
 def summary(m: dict) -> dict:
     """The figures of a tiny_world.py result worth comparing across variants."""
     return {"checks": m["checks"], "valid_rate": m["valid_rate"],
@@ -208,6 +287,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true",
                     help="every variant CPU-sized (2 steps, 30 programs a level): checks the "
                     "pipeline end to end, measures nothing")
+    ap.add_argument("--mix", action="store_true",
+                    help="measure each variant's example mix on CPU; no training")
+    ap.add_argument("--mix-programs", type=int, default=2000, help="--mix: programs per level")
+    ap.add_argument("--mix-draws", type=int, default=20000, help="--mix: examples drawn")
     ap.add_argument("--measure", default="",
                     help='arguments for tiny_world.py, e.g. --measure="--proposals 40"')
     ap.add_argument("--build-one", type=Path, help=argparse.SUPPRESS)
@@ -227,6 +310,20 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(e))
     if a.smoke:
         variants = {k: (size, {**ov, **SMOKE}) for k, (size, ov) in variants.items()}
+    if a.mix:
+        path = Path(a.json) if a.json else out / "world_mix.json"
+        mix = measure_mix(variants, a.seed, a.workers, a.mix_programs, a.mix_draws)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({
+            "benchmark": "world_mix", "command": " ".join(
+                ["PYTHONPATH=src python benchmarks/world_recipes.py", *map(shlex.quote, args)]),
+            "machine": _machine("cpu"), "programs_per_level": a.mix_programs,
+            "seconds": round(time.time() - t0, 1), "variants": mix}, indent=1) + "\n")  # fmt: skip
+        print(json.dumps({k: {"students": v["token_share_students"],
+                              "students_1_3": v["token_share_students_levels_1_3"],
+                              "tokens_per_example": v["mean_tokens_per_example"]}
+                          for k, v in mix.items()}))  # fmt: skip
+        return 0
     device = "cpu" if a.smoke and a.device == "auto" else a.device
     measure = [*(SMOKE_MEASURE if a.smoke else []), *shlex.split(a.measure)]
     per = max(1, a.workers // len(variants))

@@ -286,9 +286,15 @@ class Examples:
 
     def draw(self) -> tuple[str, str, str]:
         """(role, prompt, completion) of one random example."""
+        role, _, p, c = self.draw_cell()
+        return role, p, c
+
+    def draw_cell(self) -> tuple[str, object, str, str]:
+        """(role, level, prompt, completion) of one random example; level: of the program the
+        completion is about (a code_f teacher's: of its base program)."""
         if self.cells:
-            role, _, p, c = self.draw_cell()
-            return role, p, c
+            role, level = self.rng.choices(self.cells, self.cell_weights)[0]
+            return role, level, *self._at(role, level)
         if self.role_weights is None:
             role = ROLES[self.rng.randrange(len(ROLES))]
         else:
@@ -303,15 +309,16 @@ class Examples:
             src = self.rng.choice(self.teach if who == "teacher" else self.all)
         n = self.rng.choice(CODE_F_NS)
         task = as_type(src, kind, self.rng.randrange(len(src.inputs)), n)
-        refs = self._refs(kind, n, src.meta.get("difficulty")) if who == "teacher" else []
-        return role, prompt(role, task, refs), completion(role, task)
+        level = src.meta.get("difficulty")
+        refs = self._refs(kind, n, level) if who == "teacher" else []
+        return role, level, prompt(role, task, refs), completion(role, task)
 
     def budget(self, shares: Mapping[tuple[str, int], float], tok: PreTrainedTokenizerFast,
                max_len: int, n: int = 64, seed: str = "budget") -> dict[tuple[str, int], float]:  # fmt: skip
         """Draw by token budget from now on: `shares` of tokens per (role, level) cell (rows:
         prompt + completion + EOS, cut at `max_len`, as trained). Each cell's mean row length
         is estimated from `n` draws of its own RNG (`seed`); a cell is then drawn with weight
-        share / mean length. Returns the means."""
+        share / mean length (`draw_cell`). Returns the means."""
         if not shares or any(w < 0 for w in shares.values()) or not sum(shares.values()) > 0:
             raise ValueError("token shares must be >= 0 with a positive sum")
         for role, level in shares:
@@ -327,18 +334,13 @@ class Examples:
         self.cell_weights = [shares[c] / means[c] for c in self.cells]
         return means
 
-    def draw_cell(self) -> tuple[str, int, str, str]:
-        """(role, level, prompt, completion) of one example drawn by the token budget."""
-        role, level = self.rng.choices(self.cells, self.cell_weights)[0]
-        return role, level, *self._at(role, level)
-
     def _at(self, role: str, level: int) -> tuple[str, str]:
         """An example of `role` on a program of `level`: for code_o/code_i teachers, with the
         probability `variant_share`, a variant of that level (where there are any)."""
         who, kind = role.split("/")
         pairs = self.variants_by_level.get(level) if who == "teacher" and kind != "code_f" else None
         if pairs and self.variant_share > 0 and self.rng.random() < self.variant_share:
-            return self._variant(role, kind, pairs)
+            return self._variant(role, kind, pairs)[1:]
         src = self.rng.choice(self.by_level[level])
         n = self.rng.choice(CODE_F_NS)
         task = as_type(src, kind, self.rng.randrange(len(src.inputs)), n)
@@ -346,14 +348,15 @@ class Examples:
         return prompt(role, task, refs), completion(role, task)
 
     def _variant(self, role: str, kind: str,
-                 pairs: Sequence[tuple[Task, Task]] = ()) -> tuple[str, str]:  # fmt: skip
-        """A teacher example whose completion extends one of the references it shows."""
+                 pairs: Sequence[tuple[Task, Task]] = ()) -> tuple[object, str, str]:  # fmt: skip
+        """(level, prompt, completion) of a teacher example whose completion extends one of the
+        references it shows."""
         anchor, variant = self.rng.choice(pairs or self.variants)
         task = as_type(variant, kind, self.rng.randrange(len(variant.inputs)))
         refs = self._refs(kind, 0, anchor.meta.get("difficulty"))[: self.max_refs - 1]
         refs.insert(self.rng.randint(0, len(refs)),
                     as_type(anchor, kind, self.rng.randrange(len(anchor.inputs))))  # fmt: skip
-        return prompt(role, task, refs), completion(role, task)
+        return variant.meta.get("difficulty"), prompt(role, task, refs), completion(role, task)
 
 
 def budget_cells(
@@ -406,6 +409,18 @@ def encode(
         mask[i, : len(r)] = 1
         labels[i, len(p) : len(r)] = ids[i, len(p) : len(r)]
     return ids, mask, labels
+
+
+def recipe_tokenizer(programs: Sequence[Task], vocab_size: int, tokenizer_programs: int = 0,
+                     single_chars: str = "") -> PreTrainedTokenizerFast:  # fmt: skip
+    """The BPE tokenizer of a recipe: trained on the texts of `programs` (every one, or about
+    `tokenizer_programs` spread over them), never merging `single_chars`."""
+    progs = list(programs)
+    if 0 < tokenizer_programs < len(progs):
+        progs = progs[:: math.ceil(len(progs) / tokenizer_programs)]
+    texts = list(corpus_texts([as_type(t, k) for t in progs for k in ("code_o", "code_i")]))
+    texts += list(corpus_texts(progs))
+    return train_tokenizer(texts, vocab_size=vocab_size, single_chars=single_chars)
 
 
 # -- the model --------------------------------------------------------------------------------
@@ -680,8 +695,8 @@ def pretrain_tiny(
         raise ValueError("steps, n_per_level and batch_size must be >= 1, pool >= 0")
     if not 0.0 <= variant_share <= 1.0 or teacher_max_level not in LEVELS:
         raise ValueError("variant_share must be in [0, 1] and teacher_max_level in 1..5")
-    if max_refs < 0:
-        raise ValueError("max_refs must be >= 0")
+    if max_refs < (1 if variant_share > 0 else 0):
+        raise ValueError("max_refs must be >= 0, and >= 1 with variants (they show their anchor)")
     cells = budget_cells(token_shares, token_levels, tuple(LEVELS),
                          teacher_max_level) if token_shares else None  # fmt: skip
     size = size or ModelSize()
@@ -706,12 +721,8 @@ def pretrain_tiny(
     t_corpus = time.perf_counter() - t0
     if log:
         log(f"corpus: {len(corpus)} programs, {len(variants)} variants in {t_corpus:.1f}s")
-    progs = corpus + [v for _, v in variants]
-    if 0 < tokenizer_programs < len(progs):
-        progs = progs[:: math.ceil(len(progs) / tokenizer_programs)]
-    texts = list(corpus_texts([as_type(t, k) for t in progs for k in ("code_o", "code_i")]))
-    texts += list(corpus_texts(progs))
-    tok = train_tokenizer(texts, vocab_size=vocab_size, single_chars=single_chars)
+    tok = recipe_tokenizer(corpus + [v for _, v in variants], vocab_size, tokenizer_programs,
+                           single_chars)  # fmt: skip
     model = build_model(tok, size, seed)
     examples = Examples(corpus, random.Random(f"pretrain/{seed}"), teacher_max_level=teacher_max_level,
                         variants=variants, variant_share=variant_share, level_refs=level_refs,
