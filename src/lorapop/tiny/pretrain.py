@@ -25,7 +25,10 @@ completion is a harder variant of it (`generate_variants`: the anchor becomes he
 new, longer `f`), so what a teacher proposes depends on what it is shown and it has a cue to
 raise difficulty. Their corpus is large enough not to be memorised (`lorapop.tiny.corpus` makes
 it in worker processes), the pool is drawn once and trained in one pass, and the example mix,
-the loss weights and the tokenizer favour students learning to execute (`Recipe`).
+the loss weights and the tokenizer favour students learning to execute (`Recipe`). The `world*`
+sizes draw from the world's level table (`grammar.WORLD_LEVELS`: shorter levels 4-5) and give
+each (role, level) a share of the pool's tokens rather than of its examples (`budget_cells`,
+`Examples.budget`), so short student examples are not crowded out by long teacher ones.
 """
 
 from __future__ import annotations
