@@ -54,7 +54,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
     model_dir = TINY_DIR if a.model == "tiny" else Path(a.model)
-    world = world_of(model_dir)
+    try:
+        world = world_of(model_dir)
+    except ValueError as e:
+        ap.error(str(e))
     table = a.level_table or world["levels"]
     references = a.references or world["references"]
     dev = resolve_device(a.device)

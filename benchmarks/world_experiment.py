@@ -403,7 +403,10 @@ def run_all(args: argparse.Namespace) -> None:
     from lorapop.engine.model import TINY_DIR
     from lorapop.tiny.world import world_of
 
-    world = world_of(TINY_DIR if model == "tiny" else model)  # what the base was made for
+    try:
+        world = world_of(TINY_DIR if model == "tiny" else model)  # what the base was made for
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     table = world["levels"]
     paths = prepare(out, args.per_level, args.workers, table)
     base = [f"model.name_or_path={Path(model).resolve() if Path(model).exists() else model}",

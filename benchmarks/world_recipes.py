@@ -55,6 +55,7 @@ SMOKE_MEASURE = ["--proposals", "2", "--answers", "2", "--pool-per-level", "4",
 
 def parse_variant(spec: str) -> tuple[str, dict]:
     """`SIZE,key=value,...` -> (size, overrides); keys must be recipe fields."""
+    from lorapop.tiny.grammar import table_levels
     from lorapop.tiny.pretrain import SIZES, Recipe
 
     size, *pairs = spec.split(",")
@@ -71,6 +72,10 @@ def parse_variant(spec: str) -> tuple[str, dict]:
             overrides[key] = ast.literal_eval(text)
         except (ValueError, SyntaxError):
             overrides[key] = text  # a bare word: a string
+    try:
+        table_levels(recipe_of(size, overrides).levels)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{spec!r}: {e}") from None
     return size, overrides
 
 

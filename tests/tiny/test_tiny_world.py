@@ -268,3 +268,8 @@ def test_budgeted_world_recipe_fills_one_pass_and_records_its_budget(tmp_path, c
     assert sum(c["share"] for c in cells.values()) == pytest.approx(1.0, abs=1e-3)
     assert cells["student/code_o@1"]["share"] == pytest.approx(0.3 * 2 / 4, abs=1e-3)
     assert world_of(tmp_path / "m") == {"levels": "world", "references": 1}
+    for bad, match in (({"levels": "moon"}, "level table"), ({"max_refs": 0}, "max_refs"),
+                       ({"token_shares": {"teacher/code_x": 1.0}}, "token budget")):
+        with pytest.raises(ValueError, match=match):
+            pretrain_tiny(tmp_path / "x", steps=1, corpus=corpus, variant_share=0.5, log=None,
+                          **bad)  # fmt: skip

@@ -74,7 +74,10 @@ def test_world_of_a_model_reads_its_training_record(tmp_path) -> None:
     assert world_of(tmp_path) == {"levels": "standard", "references": 2}  # no record
     (tmp_path / "training.json").write_text(json.dumps({"levels": "world", "max_refs": 1}))
     assert world_of(tmp_path) == {"levels": "world", "references": 1}
-    (tmp_path / "training.json").write_text(json.dumps({"levels": "moon", "max_refs": 0}))
-    assert world_of(tmp_path) == {"levels": "standard", "references": 2}
+    (tmp_path / "training.json").write_text(json.dumps({"levels": "world", "max_refs": 0}))
+    assert world_of(tmp_path) == {"levels": "world", "references": 2}
+    (tmp_path / "training.json").write_text(json.dumps({"levels": "moon"}))
+    with pytest.raises(ValueError, match="level table 'moon'"):
+        world_of(tmp_path)
     (tmp_path / "training.json").write_text("{not json")
     assert world_of(tmp_path)["levels"] == "standard"

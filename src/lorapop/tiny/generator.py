@@ -221,8 +221,9 @@ def generate_variants(
     table: str = "standard",
 ) -> list[tuple[Task, Task]]:
     """(anchor, variant) pairs: each variant is `extend_program` of its anchor at the anchor's
-    level + `level_up` (capped at 5) of level table `table`, run by `sandbox` (or any runner of grammar programs, e.g.
-    `lorapop.tiny.corpus.TrustedRunner`) on the anchor's inputs and kept under
+    level + `level_up` (capped at 5) of level table `table`, run by `sandbox` (or any runner
+    of grammar programs, e.g. `lorapop.tiny.corpus.TrustedRunner`) on the anchor's inputs and
+    kept under
     the same rules as `generate_tasks` (train split, all `ok`, short and not all equal outputs).
 
     Anchors must be helper-free grammar code_f tasks (levels 1..3); others are skipped. The

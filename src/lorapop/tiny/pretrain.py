@@ -700,6 +700,7 @@ def pretrain_tiny(
         raise ValueError("variant_share must be in [0, 1] and teacher_max_level in 1..5")
     if max_refs < (1 if variant_share > 0 else 0):
         raise ValueError("max_refs must be >= 0, and >= 1 with variants (they show their anchor)")
+    table_levels(levels)  # an unknown level table fails here, before any work
     cells = budget_cells(token_shares, token_levels, tuple(LEVELS),
                          teacher_max_level) if token_shares else None  # fmt: skip
     size = size or ModelSize()

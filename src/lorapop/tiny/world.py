@@ -61,7 +61,8 @@ def world_of(model_dir: str | Path) -> dict[str, Any]:
     """The world a base model was pretrained for, from its training.json: `levels` (its level
     table: the levels of its measurement, held-out set and seed tasks) and `references` (the
     most references its teacher prompts showed: what the loop should show). Defaults (the
-    shipped model, older records): the standard table and 2."""
+    shipped model, older records): the standard table and 2. ValueError (one line) for a level
+    table this code does not know."""
     try:
         rec = json.loads((Path(model_dir) / "training.json").read_text())
     except (OSError, ValueError):
@@ -69,8 +70,10 @@ def world_of(model_dir: str | Path) -> dict[str, Any]:
     rec = rec if isinstance(rec, dict) else {}
     table = rec.get("levels", "standard")
     refs = rec.get("max_refs", 2)
-    return {"levels": table if table in LEVEL_TABLES else "standard",
-            "references": refs if isinstance(refs, int) and refs >= 1 else 2}  # fmt: skip
+    if not isinstance(table, str) or table not in LEVEL_TABLES:
+        raise ValueError(f"{model_dir} was pretrained on level table {table!r}; known: "
+                         f"{', '.join(LEVEL_TABLES)}")  # fmt: skip
+    return {"levels": table, "references": refs if isinstance(refs, int) and refs >= 1 else 2}
 
 
 @dataclass(frozen=True)
