@@ -93,8 +93,8 @@ LEVELS: dict[int, Knobs] = {
 #: The regime world's levels (issue 15): levels 1-3 are `LEVELS`' own; 4 and 5 stay close to 3
 #: (6 and 7 statements, nesting 2 and 3, dicts at 5, no helpers: the world's variants bring
 #: those), ~250 and ~350 characters where `LEVELS`' are ~500 and ~1000, so a 26M model can
-#: write a valid program at every level (one bad token of ~330 sinks a level-5 proposal). `LEVELS` stays as it is: the shipped tiny model and the
-#: held-out benchmark are built on it.
+#: write a valid program at every level (one bad token of ~330 sinks a level-5 proposal).
+#: `LEVELS` stays as it is: the shipped tiny model and the held-out benchmark are built on it.
 WORLD_LEVELS: dict[int, Knobs] = {
     **{lv: LEVELS[lv] for lv in (1, 2, 3)},
     4: Knobs(statements=6, depth=2, params=2, types=(INT, STR, LIST), loops=True,
