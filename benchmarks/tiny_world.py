@@ -6,7 +6,8 @@
 Writes JSON: valid rate at T=1 per type (and level), the model's solve rate on its own valid
 tasks by level 1-5 and type, code_f solved rate, the share of tasks with 0 < s < 1 and the
 teacher rewards they would earn, reference dependence, issue 15's targets (`checks`), and
-optionally held-out greedy pass@1 (`--heldout-per-level`), with machine and command.
+optionally held-out greedy pass@1 (`--heldout-per-level`), with machine and command. Levels
+are those of the model's own level table (`--level-table`; the world recipes' is `world`).
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ import transformers
 
 from lorapop.engine.model import TINY_DIR, load_base_model, load_tokenizer, resolve_device
 from lorapop.tiny.evaluate import evaluate_tiny
+from lorapop.tiny.grammar import LEVEL_TABLES
 from lorapop.tiny.heldout import build_heldout, fingerprint
-from lorapop.tiny.world import measure_world, regime_checks, world_pools
+from lorapop.tiny.world import measure_world, regime_checks, world_of, world_pools
 from lorapop.verify import Sandbox
 
 
@@ -35,9 +37,13 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/tiny_world.json")
     ap.add_argument("--proposals", type=int, default=20, help="per task type and level")
     ap.add_argument("--answers", type=int, default=8, help="answers per valid task")
-    ap.add_argument("--references", type=int, default=2)
+    ap.add_argument("--references", type=int,
+                    help="default: as many as the model's teacher prompts showed (at most)")
     ap.add_argument("--pool-per-level", type=int, default=40, help="reference pool per type/level")
     ap.add_argument("--levels", type=int, nargs="+", default=[1, 2, 3, 4, 5])
+    ap.add_argument("--level-table", choices=sorted(LEVEL_TABLES),
+                    help="level table of the references and held-out tasks; default: the one "
+                    "the model was pretrained on (its training.json), else standard")
     ap.add_argument("--heldout-per-level", type=int, default=0, help="0: skip held-out pass@1")
     ap.add_argument("--teacher-max-new-tokens", type=int, default=512,
                     help="level-5 programs are ~330 tokens (p90 ~400)")
@@ -47,26 +53,34 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
+    model_dir = TINY_DIR if a.model == "tiny" else Path(a.model)
+    try:
+        world = world_of(model_dir)
+    except ValueError as e:
+        ap.error(str(e))
+    table = a.level_table or world["levels"]
+    references = a.references or world["references"]
     dev = resolve_device(a.device)
     tok = load_tokenizer(a.model)
     tok.padding_side = "left"
     model = load_base_model(a.model, tok, str(dev), a.dtype, a.seed).eval()
     t0 = time.perf_counter()
     with Sandbox(workers=a.workers, timeout_s=2.0) as sb:
-        pools = world_pools(a.pool_per_level, sb, levels=a.levels)
+        pools = world_pools(a.pool_per_level, sb, levels=a.levels, table=table)
         t1 = time.perf_counter()
         m = measure_world(model, tok, sb, pools, proposals=a.proposals, answers=a.answers,
-                          references=a.references, teacher_max_new_tokens=a.teacher_max_new_tokens,
+                          references=references, teacher_max_new_tokens=a.teacher_max_new_tokens,
                           batch_size=a.batch_size, seed=a.seed)  # fmt: skip
+        m["settings"]["level_table"] = table
         t2 = time.perf_counter()
         heldout = None
         if a.heldout_per_level:
-            tasks = build_heldout(a.heldout_per_level, sandbox=sb)
+            tasks = build_heldout(a.heldout_per_level, sandbox=sb, table=table)
             table = evaluate_tiny(model, tok, tasks, sb, batch_size=a.batch_size, seed=a.seed)
             heldout = {"n_per_level": a.heldout_per_level, "fingerprint": fingerprint(tasks),
                        **table["members"]["base"]}  # fmt: skip
         t3 = time.perf_counter()
-    training = (TINY_DIR if a.model == "tiny" else Path(a.model)) / "training.json"
+    training = model_dir / "training.json"
     result = {
         "benchmark": "tiny_world",
         "command": "PYTHONPATH=src python " + " ".join(sys.argv),

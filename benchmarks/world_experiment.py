@@ -13,7 +13,8 @@ Arms (all with the same generation compute per step: proposals and answers):
 Every run trains in its own process (many share one GPU; the sandboxes share the CPUs), stops
 at `--deadline` seconds after the call began with a checkpoint, and resumes from it when the
 same command runs again, so a long experiment spans several calls. When every run is done,
-each scores its students on the held-out set (levels 1-5) and on a selection set (which picks
+each scores its students on the held-out set (levels 1-5 of the base model's level table: the
+world recipes' `world`) and on a selection set (which picks
 the best and weakest student), then on the other arms' recent tasks (cross-play), and the
 summary is written: per-step curves, the gate, the pre-registered criterion (README), paired
 bootstrap CIs. `--model` builds the base with `--size` when the directory holds no model.
@@ -365,23 +366,32 @@ def ensure_model(args: argparse.Namespace) -> str:
     return args.model
 
 
-def prepare(out: Path, per_level: int, workers: int) -> dict[str, str]:
-    """Held-out and selection sets, and the buffers' seed tasks (built once, then reused)."""
+def prepare(out: Path, per_level: int, workers: int, table: str) -> dict[str, str]:
+    """Held-out and selection sets, and the buffers' seed tasks, at the levels of level table
+    `table` (built once, then reused)."""
     from lorapop.tiny import generate_tasks
+    from lorapop.tiny.grammar import table_level
     from lorapop.tiny.heldout import build_heldout, save_jsonl
     from lorapop.verify import Sandbox
 
     paths = {k: str(out / f"{k}.jsonl") for k in ("heldout", "select", "seed_tasks")}
+    made = out / "level_table.txt"
     if all(Path(p).is_file() for p in paths.values()):
+        have = made.read_text().strip() if made.is_file() else "standard"  # (older sets)
+        if have != table:
+            raise SystemExit(f"{out} holds sets of level table {have!r}, the model's is "
+                             f"{table!r}: use another --out")  # fmt: skip
         return paths
     with Sandbox(workers=workers) as sb:
-        held = build_heldout(per_level, sandbox=sb)
+        held = build_heldout(per_level, sandbox=sb, table=table)
         save_jsonl(held, paths["heldout"])
-        save_jsonl(build_heldout(per_level, seed=SELECT_SEED, sandbox=sb,
+        save_jsonl(build_heldout(per_level, seed=SELECT_SEED, sandbox=sb, table=table,
                                  exclude=[t.program for t in held]), paths["select"])  # fmt: skip
         seeds = [t for k in ("code_o", "code_i", "code_f") for lv in (1, 2, 3)
-                 for t in generate_tasks(k, 8, lv, "world-seed-tasks", sandbox=sb, n_inputs=4)]
+                 for t in generate_tasks(k, 8, table_level(lv, table), "world-seed-tasks",
+                                         sandbox=sb, n_inputs=4)]  # fmt: skip
         save_jsonl(seeds, paths["seed_tasks"])
+    made.write_text(table + "\n")
     return paths
 
 
@@ -390,9 +400,18 @@ def run_all(args: argparse.Namespace) -> None:
     out = Path(args.out)
     (out / "jobs").mkdir(parents=True, exist_ok=True)
     model = ensure_model(args)
-    paths = prepare(out, args.per_level, args.workers)
+    from lorapop.engine.model import TINY_DIR
+    from lorapop.tiny.world import world_of
+
+    try:
+        world = world_of(TINY_DIR if model == "tiny" else model)  # what the base was made for
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    table = world["levels"]
+    paths = prepare(out, args.per_level, args.workers, table)
     base = [f"model.name_or_path={Path(model).resolve() if Path(model).exists() else model}",
-            f"tasks.seed_tasks={Path(paths['seed_tasks']).resolve()}", *args.overrides]
+            f"tasks.seed_tasks={Path(paths['seed_tasks']).resolve()}",
+            f"tasks.references={world['references']}", *args.overrides]
     jobs = []
     for arm in args.arms:
         for seed in args.seeds:
@@ -447,6 +466,7 @@ def run_all(args: argparse.Namespace) -> None:
         "benchmark": "world_experiment",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "config": str(CONFIG.relative_to(ROOT)),
+        "level_table": table,
         "base_overrides": base,
         "seeds": args.seeds,
         "arms": {arm: [n for n, _ in arm_runs(arm, 0, base)] for arm in args.arms},

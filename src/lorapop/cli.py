@@ -373,7 +373,8 @@ def pretrain_tiny(
         None, "--out", help="Model directory to write (required: the shipped model is not "
         "overwritten by accident; name its directory to replace it)."),
     size: str = typer.Option(
-        "tiny", help="tiny (the shipped 3.5M model) or small (~26M, the regime world; GPU)."
+        "tiny", help="tiny (the shipped 3.5M model), small (~26M, the regime world; GPU), or "
+        "world, world-exec, world-refs (small on the world's level table, token-budgeted mixes)."
     ),
     seed: int = typer.Option(0, help="Seed for the corpus, tokenizer and training."),
     steps: int = typer.Option(None, help="Optimizer steps (default: the size's)."),

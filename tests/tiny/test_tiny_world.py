@@ -197,3 +197,79 @@ def test_fast_recipe_pool_rows_do_not_depend_on_workers(tmp_path, corpus) -> Non
                         tokenizer_programs=5, log=None)  # fmt: skip
     assert rec["variants"] > 0 and rec["pool"]["examples"] == 40 and rec["fast_corpus"]
     assert rec["example_alpha"] == 0.5 and rec["student_level_weights"] == {1: 2, 2: 1}
+
+
+def test_budget_cells_split_role_shares_over_levels() -> None:
+    from lorapop.tiny.pretrain import budget_cells
+
+    cells = budget_cells({"teacher/code_o": 0.5, "student/code_o": 1.5},
+                         {"student": {1: 2, 2: 1}, "teacher/code_o": {1: 1, 3: 1, 5: 1}},
+                         (1, 2, 3, 4, 5), teacher_max_level=3)  # fmt: skip
+    assert cells == pytest.approx({("teacher/code_o", 1): 0.125, ("teacher/code_o", 3): 0.125,
+                                   ("student/code_o", 1): 0.5, ("student/code_o", 2): 0.25})
+    even = budget_cells({"student/code_i": 1}, None, (1, 2, 3, 4))
+    assert even == pytest.approx({("student/code_i", lv): 0.25 for lv in (1, 2, 3, 4)})
+    for shares, levels in (({"teacher/code_x": 1}, None), ({"student/code_o": 1}, {"pupil": {}}),
+                           ({"student/code_o": 0}, None), ({"student/code_o": -1}, None)):
+        with pytest.raises(ValueError, match="token budget"):
+            budget_cells(shares, levels, (1, 2))
+
+
+def test_token_budget_gives_each_role_and_level_its_share_of_tokens(corpus, variants) -> None:
+    """Drawn by budget, each (role, level) cell gets its planned share of the tokens (not of
+    the examples): short student examples come many times more often than long teacher ones."""
+    from collections import Counter
+
+    from lorapop.tiny.pretrain import TINY_MODEL_DIR, budget_cells, tokenize_pairs
+    from lorapop.tiny.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(TINY_MODEL_DIR)
+    plan = budget_cells({"teacher/code_o": 0.3, "teacher/code_f": 0.1, "student/code_o": 0.6},
+                        {"student": {1: 3, 2: 2, 3: 1}}, (1, 2, 3))  # fmt: skip
+
+    def draws(seed: int) -> list[tuple[str, int, str, str]]:
+        ex = Examples(corpus, random.Random(seed), teacher_max_level=5, level_refs=True,
+                      variants=variants, variant_share=0.5)  # fmt: skip
+        means = ex.budget(plan, tok, 1024)
+        assert set(means) == set(plan) and all(m > 0 for m in means.values())
+        return [ex.draw_cell() for _ in range(3000)]
+
+    got = draws(0)
+    assert got[:50] == draws(0)[:50] and got[:50] != draws(1)[:50]
+    lengths = tokenize_pairs(tok, [(p, c) for *_, p, c in got], 1024)[1]
+    tokens, count = Counter(), Counter()
+    for (role, level, _, _), n in zip(got, lengths, strict=True):
+        tokens[(role, level)] += int(n)
+        count[(role, level)] += 1
+    total = sum(tokens.values())
+    for cell, share in plan.items():
+        assert tokens[cell] / total == pytest.approx(share, abs=0.03), cell
+    # the same tokens buy far more short level-1 student examples than teacher ones
+    assert count[("student/code_o", 1)] > 4 * count[("teacher/code_o", 1)]
+    with pytest.raises(ValueError, match="level 4"):
+        Examples(corpus, random.Random(0)).budget({("student/code_o", 4): 1.0}, tok, 1024)
+
+
+def test_budgeted_world_recipe_fills_one_pass_and_records_its_budget(tmp_path, corpus) -> None:
+    from lorapop.tiny.pretrain import pretrain_tiny
+    from lorapop.tiny.world import world_of
+
+    r = SIZES["world"]
+    size = ModelSize(hidden=32, layers=1, heads=2, kv_heads=1, intermediate=64, max_positions=1024)
+    rec = pretrain_tiny(tmp_path / "m", seed=1, steps=3, device="cpu", vocab_size=300, size=size,
+                        corpus=corpus, teacher_max_level=5, batch_tokens=4096, max_len=1024,
+                        fast_corpus=True, variant_share=0.25, level_refs=True, levels="world",
+                        max_refs=1, token_shares=r.token_shares,
+                        token_levels={"teacher": {1: 1, 2: 1, 3: 1}, "student": {1: 2, 2: 1, 3: 1}},
+                        log=None)  # fmt: skip
+    assert rec["levels"] == "world" and rec["max_refs"] == 1
+    assert rec["pool"]["tokens"] == pytest.approx(3 * 4096, rel=0.25)  # steps x batch_tokens
+    cells = rec["token_budget"]["cells"]
+    assert sum(c["share"] for c in cells.values()) == pytest.approx(1.0, abs=1e-3)
+    assert cells["student/code_o@1"]["share"] == pytest.approx(0.3 * 2 / 4, abs=1e-3)
+    assert world_of(tmp_path / "m") == {"levels": "world", "references": 1}
+    for bad, match in (({"levels": "moon"}, "level table"), ({"max_refs": 0}, "max_refs"),
+                       ({"token_shares": {"teacher/code_x": 1.0}}, "token budget")):
+        with pytest.raises(ValueError, match=match):
+            pretrain_tiny(tmp_path / "x", steps=1, corpus=corpus, variant_share=0.5, log=None,
+                          **bad)  # fmt: skip

@@ -31,6 +31,7 @@ from lorapop.tiny.generator import (
     make_task,
     normalize,
 )
+from lorapop.tiny.grammar import Level, level_number
 from lorapop.verify import Job, Status, Verdict
 
 #: Address space a worker may add to what it holds after start (bytes).
@@ -91,7 +92,7 @@ def _limit_memory() -> None:
 
 
 def _corpus_chunk(
-    level: int, seed: str, start: int, stop: int, n_inputs: int, max_output_chars: int,
+    level: int | Level, seed: str, start: int, stop: int, n_inputs: int, max_output_chars: int,
     timeout_s: float,
 ) -> list[tuple[str, Task]]:  # fmt: skip
     """(normalised program, code_f task) of candidates start..stop-1 that pass."""
@@ -107,9 +108,9 @@ def _corpus_chunk(
     return out
 
 
-def _variant_chunk(anchors: list[Task], seed: str, offset: int,
-                   timeout_s: float) -> list[tuple[Task, Task]]:  # fmt: skip
-    return generate_variants(anchors, seed, TrustedRunner(timeout_s), offset=offset)
+def _variant_chunk(anchors: list[Task], seed: str, offset: int, timeout_s: float,
+                   table: str) -> list[tuple[Task, Task]]:  # fmt: skip
+    return generate_variants(anchors, seed, TrustedRunner(timeout_s), offset=offset, table=table)
 
 
 def _pool(workers: int) -> ProcessPoolExecutor:
@@ -133,7 +134,8 @@ def _ordered(pool: ProcessPoolExecutor, calls: Iterator[tuple[Callable, tuple]],
 
 
 def generate_corpus(
-    n_per_level: int, seed: str, *, levels: Sequence[int] = (1, 2, 3, 4, 5), workers: int = 2,
+    n_per_level: int, seed: str, *, levels: Sequence[int | Level] = (1, 2, 3, 4, 5),
+    workers: int = 2,
     n_inputs: int = 6, max_output_chars: int = 60, timeout_s: float = 1.0, chunk: int = 256,
     log: Callable[[str], None] | None = None,
 ) -> list[Task]:  # fmt: skip
@@ -160,20 +162,22 @@ def generate_corpus(
                     results.close()  # cancels the chunks not started
                     break
             if len(got) < n_per_level:
-                raise RuntimeError(f"level {level}: only {len(got)} of {n_per_level} programs")
+                raise RuntimeError(f"level {level_number(level)}: only {len(got)} of "
+                                   f"{n_per_level} programs")  # fmt: skip
             if log:
-                log(f"corpus level {level}: {len(got)} programs")
+                log(f"corpus level {level_number(level)}: {len(got)} programs")
             out += got
     return out
 
 
 def generate_variants_fast(
     anchors: Sequence[Task], seed: str, *, workers: int = 2, timeout_s: float = 1.0,
-    chunk: int = 512,
+    chunk: int = 512, table: str = "standard",
 ) -> list[tuple[Task, Task]]:  # fmt: skip
-    """`generate_variants(anchors, seed, ...)` computed by worker processes, in anchor order."""
+    """`generate_variants(anchors, seed, ..., table=table)` computed by worker processes, in
+    anchor order."""
     anchors = list(anchors)
     with _pool(workers) as pool:
-        calls = ((_variant_chunk, (anchors[s : s + chunk], seed, s, timeout_s))
+        calls = ((_variant_chunk, (anchors[s : s + chunk], seed, s, timeout_s, table))
                  for s in range(0, len(anchors), chunk))  # fmt: skip
         return [pair for part in _ordered(pool, calls, 4 * workers) for pair in part]

@@ -25,12 +25,15 @@ from lorapop.tasks.family import Runner
 from lorapop.tasks.task import Task
 from lorapop.tiny.grammar import (
     Knobs,
+    Level,
     Program,
     describe,
     extend_program,
     generate_input,
     generate_program,
     knobs_for,
+    level_number,
+    table_level,
 )
 from lorapop.verify import Job, Sandbox, Verdict
 
@@ -77,12 +80,14 @@ def _sandbox(sandbox: Sandbox | None) -> Iterator[Sandbox]:
         yield sb
 
 
-def _level_key(difficulty: int | Knobs) -> str:
+def _level_key(difficulty: int | Knobs | Level) -> str:
+    if isinstance(difficulty, Level):
+        return f"{difficulty.number}/{difficulty.knobs!r}"
     return str(difficulty) if isinstance(difficulty, int) else repr(difficulty)
 
 
 def candidate(
-    difficulty: int | Knobs, seed: int | str, split: str, n_inputs: int, i: int
+    difficulty: int | Knobs | Level, seed: int | str, split: str, n_inputs: int, i: int
 ) -> Candidate | None:
     """Candidate `i` of a stream: a program with `n_inputs` distinct inputs, or None when the
     program is of the other split or has too few distinct inputs."""
@@ -96,13 +101,12 @@ def candidate(
         if text not in inputs:
             inputs.append(text)
         if len(inputs) == n_inputs:
-            level = difficulty if isinstance(difficulty, int) else None
-            return Candidate(program, tuple(inputs), level)
+            return Candidate(program, tuple(inputs), level_number(difficulty))
     return None
 
 
 def _candidates(
-    difficulty: int | Knobs, seed: int | str, split: str, n_inputs: int
+    difficulty: int | Knobs | Level, seed: int | str, split: str, n_inputs: int
 ) -> Iterator[Candidate]:
     """Programs of the given split with `n_inputs` distinct inputs each, in a fixed order."""
     for i in itertools.count():
@@ -113,7 +117,7 @@ def _candidates(
 def generate_tasks(
     kind: str,
     n: int,
-    difficulty: int | Knobs,
+    difficulty: int | Knobs | Level,
     seed: int | str = 0,
     *,
     sandbox: Sandbox | None = None,
@@ -125,7 +129,8 @@ def generate_tasks(
     batch: int = 64,
     max_candidates: int | None = None,
 ) -> list[Task]:
-    """`n` verified tasks of `kind` at `difficulty` (1..5 or explicit `Knobs`).
+    """`n` verified tasks of `kind` at `difficulty` (1..5, a `Level` of another level table, or
+    explicit `Knobs`; `meta["difficulty"]` is the level's number, None for bare knobs).
 
     code_o / code_i tasks carry one (input, output) pair, checked on `probes` inputs;
     code_f tasks carry `n_inputs` pairs and a short message. `exclude` holds normalised
@@ -213,10 +218,12 @@ def generate_variants(
     level_up: int = 1,
     max_output_chars: int = 60,
     offset: int = 0,
+    table: str = "standard",
 ) -> list[tuple[Task, Task]]:
     """(anchor, variant) pairs: each variant is `extend_program` of its anchor at the anchor's
-    level + `level_up` (capped at 5), run by `sandbox` (or any runner of grammar programs, e.g.
-    `lorapop.tiny.corpus.TrustedRunner`) on the anchor's inputs and kept under
+    level + `level_up` (capped at 5) of level table `table`, run by `sandbox` (or any runner
+    of grammar programs, e.g. `lorapop.tiny.corpus.TrustedRunner`) on the anchor's inputs and
+    kept under
     the same rules as `generate_tasks` (train split, all `ok`, short and not all equal outputs).
 
     Anchors must be helper-free grammar code_f tasks (levels 1..3); others are skipped. The
@@ -231,7 +238,8 @@ def generate_variants(
             continue
         rng = random.Random(f"variant/{seed}/{offset + i}")
         try:
-            prog = extend_program(rng, a.program, _RESULT_TYPES[kind], min(5, level + level_up))
+            up = table_level(min(5, level + level_up), table)
+            prog = extend_program(rng, a.program, _RESULT_TYPES[kind], up)
         except ValueError:
             continue
         if program_split(prog.source) == "train":
@@ -258,7 +266,7 @@ def _literal(text: str) -> object:
 
 def generate_triples(
     n: int,
-    difficulty: int | Knobs,
+    difficulty: int | Knobs | Level,
     seed: int | str = 0,
     *,
     sandbox: Sandbox | None = None,

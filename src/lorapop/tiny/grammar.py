@@ -21,7 +21,7 @@ from __future__ import annotations
 import ast
 import random
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 INT, STR, LIST, DICT = "int", "str", "list", "dict"
@@ -90,10 +90,61 @@ LEVELS: dict[int, Knobs] = {
 }  # fmt: skip
 
 
-def knobs_for(difficulty: int | Knobs) -> Knobs:
+#: The regime world's levels (issue 15): levels 1-3 are `LEVELS`' own; 4 and 5 stay close to 3
+#: (6 and 7 statements, nesting 2 and 3, dicts at 5, no helpers: the world's variants bring
+#: those), ~250 and ~350 characters where `LEVELS`' are ~500 and ~1000, so a 26M model can
+#: write a valid program at every level (one bad token of ~330 sinks a level-5 proposal).
+#: `LEVELS` stays as it is: the shipped tiny model and the held-out benchmark are built on it.
+WORLD_LEVELS: dict[int, Knobs] = {
+    **{lv: LEVELS[lv] for lv in (1, 2, 3)},
+    4: Knobs(statements=6, depth=2, params=2, types=(INT, STR, LIST), loops=True,
+             conditionals=True, helpers=0, expr_depth=2),
+    5: Knobs(statements=7, depth=3, params=2, types=TYPES, loops=True,
+             conditionals=True, helpers=0, expr_depth=2),
+}  # fmt: skip
+#: Level tables by name (`Recipe.levels`, `tiny_world.py --level-table`).
+LEVEL_TABLES: dict[str, dict[int, Knobs]] = {"standard": LEVELS, "world": WORLD_LEVELS}
+
+
+@dataclass(frozen=True)
+class Level:
+    """Level `number` of a table other than `LEVELS`: generated with `knobs`, labelled `number`."""
+
+    number: int
+    knobs: Knobs
+
+
+def table_level(number: int, table: str = "standard") -> int | Level:
+    """How to ask the generators for level `number` of a level table: the plain number where
+    the table's knobs are `LEVELS`' (so the same programs come out), else a `Level`."""
+    if table not in LEVEL_TABLES:
+        raise ValueError(f"unknown level table {table!r}; known: {', '.join(LEVEL_TABLES)}")
+    knobs = LEVEL_TABLES[table].get(number)
+    if knobs is None:
+        raise ValueError(f"level table {table!r} has no level {number!r}")
+    return number if LEVELS.get(number) == knobs else Level(number, knobs)
+
+
+def table_levels(
+    table: str = "standard", numbers: Iterable[int] = (1, 2, 3, 4, 5)
+) -> list[int | Level]:
+    """`table_level` of each number."""
+    return [table_level(n, table) for n in numbers]
+
+
+def level_number(difficulty: int | Knobs | Level) -> int | None:
+    """The level a program of `difficulty` is labelled with (None for bare knobs)."""
+    if isinstance(difficulty, Level):
+        return difficulty.number
+    return difficulty if isinstance(difficulty, int) else None
+
+
+def knobs_for(difficulty: int | Knobs | Level) -> Knobs:
     """The grammar settings of a difficulty level 1..5 (or the given settings unchanged)."""
     if isinstance(difficulty, Knobs):
         return difficulty
+    if isinstance(difficulty, Level):
+        return difficulty.knobs
     if difficulty not in LEVELS:
         raise ValueError(f"difficulty must be one of {sorted(LEVELS)}, got {difficulty!r}")
     return LEVELS[difficulty]
@@ -583,7 +634,7 @@ def _function(
     return [_signature(name, params), *b.lines], ret, b.features
 
 
-def generate_program(rng: random.Random, difficulty: int | Knobs) -> Program:
+def generate_program(rng: random.Random, difficulty: int | Knobs | Level) -> Program:
     """One random program at a difficulty level (1..5) or with explicit grammar settings."""
     knobs = knobs_for(difficulty)
     helpers: list[_Helper] = []
@@ -616,7 +667,7 @@ def generate_program(rng: random.Random, difficulty: int | Knobs) -> Program:
 
 
 def extend_program(
-    rng: random.Random, source: str, returns: str, difficulty: int | Knobs
+    rng: random.Random, source: str, returns: str, difficulty: int | Knobs | Level
 ) -> Program:
     """A harder program built on `source`: its `f` becomes the helper `g`, and a new `f` with
     the same parameters calls `g` and does more (body written at `difficulty`).

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from lorapop.tasks.task import Task
 from lorapop.tiny.generator import KINDS, generate_tasks, normalize
-from lorapop.tiny.grammar import LEVELS
+from lorapop.tiny.grammar import LEVELS, table_level
 from lorapop.verify import Sandbox
 
 HELDOUT_SEED = "heldout-v1"
@@ -30,8 +30,10 @@ def build_heldout(
     levels: Sequence[int] = tuple(LEVELS),
     sandbox: Sandbox | None = None,
     exclude: Iterable[str] = (),
+    table: str = "standard",
 ) -> list[Task]:
-    """`n_per_level` tasks for each kind and level, ordered by kind then level.
+    """`n_per_level` tasks for each kind and level (of level table `table`), ordered by kind
+    then level.
 
     Each task's `meta["difficulty"]` is its level. `exclude` holds program sources to avoid.
     """
@@ -40,7 +42,7 @@ def build_heldout(
     for kind in kinds:
         for level in levels:
             made = generate_tasks(
-                kind, n_per_level, level, f"{seed}/{kind}",
+                kind, n_per_level, table_level(level, table), f"{seed}/{kind}",
                 sandbox=sandbox, split="heldout", exclude=seen,
             )  # fmt: skip
             seen |= {normalize(t.program) for t in made}

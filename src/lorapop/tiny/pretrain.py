@@ -25,7 +25,10 @@ completion is a harder variant of it (`generate_variants`: the anchor becomes he
 new, longer `f`), so what a teacher proposes depends on what it is shown and it has a cue to
 raise difficulty. Their corpus is large enough not to be memorised (`lorapop.tiny.corpus` makes
 it in worker processes), the pool is drawn once and trained in one pass, and the example mix,
-the loss weights and the tokenizer favour students learning to execute (`Recipe`).
+the loss weights and the tokenizer favour students learning to execute (`Recipe`). The `world*`
+sizes draw from the world's level table (`grammar.WORLD_LEVELS`: shorter levels 4-5) and give
+each (role, level) a share of the pool's tokens rather than of its examples (`budget_cells`,
+`Examples.budget`), so short student examples are not crowded out by long teacher ones.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ from lorapop.engine.model import TINY_DIR, random_qwen2, resolve_device
 from lorapop.tasks import Task, get_family
 from lorapop.tiny.corpus import generate_corpus, generate_variants_fast
 from lorapop.tiny.generator import generate_tasks, generate_variants
-from lorapop.tiny.grammar import ALPHABET, LEVELS
+from lorapop.tiny.grammar import ALPHABET, LEVELS, table_levels
 from lorapop.tiny.heldout import fingerprint
 from lorapop.tiny.tokenizer import corpus_texts, save_tokenizer, train_tokenizer
 from lorapop.verify import Sandbox
@@ -106,6 +109,12 @@ class Recipe:
     example_alpha: float = 0.0  # loss weight of an example's tokens: n_tokens ** -alpha
     tokenizer_programs: int = 0  # > 0: train the tokenizer on this many programs
     single_chars: str = ""  # characters the tokenizer never merges (`train_tokenizer`)
+    levels: str = "standard"  # the level table of the corpus (`grammar.LEVEL_TABLES`)
+    max_refs: int = 2  # a teacher prompt shows 0..max_refs references
+    # a token budget instead of role/level weights: share of the pool's tokens per role (of
+    # ROLES), split over levels by `token_levels[role or "teacher"/"student"]` (`budget_cells`)
+    token_shares: dict[str, float] | None = None
+    token_levels: dict[str, dict[int, float]] | None = None
 
 
 SIZES: dict[str, Recipe] = {
@@ -128,17 +137,48 @@ SIZES: dict[str, Recipe] = {
                     student_level_weights={1: 2, 2: 2, 3: 2, 4: 1, 5: 1},
                     example_alpha=0.5, tokenizer_programs=8000, single_chars=STRING_CHARS),
 }  # fmt: skip
+# Regime-world candidates (issue 15; built and measured side by side by
+# benchmarks/world_recipes.py, not yet on a GPU): `small`'s model and corpus size on the world's
+# level table (levels 4-5 of ~250/~350 characters, not ~500/~1000) and a token budget per role
+# and level instead of example weights, so many short student examples at levels 1-3 get the
+# tokens that long teacher examples took; one reference per teacher prompt, of at most 600
+# characters. A pool of steps x batch_tokens tokens: one pass.
+_WORLD = SIZES["small"].__dict__ | {
+    "levels": "world", "max_refs": 1, "ref_max_chars": 600, "max_len": 1024, "pool": 0,
+    "role_weights": None, "student_level_weights": None,
+    "token_shares": {"teacher/code_o": 0.12, "teacher/code_i": 0.12, "teacher/code_f": 0.06,
+                     "student/code_o": 0.30, "student/code_i": 0.20, "student/code_f": 0.20},
+    "token_levels": {"teacher": {1: 1, 2: 1, 3: 1, 4: 1, 5: 1},
+                     "student": {1: 3, 2: 3, 3: 2, 4: 1, 5: 1}},
+}  # fmt: skip
+SIZES |= {
+    # the budget above
+    "world": Recipe(**_WORLD),
+    # students first: 80% of tokens, code_o (execution) above all, levels 1-2 heaviest; the
+    # plain token mean (the budget already aims the tokens)
+    "world-exec": Recipe(**_WORLD | {
+        "example_alpha": 0.0,
+        "token_shares": {"teacher/code_o": 0.08, "teacher/code_i": 0.08, "teacher/code_f": 0.04,
+                         "student/code_o": 0.40, "student/code_i": 0.20, "student/code_f": 0.20},
+        "token_levels": {"teacher": {1: 1, 2: 1, 3: 1, 4: 1, 5: 1},
+                         "student": {1: 4, 2: 3, 3: 2, 4: 1, 5: 1}}}),
+    # references copied: half of the code_o/code_i teacher examples extend a shown reference
+    # (two shown), so what a teacher proposes depends on what it is shown
+    "world-refs": Recipe(**_WORLD | {"variant_share": 0.5, "max_refs": 2}),
+}  # fmt: skip
 
 
 # -- the corpus and its examples --------------------------------------------------------------
 
 
 def build_corpus(
-    n_per_level: int, seed: int, sandbox: Sandbox, levels: Sequence[int] = tuple(LEVELS)
+    n_per_level: int, seed: int, sandbox: Sandbox, levels: Sequence[int] = tuple(LEVELS),
+    table: str = "standard",
 ) -> list[Task]:
-    """code_f tasks (6 verified pairs + message) of the train split, `n_per_level` per level."""
+    """code_f tasks (6 verified pairs + message) of the train split, `n_per_level` per level
+    of level table `table`."""
     tasks: list[Task] = []
-    for level in levels:
+    for level in table_levels(table, levels):
         tasks += generate_tasks(
             "code_f", n_per_level, level, f"pretrain/{seed}", sandbox=sandbox, batch=256
         )
@@ -191,6 +231,8 @@ class Examples:
     `role_weights` (one per role of `ROLES`) and `student_level_weights` (level -> weight)
     skew the mix; without them roles are uniform and students draw programs of every level
     alike. With none of these, the draws are exactly those of the shipped tiny model's recipe.
+    `budget` replaces all that by a token budget: each draw picks a (role, level) cell so that
+    the cells' expected shares of tokens are the given ones (`draw_cell`).
     """
 
     def __init__(
@@ -224,6 +266,12 @@ class Examples:
         weights = {lv: w for lv, w in (student_level_weights or {}).items() if lv in by_level}
         self.student_levels = [by_level[lv] for lv in weights]
         self.student_weights = list(weights.values())
+        self.by_level = by_level
+        self.variants_by_level: dict[object, list[tuple[Task, Task]]] = {}
+        for a, v in self.variants:
+            self.variants_by_level.setdefault(v.meta.get("difficulty"), []).append((a, v))
+        self.cells: list[tuple[str, int]] = []  # the token budget's (role, level) cells
+        self.cell_weights: list[float] = []
 
     def _refs(self, kind: str, n_inputs: int, level: object = None) -> list[Task]:
         pool = self.refs_by_level.get(level) if self.level_refs else None
@@ -241,6 +289,15 @@ class Examples:
 
     def draw(self) -> tuple[str, str, str]:
         """(role, prompt, completion) of one random example."""
+        role, _, p, c = self.draw_cell()
+        return role, p, c
+
+    def draw_cell(self) -> tuple[str, object, str, str]:
+        """(role, level, prompt, completion) of one random example; level: of the program the
+        completion is about (a code_f teacher's: of its base program)."""
+        if self.cells:
+            role, level = self.rng.choices(self.cells, self.cell_weights)[0]
+            return role, level, *self._at(role, level)
         if self.role_weights is None:
             role = ROLES[self.rng.randrange(len(ROLES))]
         else:
@@ -255,17 +312,84 @@ class Examples:
             src = self.rng.choice(self.teach if who == "teacher" else self.all)
         n = self.rng.choice(CODE_F_NS)
         task = as_type(src, kind, self.rng.randrange(len(src.inputs)), n)
-        refs = self._refs(kind, n, src.meta.get("difficulty")) if who == "teacher" else []
-        return role, prompt(role, task, refs), completion(role, task)
+        level = src.meta.get("difficulty")
+        refs = self._refs(kind, n, level) if who == "teacher" else []
+        return role, level, prompt(role, task, refs), completion(role, task)
 
-    def _variant(self, role: str, kind: str) -> tuple[str, str]:
-        """A teacher example whose completion extends one of the references it shows."""
-        anchor, variant = self.rng.choice(self.variants)
+    def budget(self, shares: Mapping[tuple[str, int], float], tok: PreTrainedTokenizerFast,
+               max_len: int, n: int = 64, seed: str = "budget") -> dict[tuple[str, int], float]:  # fmt: skip
+        """Draw by token budget from now on: `shares` of tokens per (role, level) cell (rows:
+        prompt + completion + EOS, cut at `max_len`, as trained). Each cell's mean row length
+        is estimated from `n` draws of its own RNG (`seed`); a cell is then drawn with weight
+        share / mean length (`draw_cell`). Returns the means."""
+        if not shares or any(w < 0 for w in shares.values()) or not sum(shares.values()) > 0:
+            raise ValueError("token shares must be >= 0 with a positive sum")
+        for role, level in shares:
+            if role not in ROLES or level not in self.by_level:
+                raise ValueError(f"no {role} examples at level {level!r} in this corpus")
+        keep, self.rng = self.rng, random.Random(seed)
+        try:
+            means = {cell: float(tokenize_pairs(tok, [self._at(*cell) for _ in range(n)],
+                                                max_len)[1].mean()) for cell in shares}  # fmt: skip
+        finally:
+            self.rng = keep
+        self.cells = list(shares)
+        self.cell_weights = [shares[c] / means[c] for c in self.cells]
+        return means
+
+    def _at(self, role: str, level: int) -> tuple[str, str]:
+        """An example of `role` on a program of `level`: for code_o/code_i teachers, with the
+        probability `variant_share`, a variant of that level (where there are any)."""
+        who, kind = role.split("/")
+        pairs = self.variants_by_level.get(level) if who == "teacher" and kind != "code_f" else None
+        if pairs and self.variant_share > 0 and self.rng.random() < self.variant_share:
+            return self._variant(role, kind, pairs)[1:]
+        src = self.rng.choice(self.by_level[level])
+        n = self.rng.choice(CODE_F_NS)
+        task = as_type(src, kind, self.rng.randrange(len(src.inputs)), n)
+        refs = self._refs(kind, n, level) if who == "teacher" else []
+        return prompt(role, task, refs), completion(role, task)
+
+    def _variant(self, role: str, kind: str,
+                 pairs: Sequence[tuple[Task, Task]] = ()) -> tuple[object, str, str]:  # fmt: skip
+        """(level, prompt, completion) of a teacher example whose completion extends one of the
+        references it shows."""
+        anchor, variant = self.rng.choice(pairs or self.variants)
         task = as_type(variant, kind, self.rng.randrange(len(variant.inputs)))
         refs = self._refs(kind, 0, anchor.meta.get("difficulty"))[: self.max_refs - 1]
         refs.insert(self.rng.randint(0, len(refs)),
                     as_type(anchor, kind, self.rng.randrange(len(anchor.inputs))))  # fmt: skip
-        return prompt(role, task, refs), completion(role, task)
+        return variant.meta.get("difficulty"), prompt(role, task, refs), completion(role, task)
+
+
+def budget_cells(
+    token_shares: Mapping[str, float], token_levels: Mapping[str, Mapping[int, float]] | None,
+    levels: Sequence[int], teacher_max_level: int = 5,
+) -> dict[tuple[str, int], float]:  # fmt: skip
+    """Token shares per (role, level), summing to 1: each role's share (`token_shares`, roles
+    of ROLES) split over `levels` by the weights of `token_levels[role]`, else of
+    `token_levels["teacher"]` / `["student"]`, else evenly. Teachers stop at
+    `teacher_max_level`; cells of weight 0 are left out."""
+    unknown = sorted(set(token_shares) - set(ROLES)) + sorted(
+        set(token_levels or {}) - {*ROLES, "teacher", "student"})  # fmt: skip
+    if unknown:
+        raise ValueError(f"token budget: unknown role {unknown[0]!r}; known: {', '.join(ROLES)}")
+    cells: dict[tuple[str, int], float] = {}
+    for role, share in token_shares.items():
+        who = role.split("/")[0]
+        spec = (token_levels or {}).get(role) or (token_levels or {}).get(who) or {}
+        lvs = [lv for lv in levels if who == "student" or lv <= teacher_max_level]
+        ws = {lv: float(spec.get(lv, 0.0)) if spec else 1.0 for lv in lvs}
+        if any(w < 0 for w in ws.values()) or share < 0:
+            raise ValueError("token budget: shares and level weights must be >= 0")
+        total = sum(ws.values())
+        for lv, w in ws.items():
+            if share > 0 and w > 0:
+                cells[(role, lv)] = share * w / total
+    total = sum(cells.values())
+    if not total > 0:
+        raise ValueError("token budget: no cell with a positive share")
+    return {c: w / total for c, w in cells.items()}
 
 
 def encode(
@@ -288,6 +412,18 @@ def encode(
         mask[i, : len(r)] = 1
         labels[i, len(p) : len(r)] = ids[i, len(p) : len(r)]
     return ids, mask, labels
+
+
+def recipe_tokenizer(programs: Sequence[Task], vocab_size: int, tokenizer_programs: int = 0,
+                     single_chars: str = "") -> PreTrainedTokenizerFast:  # fmt: skip
+    """The BPE tokenizer of a recipe: trained on the texts of `programs` (every one, or about
+    `tokenizer_programs` spread over them), never merging `single_chars`."""
+    progs = list(programs)
+    if 0 < tokenizer_programs < len(progs):
+        progs = progs[:: math.ceil(len(progs) / tokenizer_programs)]
+    texts = list(corpus_texts([as_type(t, k) for t in progs for k in ("code_o", "code_i")]))
+    texts += list(corpus_texts(progs))
+    return train_tokenizer(texts, vocab_size=vocab_size, single_chars=single_chars)
 
 
 # -- the model --------------------------------------------------------------------------------
@@ -527,6 +663,10 @@ def pretrain_tiny(
     example_alpha: float = 0.0,
     tokenizer_programs: int = 0,
     single_chars: str = "",
+    levels: str = "standard",
+    max_refs: int = 2,
+    token_shares: Mapping[str, float] | None = None,
+    token_levels: Mapping[str, Mapping[int, float]] | None = None,
     workers: int = 2,
     corpus: Sequence[Task] | None = None,
     command: str | None = None,
@@ -547,44 +687,62 @@ def pretrain_tiny(
     pool is drawn by `workers` forked processes; `role_weights`, `student_level_weights` skew
     the example mix (`Examples`), `example_alpha` the loss (`example_weighted_loss`);
     `tokenizer_programs` > 0 trains the tokenizer on that many programs spread over the corpus,
-    never merging `single_chars` (`train_tokenizer`).
+    never merging `single_chars` (`train_tokenizer`). `levels` names the corpus's level table
+    (`grammar.LEVEL_TABLES`); `max_refs` bounds the references of a teacher prompt.
+    `token_shares` (with `token_levels`, see `budget_cells`) draws examples by a token budget
+    per role and level instead of the weights above (`Examples.budget`) into a pool of `pool`
+    examples, or with `pool` 0 of about `steps` x `batch_tokens` tokens (one pass).
     Training on CPU is bit-for-bit reproducible; on GPU, kernels may add float noise.
     """
     if steps < 1 or n_per_level < 1 or batch_size < 1 or pool < 0:
         raise ValueError("steps, n_per_level and batch_size must be >= 1, pool >= 0")
     if not 0.0 <= variant_share <= 1.0 or teacher_max_level not in LEVELS:
         raise ValueError("variant_share must be in [0, 1] and teacher_max_level in 1..5")
+    if max_refs < (1 if variant_share > 0 else 0):
+        raise ValueError("max_refs must be >= 0, and >= 1 with variants (they show their anchor)")
+    table_levels(levels)  # an unknown level table fails here, before any work
+    cells = budget_cells(token_shares, token_levels, tuple(LEVELS),
+                         teacher_max_level) if token_shares else None  # fmt: skip
     size = size or ModelSize()
     dev = resolve_device(device)  # ModelLoadError (one line) for cuda without a GPU
     t0 = time.perf_counter()
     variants: list[tuple[Task, Task]] = []
     if fast_corpus:
         if corpus is None:
-            corpus = generate_corpus(n_per_level, f"pretrain/{seed}", workers=workers, log=log)
+            corpus = generate_corpus(n_per_level, f"pretrain/{seed}", workers=workers, log=log,
+                                     levels=table_levels(levels))  # fmt: skip
         if variant_share > 0:
             anchors = [t for t in corpus if (t.meta.get("difficulty") or 5) <= 3]
-            variants = generate_variants_fast(anchors, f"pretrain/{seed}", workers=workers)
+            variants = generate_variants_fast(anchors, f"pretrain/{seed}", workers=workers,
+                                              table=levels)  # fmt: skip
     elif corpus is None or variant_share > 0:
         with Sandbox(workers=workers, timeout_s=2.0) as sb:
-            corpus = build_corpus(n_per_level, seed, sb) if corpus is None else corpus
+            corpus = build_corpus(n_per_level, seed, sb, table=levels) if corpus is None else corpus
             if variant_share > 0:
                 anchors = [t for t in corpus if (t.meta.get("difficulty") or 5) <= 3]
-                variants = generate_variants(anchors, f"pretrain/{seed}", sb)
+                variants = generate_variants(anchors, f"pretrain/{seed}", sb, table=levels)
     corpus = list(corpus)
     t_corpus = time.perf_counter() - t0
     if log:
         log(f"corpus: {len(corpus)} programs, {len(variants)} variants in {t_corpus:.1f}s")
-    progs = corpus + [v for _, v in variants]
-    if 0 < tokenizer_programs < len(progs):
-        progs = progs[:: math.ceil(len(progs) / tokenizer_programs)]
-    texts = list(corpus_texts([as_type(t, k) for t in progs for k in ("code_o", "code_i")]))
-    texts += list(corpus_texts(progs))
-    tok = train_tokenizer(texts, vocab_size=vocab_size, single_chars=single_chars)
+    tok = recipe_tokenizer(corpus + [v for _, v in variants], vocab_size, tokenizer_programs,
+                           single_chars)  # fmt: skip
     model = build_model(tok, size, seed)
     examples = Examples(corpus, random.Random(f"pretrain/{seed}"), teacher_max_level=teacher_max_level,
                         variants=variants, variant_share=variant_share, level_refs=level_refs,
                         ref_max_chars=ref_max_chars, role_weights=role_weights,
-                        student_level_weights=student_level_weights)  # fmt: skip
+                        student_level_weights=student_level_weights, max_refs=max_refs)  # fmt: skip
+    budget = None
+    if cells:
+        means = examples.budget(cells, tok, max_len, seed=f"pretrain/{seed}/budget")
+        per_token = sum(w / means[c] for c, w in cells.items())  # examples per token
+        pool = pool or max(1, round(steps * batch_tokens * per_token))
+        budget = {"cells": {f"{r}@{lv}": {"share": round(w, 4), "mean_tokens": round(means[(r, lv)], 1),
+                                          "example_share": round(w / means[(r, lv)] / per_token, 4)}
+                            for (r, lv), w in cells.items()},
+                  "mean_tokens_per_example": round(1 / per_token, 1)}  # fmt: skip
+        if log:
+            log(f"token budget: {len(cells)} cells, {1 / per_token:.0f} tokens per example")
     if pool:
         t1 = time.perf_counter()
         rows = draw_rows(examples, tok, pool, max_len, f"pretrain/{seed}",
@@ -627,6 +785,9 @@ def pretrain_tiny(
         "student_level_weights": dict(student_level_weights or {}) or None,
         "example_alpha": example_alpha,
         "single_chars": single_chars,
+        "levels": levels,
+        "max_refs": max_refs,
+        "token_budget": budget,
         "level_refs": level_refs,
         "ref_max_chars": ref_max_chars,
         "max_len": max_len,

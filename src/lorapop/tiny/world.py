@@ -23,10 +23,12 @@ slot), as the loop would use it:
 from __future__ import annotations
 
 import difflib
+import json
 import random
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from statistics import fmean, pvariance
 from typing import Any
 
@@ -35,7 +37,7 @@ from lorapop.rl import RewardScheme, teacher_reward
 from lorapop.tasks import Outcome, Runner, Task, get_family, program_metrics
 from lorapop.tiny.evaluate import MAX_NEW
 from lorapop.tiny.generator import KINDS, generate_tasks, normalize
-from lorapop.tiny.grammar import LEVELS
+from lorapop.tiny.grammar import LEVEL_TABLES, LEVELS, table_level
 from lorapop.verify import Sandbox
 
 Pools = Mapping[int, Mapping[str, Sequence[Task]]]  # level -> task type -> tasks
@@ -43,15 +45,35 @@ Pools = Mapping[int, Mapping[str, Sequence[Task]]]  # level -> task type -> task
 
 def world_pools(
     per_level: int, sandbox: Sandbox, *, seed: str = "world-pool", code_f_inputs: int = 4,
-    levels: Sequence[int] = tuple(LEVELS),
+    levels: Sequence[int] = tuple(LEVELS), table: str = "standard",
 ) -> dict[int, dict[str, list[Task]]]:  # fmt: skip
-    """Train-split grammar tasks per level and type to draw references (and code_f bases) from."""
+    """Train-split grammar tasks per level (of level table `table`) and type to draw references
+    (and code_f bases) from."""
     return {
-        lv: {k: generate_tasks(k, per_level, lv, f"{seed}/{k}", sandbox=sandbox,
-                               n_inputs=code_f_inputs if k == "code_f" else 6)
+        lv: {k: generate_tasks(k, per_level, table_level(lv, table), f"{seed}/{k}",
+                               sandbox=sandbox, n_inputs=code_f_inputs if k == "code_f" else 6)
              for k in KINDS}
         for lv in levels
     }  # fmt: skip
+
+
+def world_of(model_dir: str | Path) -> dict[str, Any]:
+    """The world a base model was pretrained for, from its training.json: `levels` (its level
+    table: the levels of its measurement, held-out set and seed tasks) and `references` (the
+    most references its teacher prompts showed: what the loop should show). Defaults (the
+    shipped model, older records): the standard table and 2. ValueError (one line) for a level
+    table this code does not know."""
+    try:
+        rec = json.loads((Path(model_dir) / "training.json").read_text())
+    except (OSError, ValueError):
+        rec = {}
+    rec = rec if isinstance(rec, dict) else {}
+    table = rec.get("levels", "standard")
+    refs = rec.get("max_refs", 2)
+    if not isinstance(table, str) or table not in LEVEL_TABLES:
+        raise ValueError(f"{model_dir} was pretrained on level table {table!r}; known: "
+                         f"{', '.join(LEVEL_TABLES)}")  # fmt: skip
+    return {"levels": table, "references": refs if isinstance(refs, int) and refs >= 1 else 2}
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,83 @@
+"""The regime world's own level table: used alike by its corpus, variants, held-out sets and
+measurement, while the shared `LEVELS` (shipped model, held-out benchmark) stays as it was."""
+
+import json
+import statistics
+
+import pytest
+
+from lorapop.tiny.corpus import generate_corpus, generate_variants_fast
+from lorapop.tiny.grammar import (
+    LEVELS,
+    WORLD_LEVELS,
+    Knobs,
+    Level,
+    table_level,
+    table_levels,
+)
+from lorapop.tiny.heldout import build_heldout
+from lorapop.tiny.pretrain import SIZES
+from lorapop.tiny.world import world_of
+
+
+def test_standard_levels_and_the_tiny_and_small_recipes_are_unchanged() -> None:
+    assert LEVELS[4] == Knobs(statements=8, depth=2, params=2, types=("int", "str", "list", "dict"),
+                              loops=True, conditionals=True, helpers=1, expr_depth=2)  # fmt: skip
+    assert LEVELS[5].statements == 12 and LEVELS[5].helpers == 2
+    assert table_levels("standard") == [1, 2, 3, 4, 5]  # plain numbers: the same programs
+    assert SIZES["tiny"].levels == SIZES["small"].levels == "standard"
+    assert all(SIZES[s].levels == "world" for s in ("world", "world-exec", "world-refs"))
+
+
+def test_world_table_shares_levels_1_to_3_and_asks_for_its_own_4_and_5() -> None:
+    assert table_levels("world") == [1, 2, 3, Level(4, WORLD_LEVELS[4]), Level(5, WORLD_LEVELS[5])]
+    with pytest.raises(ValueError, match="unknown level table"):
+        table_level(1, "nope")
+    with pytest.raises(ValueError, match="no level 6"):
+        table_level(6, "world")
+
+
+def test_world_corpus_is_labelled_by_level_and_shorter_at_4_and_5() -> None:
+    std = generate_corpus(16, "lv/0", levels=table_levels("standard"), workers=1)
+    world = generate_corpus(16, "lv/0", levels=table_levels("world"), workers=1)
+    by = {n: {lv: [t for t in c if t.meta["difficulty"] == lv] for lv in LEVELS}
+          for n, c in (("std", std), ("world", world))}  # fmt: skip
+    for lv in (1, 2, 3):
+        assert by["world"][lv] == by["std"][lv]
+    chars = {n: {lv: statistics.fmean(len(t.program) for t in ts) for lv, ts in d.items()}
+             for n, d in by.items()}  # fmt: skip
+    for lv in (4, 5):
+        assert len(by["world"][lv]) == 16 and chars["world"][lv] < 0.8 * chars["std"][lv]
+        assert not any("def g(" in t.program for t in by["world"][lv])  # no helpers at 4-5
+    assert chars["world"][3] < chars["world"][5]  # still harder than level 3
+    # variants one level up follow the table: same above a level-1 anchor (level 2 is shared),
+    # another program above a level-3 one
+    anchors = [t for t in std if t.meta["difficulty"] in (1, 3)]
+    vs = {n: dict(generate_variants_fast(anchors, "lv/0", workers=1, table=n))
+          for n in ("standard", "world")}  # fmt: skip
+    for a in anchors:
+        s, w = vs["standard"].get(a), vs["world"].get(a)
+        if s is not None and w is not None:
+            assert (s == w) == (a.meta["difficulty"] == 1)
+            assert w.meta["difficulty"] == a.meta["difficulty"] + 1
+
+
+def test_world_heldout_keeps_levels_1_to_3_and_the_heldout_side(tiny_sandbox) -> None:
+    std = build_heldout(2, kinds=("code_o",), sandbox=tiny_sandbox)
+    world = build_heldout(2, kinds=("code_o",), sandbox=tiny_sandbox, table="world")
+    assert [t.meta["difficulty"] for t in world] == [t.meta["difficulty"] for t in std]
+    assert world[:6] == std[:6] and world[6:] != std[6:]
+    assert all(t.meta["split"] == "heldout" for t in world)
+
+
+def test_world_of_a_model_reads_its_training_record(tmp_path) -> None:
+    assert world_of(tmp_path) == {"levels": "standard", "references": 2}  # no record
+    (tmp_path / "training.json").write_text(json.dumps({"levels": "world", "max_refs": 1}))
+    assert world_of(tmp_path) == {"levels": "world", "references": 1}
+    (tmp_path / "training.json").write_text(json.dumps({"levels": "world", "max_refs": 0}))
+    assert world_of(tmp_path) == {"levels": "world", "references": 2}
+    (tmp_path / "training.json").write_text(json.dumps({"levels": "moon"}))
+    with pytest.raises(ValueError, match="level table 'moon'"):
+        world_of(tmp_path)
+    (tmp_path / "training.json").write_text("{not json")
+    assert world_of(tmp_path)["levels"] == "standard"

@@ -1,0 +1,49 @@
+"""benchmarks/world_recipes.py: several recipes built at once and measured, one JSON."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _driver(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "world_recipes.py"), *args],
+                          capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+
+
+def test_smoke_builds_and_measures_every_variant_on_one_shared_corpus(tmp_path) -> None:
+    out = tmp_path / "r"
+    proc = _driver("--smoke", "--out", str(out), "--workers", "2", "world", "world-refs,max_refs=1")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads((out / "world_recipes.json").read_text())
+    assert res["smoke"] and res["machine"]["device"] == "cpu" and "world_recipes.py" in res["command"]
+    assert list(res["corpora"]) == ["world_30_s0"]  # both on the world table: made once
+    assert res["corpora"]["world_30_s0"]["programs"] == 150
+    for label in ("world", "world-refs,max_refs=1"):
+        v = res["variants"][label]
+        assert v["status"] == "done", v.get("log_tail")
+        assert v["training"]["levels"] == "world" and v["training"]["max_refs"] == 1
+        assert v["training"]["corpus_programs"] == 150 and v["training"]["token_budget"]
+        assert set(v["checks"]) >= {"valid_at_least_0.8_every_type", "solves_0.3_to_0.7_of_levels_1_3"}
+        assert set(v["valid_rate_by_level"]["code_o"]) == {"1", "2", "3", "4", "5"}
+        m = json.loads(Path(v["tiny_world"]).read_text())
+        assert m["settings"]["level_table"] == "world" and m["settings"]["references"] == 1
+    assert res["variants"]["world-refs,max_refs=1"]["training"]["variant_share"] == 0.5
+
+
+def test_a_deadline_stops_the_builds_and_still_writes_the_json(tmp_path) -> None:
+    proc = _driver("--smoke", "--out", str(tmp_path), "--workers", "1", "--deadline", "0.5", "world")
+    assert proc.returncode == 1
+    v = json.loads((tmp_path / "world_recipes.json").read_text())["variants"]["world"]
+    assert v["status"] == "build timeout"
+
+
+def test_a_bad_variant_is_a_one_line_error(tmp_path) -> None:
+    for spec in ("huge", "world,stepz=3", "world,steps", "world,levels=moon", "world,size={'x': 1}"):
+        proc = _driver("--out", str(tmp_path), spec)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert spec in proc.stderr.splitlines()[-1]
