@@ -310,11 +310,7 @@ class Examples:
             src = self.rng.choice(self.rng.choices(self.student_levels, self.student_weights)[0])
         else:
             src = self.rng.choice(self.teach if who == "teacher" else self.all)
-        n = self.rng.choice(CODE_F_NS)
-        task = as_type(src, kind, self.rng.randrange(len(src.inputs)), n)
-        level = src.meta.get("difficulty")
-        refs = self._refs(kind, n, level) if who == "teacher" else []
-        return role, level, prompt(role, task, refs), completion(role, task)
+        return role, src.meta.get("difficulty"), *self._example(role, src)
 
     def budget(self, shares: Mapping[tuple[str, int], float], tok: PreTrainedTokenizerFast,
                max_len: int, n: int = 64, seed: str = "budget") -> dict[tuple[str, int], float]:  # fmt: skip
@@ -344,10 +340,15 @@ class Examples:
         pairs = self.variants_by_level.get(level) if who == "teacher" and kind != "code_f" else None
         if pairs and self.variant_share > 0 and self.rng.random() < self.variant_share:
             return self._variant(role, kind, pairs)[1:]
-        src = self.rng.choice(self.by_level[level])
+        return self._example(role, self.rng.choice(self.by_level[level]))
+
+    def _example(self, role: str, src: Task) -> tuple[str, str]:
+        """(prompt, completion) of `role` on program `src` (a teacher's with references of
+        its level)."""
+        who, kind = role.split("/")
         n = self.rng.choice(CODE_F_NS)
         task = as_type(src, kind, self.rng.randrange(len(src.inputs)), n)
-        refs = self._refs(kind, n, level) if who == "teacher" else []
+        refs = self._refs(kind, n, src.meta.get("difficulty")) if who == "teacher" else []
         return prompt(role, task, refs), completion(role, task)
 
     def _variant(self, role: str, kind: str,
@@ -707,20 +708,21 @@ def pretrain_tiny(
     dev = resolve_device(device)  # ModelLoadError (one line) for cuda without a GPU
     t0 = time.perf_counter()
     variants: list[tuple[Task, Task]] = []
+    def anchors(tasks: Sequence[Task]) -> list[Task]:  # variants extend programs of levels 1-3
+        return [t for t in tasks if (t.meta.get("difficulty") or 5) <= 3]
+
     if fast_corpus:
         if corpus is None:
             corpus = generate_corpus(n_per_level, f"pretrain/{seed}", workers=workers, log=log,
                                      levels=table_levels(levels))  # fmt: skip
         if variant_share > 0:
-            anchors = [t for t in corpus if (t.meta.get("difficulty") or 5) <= 3]
-            variants = generate_variants_fast(anchors, f"pretrain/{seed}", workers=workers,
-                                              table=levels)  # fmt: skip
+            variants = generate_variants_fast(anchors(corpus), f"pretrain/{seed}",
+                                              workers=workers, table=levels)  # fmt: skip
     elif corpus is None or variant_share > 0:
         with Sandbox(workers=workers, timeout_s=2.0) as sb:
             corpus = build_corpus(n_per_level, seed, sb, table=levels) if corpus is None else corpus
             if variant_share > 0:
-                anchors = [t for t in corpus if (t.meta.get("difficulty") or 5) <= 3]
-                variants = generate_variants(anchors, f"pretrain/{seed}", sb, table=levels)
+                variants = generate_variants(anchors(corpus), f"pretrain/{seed}", sb, table=levels)
     corpus = list(corpus)
     t_corpus = time.perf_counter() - t0
     if log:
