@@ -129,7 +129,7 @@ class UpdateCount:
     """
 
     def __init__(self) -> None:
-        self.real = self.padded = self.micro_batches = 0
+        self.real = self.padded = self.micro_batches = self.checkpointed = 0
         self.start: float | None = None
 
     def __call__(self, fn):
@@ -139,8 +139,11 @@ class UpdateCount:
                 lens = [len(p) + len(c) for p, c in zip(prompt_ids, completion_ids, strict=True)]
                 now = time.perf_counter()
                 self.start = self.start or now
-                print(f"[update] micro-batch {self.micro_batches}: {len(lens)} rows; "
+                recompute = bool(getattr(model, "is_gradient_checkpointing", False))
+                print(f"[update] micro-batch {self.micro_batches}: {len(lens)} rows"
+                      f"{', checkpointed' if recompute else ''}; "
                       f"{self.real} tokens done in {now - self.start:.1f} s{_peak()}", flush=True)
+                self.checkpointed += recompute
                 self.real += sum(lens)
                 self.padded += len(lens) * max(lens, default=0)
                 self.micro_batches += 1
@@ -149,7 +152,7 @@ class UpdateCount:
         return run
 
     def reset(self) -> None:
-        self.real = self.padded = self.micro_batches = 0
+        self.real = self.padded = self.micro_batches = self.checkpointed = 0
         self.start = None
 
 
@@ -237,6 +240,7 @@ def measure(config: str, overrides: list[str], warmup: int, steps: int, run_dir:
             "tokens": counter.real // len(rows),
             "padded_tokens": counter.padded // len(rows),
             "micro_batches": counter.micro_batches // len(rows),
+            "checkpointed_micro_batches": counter.checkpointed // len(rows),
             "tokens_per_s": counter.real / update_s if update_s else None,
             "flop_params": n_params,
             "gradient_checkpointing": ckpt,

@@ -103,6 +103,7 @@ def worker(args: argparse.Namespace) -> None:
             "load_s": load_s,
             "update_tokens": counter.real // len(rows),
             "update_micro_batches": counter.micro_batches // len(rows),
+            "checkpointed_micro_batches": counter.checkpointed // len(rows),
         }
         ranks = dist.all_gather(mine, world)
         if world.main:

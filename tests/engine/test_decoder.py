@@ -261,3 +261,47 @@ def test_stop_function_sees_each_rows_tokens_so_far(tok, spy):
         assert seen[i] and all(full[: len(t)] == t for t in seen[i])
         assert [len(t) for t in seen[i]] == sorted(len(t) for t in seen[i])
         assert len(seen[i][-1]) >= len(g.token_ids)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("batch_size", [7, 4])
+def test_shrinking_batch_moves_the_last_rows_and_keeps_them_exact(tok, monkeypatch, device,
+                                                                   batch_size):
+    """Once no prompt waits, the step runs over half the rows whenever the running ones fit
+    (rows move to the front with their cache and streams): fewer row-steps, and every row
+    still equals its prompt alone (also after refills, with narrow decode widths)."""
+    row_steps: list[int] = []
+
+    class Counting(Decoder):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **{**kw, "shrink_min": 1, "width_step": 4})
+            made.append(self)
+
+        def _at_width(self, width):
+            step = super()._at_width(width)  # eager, or a graph's replay on CUDA
+
+            def counted():
+                row_steps[-1] += self.rows
+                step()
+
+            return counted
+
+    made: list[Decoder] = []
+    monkeypatch.setattr(gen_mod, "Decoder", Counting)
+    model, bank = _setup(tok, device)
+    slots = [0, 1, 2, 1, 0, 2, 1]
+    runs = []
+    for refill in (True, False):
+        row_steps.append(0)
+        runs.append(generate(model, bank, tok, PROMPTS, slots, SAMPLED, seed=4,
+                             batch_size=batch_size, stop_fn=_lengths, refill=refill))
+    batch, static = runs
+    dec = made[0]
+    assert max(dec.row_counts) == batch_size and min(dec.row_counts) < batch_size
+    assert made[1].row_counts == {batch_size}  # static batches never shrink
+    assert [g.token_ids for g in static] == [g.token_ids for g in batch]
+    assert row_steps[0] < row_steps[1]
+    for i, g in enumerate(batch):
+        assert len(g.token_ids) == [3, 16, 7, 1, 12, 5, 9][i]
+        _assert_prefix_of(g, _alone(model, bank, tok, PROMPTS[i], slots[i], i),
+                          atol=1e-4 if device == "cuda" else 1e-5)

@@ -4,13 +4,15 @@ The decoder holds `batch` cache rows. Each prompt is prefilled into a free row (
 index 0, in chunks of at most `prefill_tokens` tokens per forward), then decoded; when a row
 finishes (EOS, the caller's stop function, or its own max length) its result is collected and
 the row is refilled with the next waiting prompt, so the batch stays full until the queue is
-empty. Copies of one prompt under one slot (a task's answers) share one prefill. A row's
+empty. Then, as rows finish, the last running rows move to the front of the cache and the step
+runs over half as many rows at a time (down to `shrink_min`): the tail of a phase, where a few
+long rows decode alone, costs the steps of a small batch, not of the full one. Copies of one prompt under one slot (a task's answers) share one prefill. A row's
 position ids are its cache indices and the decode mask is per row (`key <= the row's
 position`), so rows of any length and age share a step.
 
 The decode step is a pure function of static device buffers (tokens, per-row positions,
 output columns, uniforms, done flags), so on CUDA it is captured in a graph (one per
-attention width) and replayed; on CPU the same step runs eagerly. Host checks (every few
+attention width and row count) and replayed; on CPU the same step runs eagerly. Host checks (every few
 steps) fetch only the token columns written since the last one. Finished rows keep running
 in the graph until refilled, writing into a spare output column. Every row draws its uniforms from its own
 stream (`row_uniforms(seed, key)`), indexed by its own output column: a prompt's tokens do not
@@ -127,6 +129,7 @@ class Decoder:
         compile: bool = False,
         prefill_tokens: int = 8192,
         width_step: int = WIDTH_STEP,
+        shrink_min: int = 8,
     ) -> None:
         param = next(model.parameters())
         dev, steps = param.device, params.max_new_tokens
@@ -137,6 +140,8 @@ class Decoder:
         self.width_step = length if compile else max(1, width_step)
         self.kv = StaticKV(layers, batch, kv_heads, length, head_dim, param.dtype, dev)
         self.width = length  # cache positions the decode step attends over
+        self.rows = batch  # cache rows the decode step runs over (the first ones)
+        self.shrink_min = shrink_min
         self.tok = torch.zeros(batch, dtype=torch.long, device=dev)
         self.slots = torch.zeros(batch, dtype=torch.long, device=dev)
         self.arange = torch.arange(length, device=dev)
@@ -149,20 +154,21 @@ class Decoder:
         self.eos = torch.tensor(list(eos_ids), dtype=torch.long, device=dev)
         self.bias = torch.tensor([0.0, float("-inf")], dtype=param.dtype, device=dev)
         self.use_graph = cuda_graph and dev.type == "cuda" and steps > 3
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # per width, sharing one pool
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # per (rows, width)
         self._pool: Any = None
         self.compiled: Callable[[], torch.Tensor] | None = None
         self._compiled = False
         self.refills = 0  # prompts admitted into a row that an earlier prompt had used
         self.shared = 0  # prompts whose cache rows were copied from an identical prompt's
         self.widths: set[int] = set()  # widths the decode step ran at
+        self.row_counts: set[int] = set()  # row counts the decode step ran over
         if compile:
             self.compiled = _compile(self._logits)
 
     @property
     def graph(self) -> torch.cuda.CUDAGraph | None:
-        """The captured step at the current width (None: not captured, or eager)."""
-        return self.graphs.get(self.width)
+        """The captured step at the current rows and width (None: not captured, or eager)."""
+        return self.graphs.get((self.rows, self.width))
 
     @torch.no_grad()
     def run(
@@ -180,7 +186,8 @@ class Decoder:
         (returned), at max_new_tokens, or where `stop_fn` says (cut to the count it returns;
         it gets the row's token list, which it must not modify). `refill=False` is static
         batching (the baseline continuous batching is measured against): waiting prompts
-        are admitted only once every row of the batch has finished.
+        are admitted only once every row of the batch has finished, and every step runs
+        over the whole batch.
         """
         steps = self.params.max_new_tokens
         if max(len(p) for p in prompts) + steps - 1 > self.length:
@@ -192,6 +199,7 @@ class Decoder:
         q = _Queue(prompts, slots, u, keys, deque(range(len(prompts))), [-1] * b, [False] * b,
                    [0] * b, [[] for _ in range(b)], Counter(keys), {}, [None] * len(prompts))
         self.done.fill_(True)
+        self.rows = self.kv.rows = self.batch
         if hasattr(self.bank, "sync_caches"):
             self.bank.sync_caches()  # the graph reads the cache: refresh it in place
         with static_kv(self.model, self.kv), route(self.bank, self.slots):
@@ -206,6 +214,8 @@ class Decoder:
                         self._admit(q, free)
                     if all(o < 0 for o in q.owner):
                         break
+                    if refill and not q.waiting and self.compiled is None:
+                        self._shrink(q)
                     step = self._at_width(self._need(q, check_every))
                 step()
                 n += 1
@@ -217,14 +227,42 @@ class Decoder:
         need = max(len(q.prompts[i]) + q.cols[b] for b, i in enumerate(q.owner) if i >= 0)
         return min(self.length, -(-(need + ahead) // self.width_step) * self.width_step)
 
+    def _shrink(self, q: _Queue) -> None:
+        """Halve the rows the step runs over while the running rows fit in half (no prompt
+        waits): rows beyond the new count move into free rows before it, with their cache,
+        uniforms and outputs, so each row's results are those it would get in place."""
+        live = [b for b in range(self.rows) if q.owner[b] >= 0]
+        n = self.rows
+        while n // 2 >= max(len(live), self.shrink_min, 1):
+            n //= 2
+        if n == self.rows:
+            return
+        movers = [b for b in live if b >= n]
+        holes = [b for b in range(n) if q.owner[b] < 0][: len(movers)]
+        if movers:
+            dev = self.tok.device
+            src, dst = torch.tensor(movers, device=dev), torch.tensor(holes, device=dev)
+            for buf in (self.tok, self.slots, self.u, self.out_tok, self.out_lp, self.col,
+                        self.done, self.kv.pos):
+                buf[dst] = buf[src]
+            written = max(len(q.prompts[q.owner[b]]) + q.cols[b] for b in movers)
+            self.kv.copy_rows(holes, movers, min(written, self.length))
+            for d, b in zip(holes, movers, strict=True):
+                q.owner[d], q.cols[d], q.toks[d], q.used[d] = q.owner[b], q.cols[b], q.toks[b], True
+                q.owner[b], q.toks[b] = -1, []
+        self.rows = self.kv.rows = n
+        if self.bank is not None:
+            self.bank.set_slot_ids_(self.slots[:n])
+
     def _at_width(self, width: int) -> Callable[[], None]:
-        """The decode step over `width` cache positions: its graph (captured on first use) or
-        the eager step."""
+        """The decode step over `width` cache positions and the current rows: its graph
+        (captured on first use) or the eager step."""
         self.width = self.kv.width = width
         self.widths.add(width)
+        self.row_counts.add(self.rows)
         if self.params.max_new_tokens > 1 and (
             (self.compiled is not None and not self._compiled)
-            or (self.use_graph and width not in self.graphs)
+            or (self.use_graph and (self.rows, width) not in self.graphs)
         ):
             self._prepare()
         graph = self.graph
@@ -393,16 +431,18 @@ class Decoder:
         self.tok[at] = tok
         self.kv.pos[at] = torch.tensor(list(lengths), device=dev)
         self.slots[at] = torch.tensor(list(slots), device=dev)
-        if self.bank is not None:
-            self.bank.set_slot_ids_(self.slots)  # the step's routing (prefill re-routed)
+        if self.bank is not None:  # the step's routing (prefill re-routed)
+            self.bank.set_slot_ids_(self.slots[: self.rows])
 
     def _logits(self) -> torch.Tensor:
-        """Logits [B, V] of each row's next token (the part of a step that is compiled)."""
-        b, pos, w = self.batch, self.kv.pos, self.width
+        """Logits [rows, V] of each running row's next token (the part of a step that is
+        compiled)."""
+        b, w = self.rows, self.width
+        pos = self.kv.pos[:b]
         ok = (self.arange[:w] <= pos[:, None]).view(b, 1, 1, w)
         mask = torch.where(ok, self.bias[0], self.bias[1])  # additive: SDPA needs no conversion
         out = self.model(
-            input_ids=self.tok.view(b, 1),
+            input_ids=self.tok[:b].view(b, 1),
             attention_mask=mask,
             position_ids=pos.view(b, 1),
             use_cache=False,
@@ -410,21 +450,19 @@ class Decoder:
         return out.logits[:, -1]
 
     def _step(self) -> None:
-        """Feed each row's last token, sample its next: fixed shapes, no host sync."""
-        steps = self.params.max_new_tokens
+        """Feed each running row's last token, sample its next: fixed shapes, no host sync."""
+        steps, n = self.params.max_new_tokens, self.rows
+        done, col, pos = self.done[:n], self.col[:n], self.kv.pos[:n]
         logits = (self.compiled or self._logits)()
-        col = self.col.clamp(max=steps - 1).view(-1, 1)
-        tok, lp = sample(
-            logits, self.u.gather(1, col).view(-1), self.params.temperature, self.params.top_p
-        )
-        at = torch.where(self.done, steps, self.col).view(-1, 1)  # done rows: spare column
-        self.out_tok.scatter_(1, at, tok.view(-1, 1))
-        self.out_lp.scatter_(1, at, lp.view(-1, 1))
-        running = ~self.done
-        self.col += running
-        self.done |= torch.isin(tok, self.eos) | (self.col >= steps)
-        self.kv.pos += ~self.done
-        self.tok.copy_(tok)
+        u = self.u[:n].gather(1, col.clamp(max=steps - 1).view(-1, 1)).view(-1)
+        tok, lp = sample(logits, u, self.params.temperature, self.params.top_p)
+        at = torch.where(done, steps, col).view(-1, 1)  # done rows: spare column
+        self.out_tok[:n].scatter_(1, at, tok.view(-1, 1))
+        self.out_lp[:n].scatter_(1, at, lp.view(-1, 1))
+        col += ~done
+        done |= torch.isin(tok, self.eos) | (col >= steps)
+        pos += ~done
+        self.tok[:n].copy_(tok)
 
     def _prepare(self) -> None:
         """Compile (if asked, once) and capture (on CUDA) the step at the current width, then
@@ -448,7 +486,7 @@ class Decoder:
     def _capture(self) -> None:
         """Warm up on a side stream and capture one step (`_prepare` restores the state).
 
-        Every width's graph shares one memory pool: they never run at the same time, and
+        Every (rows, width) graph shares one memory pool: they never run at the same time, and
         all state lives in the decoder's static buffers."""
         step = self._step
         try:
@@ -462,7 +500,7 @@ class Decoder:
             with torch.cuda.graph(graph, pool=self._pool):
                 step()
             self._pool = self._pool if self._pool is not None else graph.pool()
-            self.graphs[self.width] = graph
+            self.graphs[self.rows, self.width] = graph
         except RuntimeError as e:  # e.g. a host sync inside routing: decode eagerly instead
             warnings.warn(f"CUDA graph capture failed, decoding eagerly: {e}", stacklevel=2)
             self.use_graph = False

@@ -60,7 +60,8 @@ class StaticKV:
 
     One tensor per layer ([batch, kv_heads, length, head_dim]), so that under torch.compile
     the in-place cache write mutates a whole graph input rather than a view of a shared one.
-    `pos` [batch] is each row's cache index for the next decoded token; decode attends over
+    `pos` [batch] is each row's cache index for the next decoded token; decode runs over the
+    first `rows` rows (the decoder moves the last running rows there) and attends over
     the first `width` positions (every running row's must lie below it; keys are written at
     `pos` whatever the width). While `prefill` is set, forwards fill those rows instead of
     decoding.
@@ -80,6 +81,7 @@ class StaticKV:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.pos = torch.zeros(batch, dtype=torch.long, device=device)
+        self.rows = batch  # decode runs over the first `rows` cache rows
         self.length = length
         self.width = length  # decode attends over positions [0, width)
         self.prefill: Prefill | None = None
@@ -141,8 +143,8 @@ def _attention(
         out = _prefill_attention(kv, i, query, key, value, scaling)
         return out.transpose(1, 2).contiguous(), None
     # decode: one query token per row, written at the row's own position; mask [B, 1, 1, width]
-    k, v = kv.k[i], kv.v[i]
-    at = kv.pos.view(-1, 1, 1, 1).expand(-1, k.shape[1], 1, k.shape[3])
+    k, v = kv.k[i][: kv.rows], kv.v[i][: kv.rows]
+    at = kv.pos[: kv.rows].view(-1, 1, 1, 1).expand(-1, k.shape[1], 1, k.shape[3])
     k.scatter_(2, at, key)
     v.scatter_(2, at, value)
     if kv.width < kv.length:  # a view: the fused kernels need only the last dim contiguous
