@@ -168,14 +168,19 @@ def packed_difference(parts, rows: tuple[list, list, list]) -> dict:
             "alone_vs_batch_max_abs": float((alone.float() - unpacked[:1].float()).abs()[mask[:1]].max())}
 
 
-AB_VARIANTS = ("HF norms", "fused norms")
+AB_VARIANTS = {"norms": ("HF norms", "fused norms"), "head": ("eager head", "compiled head")}
 
 
 def set_variant(parts, variant: str) -> None:
-    """The model's RMSNorms for one `--ab` variant: the classes' own or the fused kernel."""
+    """One `--ab` variant: the model's RMSNorms (the classes' own or the fused kernel), or
+    the LM head's log-softmax (eager or compiled)."""
+    import lorapop.engine.logprobs as logprobs
     from lorapop.engine.fused import fuse_rms_norms, unfuse_rms_norms
 
-    (fuse_rms_norms if variant == "fused norms" else unfuse_rms_norms)(parts.model)
+    if variant.endswith("norms"):
+        (fuse_rms_norms if variant == "fused norms" else unfuse_rms_norms)(parts.model)
+    else:
+        logprobs.COMPILE_HEAD = variant == "compiled head"
 
 
 def paper_case(parts, args, write) -> dict:
@@ -197,9 +202,10 @@ def paper_case(parts, args, write) -> dict:
              ("student", False, "auto", True), ("student", True, "auto", True),
              ("teacher", False, True, True), ("teacher", False, "auto", True),
              ("student", True, "auto", False), ("teacher", False, "auto", False)]
-    if args.ab:  # the model's RMSNorms: Hugging Face's classes vs the fused kernel
+    if args.ab:  # two variants of one part of the model, alternating
         cases = [("student", True, "auto", True), ("teacher", False, "auto", True)]
-        for variant in [*AB_VARIANTS, *AB_VARIANTS]:
+        variants = AB_VARIANTS[args.ab]
+        for variant in [*variants, *variants]:
             set_variant(parts, variant)
             for name, share, mode, held in cases:
                 rows = student if name == "student" else teacher
@@ -209,7 +215,7 @@ def paper_case(parts, args, write) -> dict:
                       flush=True)
                 out["runs"].append(r)
                 write()
-        set_variant(parts, AB_VARIANTS[-1])
+        set_variant(parts, variants[-1])
         return out
     for name, share, mode, held in cases:
         rows = student if name == "student" else teacher
@@ -352,8 +358,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16384, help="train.micro_batch_tokens")
     ap.add_argument("--budgets", default="", help="tokens,... one micro-batch per budget")
     ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--ab", action="store_true",
-                    help="paper and decode cases: only HF vs fused RMSNorms, twice each")
+    ap.add_argument("--ab", choices=sorted(AB_VARIANTS),
+                    help="paper and decode cases: only two variants, twice each: HF vs fused "
+                         "RMSNorms, or the eager vs compiled LM-head log-softmax")
     ap.add_argument("--decode", default="", help="ROWS:PROMPT,... decode cases (e.g. 192:1500)")
     ap.add_argument("--decode-new", type=int, default=96)
     ap.add_argument("--out", default="benchmarks/results/update_profile.json")
@@ -393,7 +400,7 @@ def main() -> None:
     for case in filter(None, args.decode.split(",")):
         rows, prompt = map(int, case.split(":"))
         if args.ab:
-            for variant in [*AB_VARIANTS, *AB_VARIANTS]:
+            for variant in [*AB_VARIANTS[args.ab], *AB_VARIANTS[args.ab]]:
                 set_variant(parts, variant)
                 r = {"variant": variant, **decode_case(parts, rows, prompt, args.decode_new, False)}
                 print(json.dumps(r), flush=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import lorapop.engine.logprobs as logprobs_mod
 from lorapop.engine.logprobs import (
     micro_batches,
     pack_micro_batches,
@@ -46,6 +47,32 @@ def test_chunked_head_gives_the_same_logprobs_and_gradients():
     torch.testing.assert_close(results[0][0], results[1][0])
     torch.testing.assert_close(results[0][1], results[1][1])
     assert results[0][1].abs().sum() > 0
+    bank.zero_grad()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled head runs on CUDA only")
+def test_compiled_head_gives_the_eager_logprobs_and_gradients(monkeypatch):
+    """The LM head's compiled log-softmax: same values and bank gradients as eager, at
+    changing shapes (no recompilation per shape), with and without grad."""
+    model = tiny_model().cuda()
+    bank = AdapterBank(model, n_slots=2, rank=4, alpha=8.0)
+    with torch.no_grad():
+        bank.weights.normal_(0.0, 0.3, generator=torch.Generator("cuda").manual_seed(2))
+    cases = [([[5, 6, 7], [8], [9, 10]], [[11, 12], [13, 14, 15, 16], [17]], [1, 0, 1]),
+             ([[5, 6]], [[7, 8, 9, 10, 11, 12, 13]], [0])]
+    for prompts, completions, slots in cases:
+        results = []
+        for compiled in (False, True):
+            monkeypatch.setattr(logprobs_mod, "COMPILE_HEAD", compiled)
+            bank.zero_grad()
+            lp, mask = sequence_logprobs(model, bank, prompts, completions, slots, 2)
+            lp[mask].sum().backward()
+            with torch.no_grad():
+                lp_eval, _ = sequence_logprobs(model, bank, prompts, completions, slots)
+            results.append((lp.detach(), bank.grads.clone(), lp_eval))
+        assert logprobs_mod.COMPILE_HEAD  # did not fall back to eager
+        for eager, compiled in zip(*results, strict=True):
+            torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)
     bank.zero_grad()
 
 

@@ -21,6 +21,7 @@ once. Rows sharing nothing keep the plain causal path.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -84,6 +85,28 @@ def _token_logprobs(head: torch.nn.Module, hidden: torch.Tensor, target: torch.T
     logits = head(hidden).float()
     picked = logits.gather(-1, target[..., None]).squeeze(-1)
     return picked - torch.logsumexp(logits, dim=-1)
+
+
+#: On CUDA the head's log-softmax goes through torch.compile: eager, the float32 cast, the
+#: log-sum-exp and their gradients each pass over [positions, vocabulary] (~15% of an update
+#: micro-batch at 7B, 152k vocabulary); compiled, one reduction reads the logits once and the
+#: gradient is one elementwise kernel. CPU stays eager (nothing to gain, no compiler needed).
+COMPILE_HEAD = True
+_compiled_head: Any = None
+
+
+def _head_logprobs(head: torch.nn.Module, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    global _compiled_head, COMPILE_HEAD
+    if COMPILE_HEAD and hidden.is_cuda:
+        if _compiled_head is None:
+            _compiled_head = torch.compile(_token_logprobs, dynamic=True)
+        try:
+            return _compiled_head(head, hidden, target)
+        except Exception as e:  # noqa: BLE001 - any compiler failure: the eager head
+            warnings.warn(f"torch.compile of the LM head's log-softmax failed, eager: {e}",
+                          stacklevel=2)
+            COMPILE_HEAD = False
+    return _token_logprobs(head, hidden, target)
 
 
 def sequence_logprobs(
@@ -161,7 +184,7 @@ def sequence_logprobs(
     for s in range(0, t, rows):
         h, y = hidden[:, s : s + rows], target[:, s : s + rows]
         if torch.is_grad_enabled():
-            parts.append(checkpoint(_token_logprobs, head, h, y, use_reentrant=False))
+            parts.append(checkpoint(_head_logprobs, head, h, y, use_reentrant=False))
         else:
-            parts.append(_token_logprobs(head, h, y))
+            parts.append(_head_logprobs(head, h, y))
     return torch.cat(parts, dim=1).masked_fill(~mask, 0.0), mask
