@@ -107,6 +107,7 @@ def length_stop(median_len: float, sigma: float, cap: int | None):
 
         return run
 
+    wrap.calls = calls  # reset to 0 to draw a run's lengths again
     return wrap
 
 
@@ -156,6 +157,24 @@ class UpdateCount:
         self.start = None
 
 
+def warm_head(model) -> float:
+    """Compile the LM head's log-softmax (forward and backward, one row and several) before
+    timing: a one-off cost per process, not a step's. Seconds taken (0 without CUDA)."""
+    from lorapop.engine import logprobs
+
+    if not torch.cuda.is_available():
+        return 0.0
+    t0 = time.perf_counter()
+    head = model.get_output_embeddings()
+    for rows in (1, 2):
+        h = torch.randn(rows, 16, head.in_features, device="cuda", dtype=head.weight.dtype,
+                        requires_grad=True)
+        y = torch.zeros(rows, 16, dtype=torch.long, device="cuda")
+        logprobs._head_logprobs(head, h, y).sum().backward()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
 def _peak() -> str:
     """The process's peak GPU memory so far, for a log line ('' on CPU)."""
     return f"; peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if torch.cuda.is_available() else ""
@@ -202,6 +221,7 @@ def measure(config: str, overrides: list[str], warmup: int, steps: int, run_dir:
     if skip_update:  # generation phases only: rewards and ratings, no policy-gradient step
         sp._policy_step = lambda rollouts, rewards: ({}, {}, [None] * len(rollouts))
     n_params = flop_params(getattr(sp, "parts", sp).model)  # (older loops: sp.model)
+    head_compile_s = warm_head(getattr(sp, "parts", sp).model)
     rows = []
     try:
         for i in range(warmup + steps):
@@ -236,6 +256,7 @@ def measure(config: str, overrides: list[str], warmup: int, steps: int, run_dir:
         "generated_tokens": rows[0]["generated_tokens"],
         "tokens_per_s": median(r["tokens_per_s"] for r in rows),
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        "head_compile_s": head_compile_s,
         "update": None if skip_update else {
             "tokens": counter.real // len(rows),
             "padded_tokens": counter.padded // len(rows),
@@ -266,6 +287,9 @@ def main() -> None:
     ap.add_argument("--lengths", help="MEDIAN[:SIGMA[:CAP]]: log-normal row lengths via the "
                     "stop function instead of ignore_eos (sigma 1.0, cap max_new_tokens)")
     ap.add_argument("--static", action="store_true", help="static batches (no refills)")
+    ap.add_argument("--and-static", action="store_true",
+                    help="--paper: run again with static batches in the same process and "
+                         "report continuous vs static generated tokens/s")
     ap.add_argument("--skip-update", action="store_true",
                     help="generation phases only (no policy-gradient step)")
     ap.add_argument("--seed-dir", help="reuse (or create) the seed tasks and tokenizer here")
@@ -285,7 +309,8 @@ def main() -> None:
         # EOS stays off (random weights): the drawn length is the only stop
         parts = [*map(float, args.lengths.split(":"))]
         median_len, sigma, cap = [*parts, *[300.0, 1.0, 0.0][len(parts):]][:3]
-        _patch("generate", length_stop(median_len, sigma, int(cap) or None))
+        lengths = length_stop(median_len, sigma, int(cap) or None)
+        _patch("generate", lengths)
     common += args.overrides
     if args.warmup is None:
         args.warmup = 0 if args.paper else 1
@@ -305,6 +330,16 @@ def main() -> None:
     if args.paper:
         out.write_text(json.dumps(result, indent=1))
         print(json.dumps(pop, indent=1))
+        if args.and_static and not args.static:
+            if args.lengths:
+                lengths.calls[0] = 0  # the same rows stop at the same lengths
+            _patch("generate", static_batches)
+            result["static"] = static = measure(args.config, common, args.warmup, args.steps,
+                                                tmp / "static", args.skip_update)
+            result["continuous_vs_static"] = pop["tokens_per_s"] / static["tokens_per_s"]
+            out.write_text(json.dumps(result, indent=1))
+            print(json.dumps(static, indent=1))
+            print(f"continuous vs static generated tokens/s: {result['continuous_vs_static']:.2f}x")
         return
     out.write_text(json.dumps(result, indent=1))  # the population's part if the baseline dies
     result["baseline"] = base = measure(args.baseline, common, args.warmup, args.steps,

@@ -33,7 +33,14 @@ from statistics import median
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from loop_step import ROOT, UpdateCount, _patch, bench_overrides, trace_generate  # noqa: E402
+from loop_step import (  # noqa: E402
+    ROOT,
+    UpdateCount,
+    _patch,
+    bench_overrides,
+    trace_generate,
+    warm_head,
+)
 
 # NVLink multicast stays off (shared hosts: see the device notes); children inherit these.
 SMOKE = ["model.name_or_path=tiny-random", "model.device=cpu", "model.dtype=float32",
@@ -59,6 +66,7 @@ def worker(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     sp = SelfPlay(cfg, Path(args.run_dir), world=world)
     load_s = time.perf_counter() - t0
+    head_compile_s = warm_head(sp.parts.model)
     counter = UpdateCount()  # this rank's update tokens (and a log line per micro-batch)
     _patch("sequence_logprobs", counter)
     _patch("generate", trace_generate)
@@ -101,6 +109,7 @@ def worker(args: argparse.Namespace) -> None:
             "allreduce_alone_s": pure if world.distributed else 0.0,
             "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
             "load_s": load_s,
+            "head_compile_s": head_compile_s,
             "update_tokens": counter.real // len(rows),
             "update_micro_batches": counter.micro_batches // len(rows),
             "checkpointed_micro_batches": counter.checkpointed // len(rows),
