@@ -170,7 +170,7 @@ def warm_head(model) -> float:
         h = torch.randn(rows, 16, head.in_features, device="cuda", dtype=head.weight.dtype,
                         requires_grad=True)
         y = torch.zeros(rows, 16, dtype=torch.long, device="cuda")
-        logprobs._head_logprobs(head, h, y).sum().backward()
+        logprobs.head_logprobs(head, h, y).sum().backward()
     torch.cuda.synchronize()
     return time.perf_counter() - t0
 

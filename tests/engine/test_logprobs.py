@@ -50,6 +50,28 @@ def test_chunked_head_gives_the_same_logprobs_and_gradients():
     bank.zero_grad()
 
 
+@pytest.mark.parametrize("shape", [(2, 5), (1, 1)])
+def test_head_logprobs_recompute_the_logits_and_give_autograds_gradients(shape):
+    """The head's own backward (logits recomputed, never kept) against autograd through the
+    plain formula: values and gradients of the hidden states, weight and bias."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50)
+    hidden = torch.randn(*shape, 16, requires_grad=True)
+    target, g = torch.randint(0, 50, shape), torch.randn(*shape)
+    grads = []
+    for ours in (False, True):
+        if ours:
+            out = logprobs_mod.head_logprobs(head, hidden, target)
+        else:
+            logits = head(hidden).float()
+            out = logits.gather(-1, target[..., None]).squeeze(-1) - logits.logsumexp(-1)
+        (out * g).sum().backward()
+        grads.append([out.detach(), *(x.grad.clone() for x in (hidden, head.weight, head.bias))])
+        hidden.grad = head.weight.grad = head.bias.grad = None
+    for plain, mine in zip(*grads, strict=True):
+        torch.testing.assert_close(mine, plain)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled head runs on CUDA only")
 def test_compiled_head_gives_the_eager_logprobs_and_gradients(monkeypatch):
     """The LM head's compiled log-softmax: same values and bank gradients as eager, at

@@ -497,11 +497,14 @@ class Decoder:
                     step()
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            # thread-local: another thread's CUDA calls (NCCL's watchdog, a compiler's
+            # workers) must not invalidate the capture; the step itself never syncs
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 step()
             self._pool = self._pool if self._pool is not None else graph.pool()
             self.graphs[self.rows, self.width] = graph
         except RuntimeError as e:  # e.g. a host sync inside routing: decode eagerly instead
-            warnings.warn(f"CUDA graph capture failed, decoding eagerly: {e}", stacklevel=2)
+            warnings.warn(f"CUDA graph capture failed ({self.rows} rows, width {self.width}), "
+                          f"decoding eagerly: {e}", stacklevel=2)
             self.use_graph = False
             torch.cuda.synchronize()

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.utils.checkpoint import checkpoint
+import torch.nn.functional as F
 
 from lorapop.engine import pack_attention
 from lorapop.engine.decoder import route
@@ -81,32 +81,73 @@ def pack_micro_batches(packs: Sequence[Sequence[int]], widths: Sequence[int], ma
     return out
 
 
-def _token_logprobs(head: torch.nn.Module, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    logits = head(hidden).float()
-    picked = logits.gather(-1, target[..., None]).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
+def _pick_and_lse(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each position's target logit and log-sum-exp, in float32."""
+    x = logits.float()
+    return x.gather(-1, target[..., None]).squeeze(-1), torch.logsumexp(x, dim=-1)
 
 
-#: On CUDA the head's log-softmax goes through torch.compile: eager, the float32 cast, the
-#: log-sum-exp and their gradients each pass over [positions, vocabulary] (~15% of an update
-#: micro-batch at 7B, 152k vocabulary); compiled, one reduction reads the logits once and the
-#: gradient is one elementwise kernel. CPU stays eager (nothing to gain, no compiler needed).
+def _logits_grad(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
+                 g: torch.Tensor) -> torch.Tensor:
+    """d(sum g * log_softmax(logits)[target]) / d logits = g * (onehot(target) - softmax)."""
+    vocab = torch.arange(logits.shape[-1], device=logits.device)
+    onehot = (vocab == target[..., None]).float()
+    return ((onehot - torch.exp(logits.float() - lse[..., None])) * g[..., None]).to(logits.dtype)
+
+
+#: On CUDA the two passes over [positions, vocabulary] go through torch.compile: eager, the
+#: float32 cast, the log-sum-exp and its gradient each make full-size copies (~15% of an
+#: update micro-batch at 7B with a 152k vocabulary); compiled, the forward is one reduction
+#: and the gradient one elementwise kernel. CPU stays eager (no compiler needed).
 COMPILE_HEAD = True
-_compiled_head: Any = None
+_compiled: dict[str, Any] = {}
 
 
-def _head_logprobs(head: torch.nn.Module, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    global _compiled_head, COMPILE_HEAD
-    if COMPILE_HEAD and hidden.is_cuda:
-        if _compiled_head is None:
-            _compiled_head = torch.compile(_token_logprobs, dynamic=True)
+def _pass(fn: Any, compiled: bool, *args: torch.Tensor) -> Any:
+    """`fn(*args)`, compiled if asked; a compiler failure warns once and runs it eagerly."""
+    global COMPILE_HEAD
+    if compiled and COMPILE_HEAD:
         try:
-            return _compiled_head(head, hidden, target)
-        except Exception as e:  # noqa: BLE001 - any compiler failure: the eager head
-            warnings.warn(f"torch.compile of the LM head's log-softmax failed, eager: {e}",
-                          stacklevel=2)
+            if fn.__name__ not in _compiled:
+                _compiled[fn.__name__] = torch.compile(fn, dynamic=True)
+            return _compiled[fn.__name__](*args)
+        except Exception as e:  # noqa: BLE001 - any compiler failure: the eager pass
+            warnings.warn(f"torch.compile of the LM head's log-softmax failed, running it "
+                          f"eagerly: {type(e).__name__}: {e}", stacklevel=2)
             COMPILE_HEAD = False
-    return _token_logprobs(head, hidden, target)
+    return fn(*args)
+
+
+class _HeadLogprobs(torch.autograd.Function):
+    """log pi(target) through the LM head without keeping the [positions, vocabulary] logits:
+    the backward recomputes them from the hidden states (activation checkpointing by hand,
+    so the compiled passes run in the backward too; torch's checkpoint recomputes with the
+    compiler off)."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                target: torch.Tensor, compiled: bool) -> torch.Tensor:
+        picked, lse = _pass(_pick_and_lse, compiled, F.linear(hidden, weight, bias), target)
+        ctx.save_for_backward(hidden, weight, bias, target, lse)
+        ctx.compiled = compiled
+        return picked - lse
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        hidden, weight, bias, target, lse = ctx.saved_tensors
+        grad = _pass(_logits_grad, ctx.compiled, F.linear(hidden, weight, bias), target, lse, g)
+        flat = grad.flatten(0, -2)
+        need = ctx.needs_input_grad
+        return (grad @ weight if need[0] else None,
+                flat.T @ hidden.flatten(0, -2) if need[1] else None,
+                flat.sum(0) if need[2] else None, None, None)
+
+
+def head_logprobs(head: torch.nn.Module, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """log pi(target) [..] from final hidden states [.., h] through the LM head (a Linear);
+    compiled on CUDA (`COMPILE_HEAD`)."""
+    return _HeadLogprobs.apply(hidden, head.weight, getattr(head, "bias", None), target,
+                               hidden.is_cuda)
 
 
 def sequence_logprobs(
@@ -180,11 +221,6 @@ def sequence_logprobs(
     hidden = hidden.flatten(0, 1)[at]  # [B, T, h]
     head = model.get_output_embeddings()
     rows = max(1, chunk_size // b)  # positions per chunk, so a chunk holds ~chunk_size rows
-    parts = []
-    for s in range(0, t, rows):
-        h, y = hidden[:, s : s + rows], target[:, s : s + rows]
-        if torch.is_grad_enabled():
-            parts.append(checkpoint(_head_logprobs, head, h, y, use_reentrant=False))
-        else:
-            parts.append(_head_logprobs(head, h, y))
+    parts = [head_logprobs(head, hidden[:, s : s + rows], target[:, s : s + rows])
+             for s in range(0, t, rows)]
     return torch.cat(parts, dim=1).masked_fill(~mask, 0.0), mask
