@@ -129,7 +129,8 @@ class UpdateCount:
     limit still shows the update's rate in its log.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, tag: str = "") -> None:
+        self.tag = tag  # e.g. the rank, at the start of each log line
         self.real = self.padded = self.micro_batches = self.checkpointed = 0
         self.start: float | None = None
 
@@ -141,7 +142,7 @@ class UpdateCount:
                 now = time.perf_counter()
                 self.start = self.start or now
                 recompute = bool(getattr(model, "is_gradient_checkpointing", False))
-                print(f"[update] micro-batch {self.micro_batches}: {len(lens)} rows"
+                print(f"{self.tag}[update] micro-batch {self.micro_batches}: {len(lens)} rows"
                       f"{', checkpointed' if recompute else ''}; "
                       f"{self.real} tokens done in {now - self.start:.1f} s{_peak()}", flush=True)
                 self.checkpointed += recompute
@@ -166,10 +167,10 @@ def warm_head(model) -> float:
         return 0.0
     t0 = time.perf_counter()
     head = model.get_output_embeddings()
-    for rows in (1, 2):
-        h = torch.randn(rows, 16, head.in_features, device="cuda", dtype=head.weight.dtype,
+    for positions in (1, 32):  # one position is a shape of its own to the compiler
+        h = torch.randn(positions, head.in_features, device="cuda", dtype=head.weight.dtype,
                         requires_grad=True)
-        y = torch.zeros(rows, 16, dtype=torch.long, device="cuda")
+        y = torch.zeros(positions, dtype=torch.long, device="cuda")
         logprobs.head_logprobs(head, h, y).sum().backward()
     torch.cuda.synchronize()
     return time.perf_counter() - t0

@@ -67,7 +67,7 @@ def worker(args: argparse.Namespace) -> None:
     sp = SelfPlay(cfg, Path(args.run_dir), world=world)
     load_s = time.perf_counter() - t0
     head_compile_s = warm_head(sp.parts.model)
-    counter = UpdateCount()  # this rank's update tokens (and a log line per micro-batch)
+    counter = UpdateCount(f"rank {world.rank} ")  # its update tokens, a log line per micro-batch
     _patch("sequence_logprobs", counter)
     _patch("generate", trace_generate)
     full = (cfg.sampling.teacher_max_new_tokens, cfg.sampling.student_max_new_tokens,
@@ -112,6 +112,7 @@ def worker(args: argparse.Namespace) -> None:
             "head_compile_s": head_compile_s,
             "update_tokens": counter.real // len(rows),
             "update_micro_batches": counter.micro_batches // len(rows),
+            "update_padded_tokens": counter.padded // len(rows),
             "checkpointed_micro_batches": counter.checkpointed // len(rows),
         }
         ranks = dist.all_gather(mine, world)

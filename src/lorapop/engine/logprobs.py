@@ -127,20 +127,21 @@ class _HeadLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 target: torch.Tensor, compiled: bool) -> torch.Tensor:
-        picked, lse = _pass(_pick_and_lse, compiled, F.linear(hidden, weight, bias), target)
-        ctx.save_for_backward(hidden, weight, bias, target, lse)
-        ctx.compiled = compiled
-        return picked - lse
+        # [positions, h]: one dynamic dimension, so the compiled passes rarely recompile
+        h, y = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
+        picked, lse = _pass(_pick_and_lse, compiled, F.linear(h, weight, bias), y)
+        ctx.save_for_backward(h, weight, bias, y, lse)
+        ctx.compiled, ctx.shape = compiled, hidden.shape
+        return (picked - lse).view(target.shape)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        hidden, weight, bias, target, lse = ctx.saved_tensors
-        grad = _pass(_logits_grad, ctx.compiled, F.linear(hidden, weight, bias), target, lse, g)
-        flat = grad.flatten(0, -2)
+        h, weight, bias, y, lse = ctx.saved_tensors
+        grad = _pass(_logits_grad, ctx.compiled, F.linear(h, weight, bias), y, lse, g.reshape(-1))
         need = ctx.needs_input_grad
-        return (grad @ weight if need[0] else None,
-                flat.T @ hidden.flatten(0, -2) if need[1] else None,
-                flat.sum(0) if need[2] else None, None, None)
+        return ((grad @ weight).view(ctx.shape) if need[0] else None,
+                grad.T @ h if need[1] else None,
+                grad.sum(0) if need[2] else None, None, None)
 
 
 def head_logprobs(head: torch.nn.Module, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
