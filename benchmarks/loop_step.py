@@ -177,8 +177,15 @@ def warm_head(model) -> float:
 
 
 def _peak() -> str:
-    """The process's peak GPU memory so far, for a log line ('' on CPU)."""
-    return f"; peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if torch.cuda.is_available() else ""
+    """The process's peak GPU memory so far and the SM clock now, for a log line ('' on CPU;
+    the clock needs NVML: a GPU that throttles under load shows there)."""
+    if not torch.cuda.is_available():
+        return ""
+    try:
+        clock = f"; SM {torch.cuda.clock_rate()} MHz"
+    except Exception:  # noqa: BLE001 - no NVML bindings: memory only
+        clock = ""
+    return f"; peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB{clock}"
 
 
 def trace_generate(generate):
