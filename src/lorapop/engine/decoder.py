@@ -4,22 +4,24 @@ The decoder holds `batch` cache rows. Each prompt is prefilled into a free row (
 index 0, in chunks of at most `prefill_tokens` tokens per forward), then decoded; when a row
 finishes (EOS, the caller's stop function, or its own max length) its result is collected and
 the row is refilled with the next waiting prompt, so the batch stays full until the queue is
-empty. Then, as rows finish, the last running rows move to the front of the cache and the step
-runs over half as many rows at a time (down to `shrink_min`): the tail of a phase, where a few
-long rows decode alone, costs the steps of a small batch, not of the full one. Copies of one prompt under one slot (a task's answers) share one prefill. A row's
-position ids are its cache indices and the decode mask is per row (`key <= the row's
-position`), so rows of any length and age share a step.
+empty. Then, as rows finish, the last running rows move to the front of the cache and the
+step runs over half as many rows at a time (down to `shrink_min`): the tail of a phase, where
+a few long rows decode alone, costs the steps of a small batch, not of the full one. Copies
+of one prompt under one slot (a task's answers) share one prefill. A row's position ids are
+its cache indices and the decode mask is per row (`key <= the row's position`), so rows of
+any length and age share a step.
 
 The decode step is a pure function of static device buffers (tokens, per-row positions,
-output columns, uniforms, done flags), so on CUDA it is captured in a graph (one per
-attention width and row count) and replayed; on CPU the same step runs eagerly. Host checks (every few
-steps) fetch only the token columns written since the last one. Finished rows keep running
-in the graph until refilled, writing into a spare output column. Every row draws its uniforms from its own
-stream (`row_uniforms(seed, key)`), indexed by its own output column: a prompt's tokens do not
-depend on its batch-mates or on when it was admitted. Adapter routing is set in place
-(`set_slot_ids_`) whenever rows change, so the captured step reads the current routing; the
-bank's decode cache (a compute-dtype copy of its weights, read by the graph) is brought up to
-date before every run.
+output columns, uniforms, done flags), so on CUDA it is captured in a graph (one per row
+count and attention width) and replayed; on CPU the same step runs eagerly. Host checks
+(every few steps) fetch only the token columns written since the last one. Finished rows keep
+running in the graph until refilled, writing into a spare output column. Every row draws its
+uniforms from its own stream (`row_uniforms(seed, key)`), indexed by its own output column:
+a prompt's tokens do not depend on its batch-mates, on when it was admitted or on where it
+moved. Adapter routing is set in place (`set_slot_ids_`) whenever rows change, so the
+captured step reads the current routing; the bank's decode cache (a compute-dtype copy of
+its weights, read by the graph) is brought up to date before every run. Compiled steps
+(below) keep the whole batch.
 
 With `compile=True` the model forward of the step (attention mask, model, LoRA hooks) goes
 through torch.compile, which fuses the base model's small elementwise kernels (RMSNorm,
