@@ -303,6 +303,8 @@ def main() -> None:
     ap.add_argument("--seed-dir", help="reuse (or create) the seed tasks and tokenizer here")
     ap.add_argument("overrides", nargs="*", help="extra key.path=value for both runs")
     args = ap.parse_args()
+    if args.and_static and (args.static or not args.paper):
+        ap.error("--and-static needs --paper and runs the static batches itself (no --static)")
     if not torch.cuda.is_available() and not args.smoke:
         sys.exit("loop_step.py needs a CUDA GPU (or --smoke for a CPU check of the script)")
     tmp = Path(tempfile.mkdtemp())
@@ -338,7 +340,7 @@ def main() -> None:
     if args.paper:
         out.write_text(json.dumps(result, indent=1))
         print(json.dumps(pop, indent=1))
-        if args.and_static and not args.static:
+        if args.and_static:
             if args.lengths:
                 lengths.calls[0] = 0  # the same rows stop at the same lengths
             _patch("generate", static_batches)
