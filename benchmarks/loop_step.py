@@ -15,7 +15,8 @@ asked), `--skip-update` times the generation phases only (no policy-gradient ste
 makes each row stop at a length drawn from a log-normal (through `generate`'s stop function,
 keyed by call and prompt; EOS stays off), and `--static` decodes static batches (no
 refills: each batch, of the size continuous batching gets from the free memory, runs until
-its slowest row ends), for comparison with continuous batching. A run writes one JSON (`--out`): phase
+its slowest row ends), for comparison with continuous batching; `--and-static` runs both in one
+process, the same rows drawing the same lengths. A run writes one JSON (`--out`): phase
 times, peak memory, generated tokens/s and the update's tokens/s and model FLOP utilisation.
 """
 
@@ -159,8 +160,9 @@ class UpdateCount:
 
 
 def warm_head(model) -> float:
-    """Compile the LM head's log-softmax (forward and backward, one row and several) before
-    timing: a one-off cost per process, not a step's. Seconds taken (0 without CUDA)."""
+    """Compile the LM head's log-softmax (forward and backward, at one position and at
+    several) before timing: a one-off cost per process, not a step's. Seconds taken (0
+    without CUDA)."""
     from lorapop.engine import logprobs
 
     if not torch.cuda.is_available():
