@@ -19,8 +19,8 @@ The JSON (`--json`) is rewritten whenever a variant changes state, so a call cut
 time limit still returns every finished variant; `--deadline` stops what is still running at
 that many seconds and records it as `timeout`. `--pack DIR` writes each model, as soon as it is
 built and before it is measured, to DIR as bf16 in 15 MiB parts (`cat NAME_bf16.tgz.part* |
-tar xzf -`), so a model whose measurement the deadline cuts can still be measured elsewhere. `--mix` trains nothing: it measures each
-variant's example mix on CPU (shares of tokens and examples per role and level, as drawn, on a
+tar xzf -`), so a model whose measurement the deadline cuts can still be measured elsewhere.
+`--mix` trains nothing: it measures each variant's example mix on CPU (shares of tokens and examples per role and level, as drawn, on a
 smaller corpus with the recipe's own tokenizer) and the corpus's program lengths per level.
 """
 
@@ -173,7 +173,7 @@ def pack_model(model_dir: Path, dest: Path, part_bytes: int = 15 << 20) -> list[
             data = f.read_bytes()
             if f.suffix == ".safetensors":
                 data = save({k: v.to(torch.bfloat16) if v.is_floating_point() else v
-                                    for k, v in load_file(f).items()}, {"format": "pt"})  # fmt: skip
+                             for k, v in load_file(f).items()}, {"format": "pt"})  # fmt: skip
             info = tarfile.TarInfo(f"{model_dir.name}/{f.name}")
             info.size = len(data)
             tf.addfile(info, io.BytesIO(data))
