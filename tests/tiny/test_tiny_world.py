@@ -250,23 +250,31 @@ def test_token_budget_gives_each_role_and_level_its_share_of_tokens(corpus, vari
         Examples(corpus, random.Random(0)).budget({("student/code_o", 4): 1.0}, tok, 1024)
 
 
-def test_budgeted_world_recipe_fills_one_pass_and_records_its_budget(tmp_path, corpus) -> None:
+@pytest.mark.parametrize("name", ["world", "world-steps"])
+def test_budgeted_world_recipe_fills_one_pass_and_records_its_budget(tmp_path, corpus,
+                                                                     name) -> None:  # fmt: skip
     from lorapop.tiny.pretrain import pretrain_tiny
     from lorapop.tiny.world import world_of
 
-    r = SIZES["world"]
+    r = SIZES[name]
     size = ModelSize(hidden=32, layers=1, heads=2, kv_heads=1, intermediate=64, max_positions=1024)
+    batch_tokens = r.batch_tokens // 20  # the recipe's batches scaled down, 4096 or 1024 tokens
     rec = pretrain_tiny(tmp_path / "m", seed=1, steps=3, device="cpu", vocab_size=300, size=size,
-                        corpus=corpus, teacher_max_level=5, batch_tokens=4096, max_len=1024,
-                        fast_corpus=True, variant_share=0.25, level_refs=True, levels="world",
-                        max_refs=1, token_shares=r.token_shares,
+                        corpus=corpus, teacher_max_level=5, batch_tokens=batch_tokens,
+                        max_len=1024, fast_corpus=True, variant_share=0.25, level_refs=True,
+                        levels="world", max_refs=1, token_shares=r.token_shares,
                         token_levels={"teacher": {1: 1, 2: 1, 3: 1}, "student": {1: 2, 2: 1, 3: 1}},
                         log=None)  # fmt: skip
     assert rec["levels"] == "world" and rec["max_refs"] == 1
-    assert rec["pool"]["tokens"] == pytest.approx(3 * 4096, rel=0.25)  # steps x batch_tokens
+    assert rec["pool"]["tokens"] == pytest.approx(3 * batch_tokens, rel=0.25)  # one pass
+    assert rec["pool"]["batch_tokens"] == batch_tokens
     cells = rec["token_budget"]["cells"]
     assert sum(c["share"] for c in cells.values()) == pytest.approx(1.0, abs=1e-3)
-    assert cells["student/code_o@1"]["share"] == pytest.approx(0.3 * 2 / 4, abs=1e-3)
+    teachers = sum(c["share"] for k, c in cells.items() if k.startswith("teacher"))
+    assert teachers == pytest.approx(sum(v for k, v in r.token_shares.items()
+                                         if k.startswith("teacher")), abs=1e-3)  # fmt: skip
+    assert cells["student/code_o@1"]["share"] == pytest.approx(
+        r.token_shares["student/code_o"] * 2 / 4, abs=1e-3)
     assert world_of(tmp_path / "m") == {"levels": "world", "references": 1}
     for bad, match in (({"levels": "moon"}, "level table"), ({"max_refs": 0}, "max_refs"),
                        ({"token_shares": {"teacher/code_x": 1.0}}, "token budget")):

@@ -26,7 +26,7 @@ def test_standard_levels_and_the_tiny_and_small_recipes_are_unchanged() -> None:
     assert LEVELS[5].statements == 12 and LEVELS[5].helpers == 2
     assert table_levels("standard") == [1, 2, 3, 4, 5]  # plain numbers: the same programs
     assert SIZES["tiny"].levels == SIZES["small"].levels == "standard"
-    assert all(SIZES[s].levels == "world" for s in ("world", "world-exec", "world-refs"))
+    assert all(SIZES[s].levels == "world" for s in ("world", "world-exec", "world-refs", "world-steps"))
 
 
 def test_world_table_shares_levels_1_to_3_and_asks_for_its_own_4_and_5() -> None:

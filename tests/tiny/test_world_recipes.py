@@ -1,10 +1,14 @@
 """benchmarks/world_recipes.py: several recipes built at once and measured, one JSON."""
 
+import io
 import json
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
+
+from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -16,8 +20,9 @@ def _driver(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_smoke_builds_and_measures_every_variant_on_one_shared_corpus(tmp_path) -> None:
-    out = tmp_path / "r"
-    proc = _driver("--smoke", "--out", str(out), "--workers", "2", "world", "world-refs,max_refs=1")
+    out, ret = tmp_path / "r", tmp_path / "ret"
+    proc = _driver("--smoke", "--out", str(out), "--workers", "2", "--pack", str(ret), "world",
+                   "world-refs,max_refs=1")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     res = json.loads((out / "world_recipes.json").read_text())
     assert res["smoke"] and res["machine"]["device"] == "cpu" and "world_recipes.py" in res["command"]
@@ -33,6 +38,18 @@ def test_smoke_builds_and_measures_every_variant_on_one_shared_corpus(tmp_path) 
         m = json.loads(Path(v["tiny_world"]).read_text())
         assert m["settings"]["level_table"] == "world" and m["settings"]["references"] == 1
     assert res["variants"]["world-refs,max_refs=1"]["training"]["variant_share"] == 0.5
+    # each built model came back packed: parts that join into the model dir, weights in bf16
+    parts = res["variants"]["world"]["packed"]
+    assert parts and all(n.startswith("world_bf16.tgz.part") for n in parts)
+    blob = b"".join((ret / n).read_bytes() for n in parts)
+    with tarfile.open(fileobj=io.BytesIO(blob)) as tf:
+        tf.extractall(tmp_path / "back", filter="data")
+    back, orig = tmp_path / "back" / "world", out / "world"
+    measured = {"tiny_world.json"}  # written after packing
+    assert {f.name for f in back.iterdir()} == {f.name for f in orig.iterdir()} - measured
+    w, w0 = load_file(back / "model.safetensors"), load_file(orig / "model.safetensors")
+    assert w.keys() == w0.keys() and all(str(t.dtype) == "torch.bfloat16" for t in w.values())
+    assert all((w[k].float() - w0[k]).abs().max() <= w0[k].abs().max() / 64 for k in w)
 
 
 def test_a_deadline_stops_the_builds_and_still_writes_the_json(tmp_path) -> None:

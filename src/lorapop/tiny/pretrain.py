@@ -138,11 +138,11 @@ SIZES: dict[str, Recipe] = {
                     example_alpha=0.5, tokenizer_programs=8000, single_chars=STRING_CHARS),
 }  # fmt: skip
 # Regime-world candidates (issue 15; built and measured side by side by
-# benchmarks/world_recipes.py, not yet on a GPU): `small`'s model and corpus size on the world's
-# level table (levels 4-5 of ~250/~350 characters, not ~500/~1000) and a token budget per role
-# and level instead of example weights, so many short student examples at levels 1-3 get the
-# tokens that long teacher examples took; one reference per teacher prompt, of at most 600
-# characters. A pool of steps x batch_tokens tokens: one pass.
+# benchmarks/world_recipes.py, results in benchmarks/results/world_recipes_*.json): `small`'s
+# model and corpus size on the world's level table (levels 4-5 of ~250/~350 characters, not
+# ~500/~1000) and a token budget per role and level instead of example weights, so many short
+# student examples at levels 1-3 get the tokens that long teacher examples took; one reference
+# per teacher prompt, of at most 600 characters. A pool of steps x batch_tokens tokens: one pass.
 _WORLD = SIZES["small"].__dict__ | {
     "levels": "world", "max_refs": 1, "ref_max_chars": 600, "max_len": 1024, "pool": 0,
     "role_weights": None, "student_level_weights": None,
@@ -165,6 +165,17 @@ SIZES |= {
     # references copied: half of the code_o/code_i teacher examples extend a shown reference
     # (two shown), so what a teacher proposes depends on what it is shown
     "world-refs": Recipe(**_WORLD | {"variant_share": 0.5, "max_refs": 2}),
+    # many small steps: the three above, 500 steps of 80k-token batches each (three builds
+    # sharing one H100), came out with teachers mostly invalid (syntax errors) and students
+    # solving under 10% even at level 1, the loss still falling: ~750 examples a batch, so
+    # 400k examples made only 500 updates, of which level-1 student code_o steered ~15% (a 3.5M
+    # model trained on that role alone answers 0.35-0.45 of level-1 tasks after 300-1200
+    # updates, `tiny_execution.py`). Here 20k-token batches (~200 examples), 3000 updates at
+    # lr 1e-3, and teachers back to 40% of the tokens (students 60%)
+    "world-steps": Recipe(**_WORLD | {
+        "steps": 3000, "batch_tokens": 20_480, "lr": 1e-3,
+        "token_shares": {"teacher/code_o": 0.16, "teacher/code_i": 0.16, "teacher/code_f": 0.08,
+                         "student/code_o": 0.25, "student/code_i": 0.15, "student/code_f": 0.20}}),
 }  # fmt: skip
 
 
