@@ -48,6 +48,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -69,6 +70,7 @@ ROLES = (
     "teacher/code_o", "teacher/code_i", "teacher/code_f",
     "student/code_o", "student/code_i", "student/code_f",
 )  # fmt: skip
+T = TypeVar("T")
 #: The grammar's string alphabet (both cases): the world's tokenizer never merges these.
 STRING_CHARS = ALPHABET + ALPHABET.upper()
 #: code_f teacher prompts ask for this many inputs (the corpus has 6 pairs per program).
@@ -232,6 +234,18 @@ def prompt(role: str, task: Task, refs: Sequence[Task]) -> str:
     return fam.teacher_prompt(refs, task if kind == "code_f" else None)
 
 
+def _level(task: Task) -> object:
+    return task.meta.get("difficulty")
+
+
+def _by_level(items: Iterable[T], level_of: Callable[[T], object]) -> dict[object, list[T]]:
+    """`items` grouped by level, in order of first appearance."""
+    out: dict[object, list[T]] = {}
+    for x in items:
+        out.setdefault(level_of(x), []).append(x)
+    return out
+
+
 class Examples:
     """Draws (prompt, completion) pairs for all six roles from a corpus with one RNG.
 
@@ -260,27 +274,21 @@ class Examples:
         self.variants = [(a, v) for a, v in variants if len(a.program) <= ref_max_chars]
         self.variant_share = variant_share
         self.all = list(corpus)
-        easy = [t for t in corpus if (t.meta.get("difficulty") or 5) <= teacher_max_level]
+        easy = [t for t in corpus if (_level(t) or 5) <= teacher_max_level]
         self.teach = easy or self.all
         if not self.all:
             raise ValueError("the corpus is empty")
         short = [t for t in corpus if len(t.program) <= ref_max_chars]
         self.ref_pool = short or self.all
-        self.refs_by_level: dict[object, list[Task]] = {}
-        for t in self.ref_pool:
-            self.refs_by_level.setdefault(t.meta.get("difficulty"), []).append(t)
+        self.refs_by_level = _by_level(self.ref_pool, _level)
         self.seeds = {k: get_family(k, template="compact").seed_tasks()[0] for k in
                       ("code_o", "code_i")}  # fmt: skip
-        by_level: dict[object, list[Task]] = {}
-        for t in self.all:
-            by_level.setdefault(t.meta.get("difficulty"), []).append(t)
+        by_level = _by_level(self.all, _level)
         weights = {lv: w for lv, w in (student_level_weights or {}).items() if lv in by_level}
         self.student_levels = [by_level[lv] for lv in weights]
         self.student_weights = list(weights.values())
         self.by_level = by_level
-        self.variants_by_level: dict[object, list[tuple[Task, Task]]] = {}
-        for a, v in self.variants:
-            self.variants_by_level.setdefault(v.meta.get("difficulty"), []).append((a, v))
+        self.variants_by_level = _by_level(self.variants, lambda pair: _level(pair[1]))
         self.cells: list[tuple[str, int]] = []  # the token budget's (role, level) cells
         self.cell_weights: list[float] = []
 
@@ -321,7 +329,7 @@ class Examples:
             src = self.rng.choice(self.rng.choices(self.student_levels, self.student_weights)[0])
         else:
             src = self.rng.choice(self.teach if who == "teacher" else self.all)
-        return role, src.meta.get("difficulty"), *self._example(role, src)
+        return role, _level(src), *self._example(role, src)
 
     def budget(self, shares: Mapping[tuple[str, int], float], tok: PreTrainedTokenizerFast,
                max_len: int, n: int = 64, seed: str = "budget") -> dict[tuple[str, int], float]:  # fmt: skip
@@ -359,7 +367,7 @@ class Examples:
         who, kind = role.split("/")
         n = self.rng.choice(CODE_F_NS)
         task = as_type(src, kind, self.rng.randrange(len(src.inputs)), n)
-        refs = self._refs(kind, n, src.meta.get("difficulty")) if who == "teacher" else []
+        refs = self._refs(kind, n, _level(src)) if who == "teacher" else []
         return prompt(role, task, refs), completion(role, task)
 
     def _variant(self, role: str, kind: str,
@@ -368,10 +376,10 @@ class Examples:
         references it shows."""
         anchor, variant = self.rng.choice(pairs or self.variants)
         task = as_type(variant, kind, self.rng.randrange(len(variant.inputs)))
-        refs = self._refs(kind, 0, anchor.meta.get("difficulty"))[: self.max_refs - 1]
+        refs = self._refs(kind, 0, _level(anchor))[: self.max_refs - 1]
         refs.insert(self.rng.randint(0, len(refs)),
                     as_type(anchor, kind, self.rng.randrange(len(anchor.inputs))))  # fmt: skip
-        return variant.meta.get("difficulty"), prompt(role, task, refs), completion(role, task)
+        return _level(variant), prompt(role, task, refs), completion(role, task)
 
 
 def budget_cells(
@@ -720,7 +728,7 @@ def pretrain_tiny(
     t0 = time.perf_counter()
     variants: list[tuple[Task, Task]] = []
     def anchors(tasks: Sequence[Task]) -> list[Task]:  # variants extend programs of levels 1-3
-        return [t for t in tasks if (t.meta.get("difficulty") or 5) <= 3]
+        return [t for t in tasks if (_level(t) or 5) <= 3]
 
     if fast_corpus:
         if corpus is None:
