@@ -3,6 +3,8 @@ values and gradients."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -70,6 +72,27 @@ def test_head_logprobs_recompute_the_logits_and_give_autograds_gradients(shape):
         hidden.grad = head.weight.grad = head.bias.grad = None
     for plain, mine in zip(*grads, strict=True):
         torch.testing.assert_close(mine, plain)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                    reason="torch.compile on CPU needs a C compiler")
+def test_compiled_head_passes_equal_the_eager_ones_on_cpu():
+    """The compiled forward and gradient passes (CUDA's path, here compiled for the CPU) give
+    the eager values and gradients, at several positions and at one."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50)
+    for shape in [(2, 5), (1, 1)]:
+        hidden = torch.randn(*shape, 16, requires_grad=True)
+        target, g = torch.randint(0, 50, shape), torch.randn(*shape)
+        runs = []
+        for compiled in (False, True):
+            out = logprobs_mod._HeadLogprobs.apply(hidden, head.weight, head.bias, target, compiled)
+            (out * g).sum().backward()
+            runs.append([out.detach(), *(x.grad.clone() for x in (hidden, head.weight, head.bias))])
+            hidden.grad = head.weight.grad = head.bias.grad = None
+        assert logprobs_mod.COMPILE_HEAD  # compiled, not fallen back to eager
+        for eager, compiled in zip(*runs, strict=True):
+            torch.testing.assert_close(compiled, eager)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled head runs on CUDA only")
