@@ -1,11 +1,23 @@
-"""Fused RMSNorm: the base model's outputs and gradients are unchanged."""
+"""Fused RMSNorm and SwiGLU: the base model's outputs and gradients are unchanged."""
 
 from __future__ import annotations
+
+import shutil
 
 import pytest
 import torch
 
-from lorapop.engine.fused import fuse_rms_norms, unfuse_rms_norms
+from lorapop.engine.fused import (
+    _silu_mul,
+    _silu_mul_grad,
+    compile_failures,
+    compiled_call,
+    fuse_mlps,
+    fuse_rms_norms,
+    mlps_fused,
+    unfuse_mlps,
+    unfuse_rms_norms,
+)
 from lorapop.engine.model import load_base_model, load_tokenizer
 from tiny_models import VOCAB, tiny_model
 
@@ -43,3 +55,51 @@ def test_loaded_base_models_run_the_fused_norms():
     model = load_base_model("tiny-random", load_tokenizer("tiny-random"), device="cpu")
     norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
     assert norms and all("forward" in vars(m) for m in norms)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_mlps_give_the_same_logits_and_gradients(arch, dtype, device):
+    """Training forwards run the fused SwiGLU (own backward, compiled on CUDA): the logits
+    and input gradients of the plain MLP; inference forwards run the plain kernels."""
+    model = tiny_model(arch).to(device=device, dtype=dtype)
+    ids = torch.randint(0, VOCAB, (3, 9), generator=torch.Generator().manual_seed(0)).to(device)
+    emb = model.get_input_embeddings()
+
+    def run():
+        x = emb(ids).detach().requires_grad_()
+        logits = model(inputs_embeds=x).logits
+        logits.float().square().mean().backward()
+        with torch.no_grad():
+            inference = model(inputs_embeds=x).logits
+        return logits.detach(), x.grad, inference
+
+    ref = run()
+    assert not mlps_fused(model)
+    assert fuse_mlps(model) == model.config.num_hidden_layers
+    assert mlps_fused(model)
+    fused = run()
+    # one float32 rounding of silu(gate) * up instead of two roundings to the dtype
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(fused[0], ref[0], rtol=tol, atol=tol)
+    torch.testing.assert_close(fused[1], ref[1], rtol=tol, atol=tol)
+    torch.testing.assert_close(fused[2], ref[2], rtol=0, atol=0)  # the same kernels
+    assert not compile_failures
+    unfuse_mlps(model)
+    assert not mlps_fused(model)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                    reason="torch.compile on CPU needs a C compiler")
+def test_compiled_swiglu_passes_equal_the_eager_ones_on_cpu():
+    """CUDA's compiled passes, compiled here for the CPU, give the eager values, and the
+    eager backward equals autograd through the plain formula."""
+    g0 = torch.randn(5, 7, generator=torch.Generator().manual_seed(1))
+    u0, d = torch.randn(5, 7), torch.randn(5, 7)
+    gate, up = g0.clone().requires_grad_(), u0.clone().requires_grad_()
+    (torch.nn.functional.silu(gate) * up).backward(d)
+    for fn, args in ((_silu_mul, (g0, u0)), (_silu_mul_grad, (g0, u0, d))):
+        torch.testing.assert_close(compiled_call(fn, *args), fn(*args))
+    assert not compile_failures
+    torch.testing.assert_close(_silu_mul_grad(g0, u0, d), (gate.grad, up.grad))

@@ -21,7 +21,6 @@ once. Rows sharing nothing keep the plain causal path.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,6 +29,7 @@ import torch.nn.functional as F
 
 from lorapop.engine import pack_attention
 from lorapop.engine.decoder import route
+from lorapop.engine.fused import compiled_call
 
 HEAD_CHUNK = 2048  # positions whose logits are formed at once (memory.update_fixed_bytes)
 
@@ -100,22 +100,10 @@ def _logits_grad(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
 #: update micro-batch at 7B with a 152k vocabulary); compiled, the forward is one reduction
 #: and the gradient one elementwise kernel. CPU stays eager (no compiler needed).
 COMPILE_HEAD = True
-_compiled: dict[str, Any] = {}
 
 
 def _pass(fn: Any, compiled: bool, *args: torch.Tensor) -> Any:
-    """`fn(*args)`, compiled if asked; a compiler failure warns once and runs it eagerly."""
-    global COMPILE_HEAD
-    if compiled and COMPILE_HEAD:
-        try:
-            if fn.__name__ not in _compiled:
-                _compiled[fn.__name__] = torch.compile(fn, dynamic=True)
-            return _compiled[fn.__name__](*args)
-        except Exception as e:  # noqa: BLE001 - any compiler failure: the eager pass
-            warnings.warn(f"torch.compile of the LM head's log-softmax failed, running it "
-                          f"eagerly: {type(e).__name__}: {e}", stacklevel=2)
-            COMPILE_HEAD = False
-    return fn(*args)
+    return compiled_call(fn, *args) if compiled and COMPILE_HEAD else fn(*args)
 
 
 class _HeadLogprobs(torch.autograd.Function):

@@ -13,7 +13,8 @@ intermediate + 2 kv_heads x head_dim) values per token (norms, q/k/v/o, attentio
 gate/up/act/product, LoRA inputs; keys and values once per head group, as SDPA's grouped-query
 kernels and the pack attention keep them), 6.31 MB a token for Qwen2.5-7B (measured on an H100
 over the LM head chunk: ~6.15 MB for unshared rows; packs, whose keys and values the round-1
-dense mask repeated for every query head, took ~6.6). With checkpointing only each layer's
+dense mask repeated for every query head, took ~6.6). The fused SwiGLU (`engine/fused`) keeps
+no act: 3 intermediate, 5.25 MB. With checkpointing only each layer's
 input stays; recomputing costs one more forward (1.4-1.6x the time on an H100), so it pays
 only when memory is short.
 """
@@ -25,6 +26,7 @@ from typing import Any
 
 import torch
 
+from lorapop.engine.fused import mlps_fused
 from lorapop.engine.kvcache import kv_bytes_per_token, kv_shape
 
 log = logging.getLogger(__name__)
@@ -112,7 +114,8 @@ def update_bytes_per_token(model: Any) -> int:
     hidden, inter, *_ = _dims(model)
     layers, kv_heads, head_dim = kv_shape(model)
     item = next(model.parameters()).dtype.itemsize
-    return layers * (10 * hidden + 4 * inter + 2 * kv_heads * head_dim) * item
+    kept_inter = 3 if mlps_fused(model) else 4  # the fused SwiGLU keeps no silu(gate)
+    return layers * (10 * hidden + kept_inter * inter + 2 * kv_heads * head_dim) * item
 
 
 def update_fixed_bytes(model: Any, head_chunk: int) -> int:
