@@ -168,17 +168,21 @@ def packed_difference(parts, rows: tuple[list, list, list]) -> dict:
             "alone_vs_batch_max_abs": float((alone.float() - unpacked[:1].float()).abs()[mask[:1]].max())}
 
 
-AB_VARIANTS = {"norms": ("HF norms", "fused norms"), "head": ("eager head", "compiled head")}
+AB_VARIANTS = {"norms": ("HF norms", "fused norms"), "head": ("eager head", "compiled head"),
+               "swiglu": ("plain SwiGLU", "fused SwiGLU")}
 
 
 def set_variant(parts, variant: str) -> None:
-    """One `--ab` variant: the model's RMSNorms (the classes' own or the fused kernel), or
+    """One `--ab` variant: the model's RMSNorms (the classes' own or the fused kernel), its
+    SwiGLU MLPs (the classes' own or `_SwiGLU`: less memory, so larger micro-batches), or
     the LM head's log-softmax (eager or compiled)."""
     import lorapop.engine.logprobs as logprobs
-    from lorapop.engine.fused import fuse_rms_norms, unfuse_rms_norms
+    from lorapop.engine.fused import fuse_mlps, fuse_rms_norms, unfuse_mlps, unfuse_rms_norms
 
     if variant.endswith("norms"):
         (fuse_rms_norms if variant == "fused norms" else unfuse_rms_norms)(parts.model)
+    elif variant.endswith("SwiGLU"):
+        (fuse_mlps if variant == "fused SwiGLU" else unfuse_mlps)(parts.model)
     else:
         logprobs.COMPILE_HEAD = variant == "compiled head"
 
@@ -360,7 +364,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--ab", choices=sorted(AB_VARIANTS),
                     help="paper and decode cases: only two variants, twice each: HF vs fused "
-                         "RMSNorms, or the eager vs compiled LM-head log-softmax")
+                         "RMSNorms, plain vs fused SwiGLU, or the eager vs compiled LM-head "
+                         "log-softmax")
     ap.add_argument("--decode", default="", help="ROWS:PROMPT,... decode cases (e.g. 192:1500)")
     ap.add_argument("--decode-new", type=int, default=96)
     ap.add_argument("--out", default="benchmarks/results/update_profile.json")
