@@ -148,3 +148,44 @@ def mlps_fused(model: nn.Module) -> bool:
 def unfuse_mlps(model: nn.Module) -> None:
     """Back to the classes' own forward (for side-by-side benchmarks)."""
     _unfuse(model, SWIGLU_MLPS)
+
+
+# ------------------------------------------------------------------ compiled layers
+class _CompiledLayer:
+    """A decoder layer's compiled call; a compiler failure warns once and every layer runs
+    eagerly from then on (out-of-memory errors propagate)."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        self.layer = layer
+        self.compiled = torch.compile(layer._call_impl, dynamic=True)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if "decoder layers" not in compile_failures:
+            try:
+                return self.compiled(*args, **kwargs)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as e:  # noqa: BLE001 - any compiler failure: the eager layer
+                warnings.warn(f"torch.compile of the decoder layers failed, running them "
+                              f"eagerly: {type(e).__name__}: {str(e).splitlines()[0][:300]}",
+                              stacklevel=2)
+                compile_failures.add("decoder layers")
+        return self.layer._call_impl(*args, **kwargs)
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The base model's repeated decoder blocks ([] if it has none)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    return list(getattr(decoder, "layers", None) or [])
+
+
+def use_compiled_layers(model: nn.Module, on: bool) -> None:
+    """Run the decoder layers compiled (on) or eagerly (off); each is compiled once.
+
+    The first layer stays eager: its input (the frozen embedding) needs no gradient where
+    every later layer's does, so compiling it would double the compiled variants.
+    """
+    for layer in decoder_layers(model)[1:]:
+        if on and "_lorapop_compiled" not in vars(layer):
+            object.__setattr__(layer, "_lorapop_compiled", _CompiledLayer(layer))
+        layer._compiled_call_impl = vars(layer)["_lorapop_compiled"] if on else None
