@@ -178,16 +178,6 @@ def warm_head(model) -> float:
     return time.perf_counter() - t0
 
 
-def warm_layers(sp) -> tuple[bool, float]:
-    """Compile the update's decoder layers (`train.compile`) before timing, as the loop does
-    before its first update: (compiled, seconds taken)."""
-    t0 = time.perf_counter()
-    compiled = bool(getattr(sp, "_compiled_layers", lambda: False)())
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return compiled, time.perf_counter() - t0
-
-
 def _peak() -> str:
     """The process's peak GPU memory so far and the SM clock now, for a log line ('' on CPU;
     the clock needs NVML: a GPU that throttles under load shows there)."""
@@ -242,7 +232,6 @@ def measure(config: str, overrides: list[str], warmup: int, steps: int, run_dir:
         sp._policy_step = lambda rollouts, rewards: ({}, {}, [None] * len(rollouts))
     n_params = flop_params(getattr(sp, "parts", sp).model)  # (older loops: sp.model)
     head_compile_s = warm_head(getattr(sp, "parts", sp).model)
-    compiled_layers, layers_compile_s = warm_layers(sp)
     rows = []
     try:
         for i in range(warmup + steps):
@@ -278,8 +267,6 @@ def measure(config: str, overrides: list[str], warmup: int, steps: int, run_dir:
         "tokens_per_s": median(r["tokens_per_s"] for r in rows),
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         "head_compile_s": head_compile_s,
-        "compiled_layers": compiled_layers,
-        "layers_compile_s": layers_compile_s,
         "update": None if skip_update else {
             "tokens": counter.real // len(rows),
             "padded_tokens": counter.padded // len(rows),

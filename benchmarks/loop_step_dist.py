@@ -40,7 +40,6 @@ from loop_step import (  # noqa: E402
     bench_overrides,
     trace_generate,
     warm_head,
-    warm_layers,
 )
 
 # NVLink multicast stays off (shared hosts: see the device notes); children inherit these.
@@ -68,7 +67,6 @@ def worker(args: argparse.Namespace) -> None:
     sp = SelfPlay(cfg, Path(args.run_dir), world=world)
     load_s = time.perf_counter() - t0
     head_compile_s = warm_head(sp.parts.model)
-    compiled_layers, layers_compile_s = warm_layers(sp)
     counter = UpdateCount(f"rank {world.rank} ")  # its update tokens, a log line per micro-batch
     _patch("sequence_logprobs", counter)
     _patch("generate", trace_generate)
@@ -112,8 +110,6 @@ def worker(args: argparse.Namespace) -> None:
             "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
             "load_s": load_s,
             "head_compile_s": head_compile_s,
-            "compiled_layers": compiled_layers,
-            "layers_compile_s": layers_compile_s,
             "update_tokens": counter.real // len(rows),
             "update_micro_batches": counter.micro_batches // len(rows),
             "update_padded_tokens": counter.padded // len(rows),

@@ -81,7 +81,6 @@ def update_pass(parts, rows: tuple[list, list, list], share: bool, mode: bool | 
     """The loop's update over `rows` (`SelfPlay._policy_step` minus advantages and the
     optimizer): timed, with its peak memory; `profile` tabulates the first micro-batch;
     `held=False` casts the bank in every forward (round 1) instead of holding one copy."""
-    from lorapop.engine.fused import use_compiled_layers
     from lorapop.engine.logprobs import (
         HEAD_CHUNK,
         pack_micro_batches,
@@ -120,11 +119,8 @@ def update_pass(parts, rows: tuple[list, list, list], share: bool, mode: bool | 
         model.train()
         groups = pack_micro_batches(packs, widths, cap, 64)
         for idx, padded in groups:
-            checkpointed = ckpt if keep is None else padded > keep
-            use_checkpointing(model, checkpointed)
-            use_compiled_layers(model, COMPILED_LAYERS[0] and not checkpointed)  # as the loop
+            use_checkpointing(model, ckpt if keep is None else padded > keep)
             micro(idx)
-        use_compiled_layers(model, False)
         _sync()
         dt = time.perf_counter() - t0
         peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if DEV == "cuda" else None
@@ -173,27 +169,20 @@ def packed_difference(parts, rows: tuple[list, list, list]) -> dict:
 
 
 AB_VARIANTS = {"norms": ("HF norms", "fused norms"), "head": ("eager head", "compiled head"),
-               "swiglu": ("plain SwiGLU", "fused SwiGLU"),
-               "layers": ("eager layers", "compiled layers")}
-COMPILED_LAYERS = [False]  # `train.compile`: set by `--ab layers` (and checked by a warm-up)
+               "swiglu": ("plain SwiGLU", "fused SwiGLU")}
 
 
 def set_variant(parts, variant: str) -> None:
     """One `--ab` variant: the model's RMSNorms (the classes' own or the fused kernel), its
-    SwiGLU MLPs (the classes' own or `_SwiGLU`: less memory, so larger micro-batches), its
-    decoder layers in the update (eager or compiled), or the LM head's log-softmax (eager or
-    compiled)."""
+    SwiGLU MLPs (the classes' own or `_SwiGLU`: less memory, so larger micro-batches), or
+    the LM head's log-softmax (eager or compiled)."""
     import lorapop.engine.logprobs as logprobs
     from lorapop.engine.fused import fuse_mlps, fuse_rms_norms, unfuse_mlps, unfuse_rms_norms
-    from lorapop.engine.logprobs import warm_up_compiled_layers
 
     if variant.endswith("norms"):
         (fuse_rms_norms if variant == "fused norms" else unfuse_rms_norms)(parts.model)
     elif variant.endswith("SwiGLU"):
         (fuse_mlps if variant == "fused SwiGLU" else unfuse_mlps)(parts.model)
-    elif variant.endswith("layers"):
-        COMPILED_LAYERS[0] = variant == "compiled layers" and warm_up_compiled_layers(
-            parts.model, parts.bank)
     else:
         logprobs.COMPILE_HEAD = variant == "compiled head"
 
@@ -375,8 +364,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--ab", choices=sorted(AB_VARIANTS),
                     help="paper and decode cases: only two variants, twice each: HF vs fused "
-                         "RMSNorms, plain vs fused SwiGLU, eager vs compiled decoder layers "
-                         "(train.compile), or the eager vs compiled LM-head log-softmax")
+                         "RMSNorms, plain vs fused SwiGLU, or the eager vs compiled LM-head "
+                         "log-softmax")
     ap.add_argument("--decode", default="", help="ROWS:PROMPT,... decode cases (e.g. 192:1500)")
     ap.add_argument("--decode-new", type=int, default=96)
     ap.add_argument("--out", default="benchmarks/results/update_profile.json")

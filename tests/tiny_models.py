@@ -9,15 +9,14 @@ ARCHS = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaF
 VOCAB = 96
 
 
-def tiny_model(arch: str = "qwen2", vocab: int = VOCAB, seed: int = 0, layers: int = 2
-               ) -> torch.nn.Module:
+def tiny_model(arch: str = "qwen2", vocab: int = VOCAB, seed: int = 0) -> torch.nn.Module:
     """Same seed, same weights: call twice to get an independent copy of the base (eval mode)."""
     config_cls, model_cls = ARCHS[arch]
     config = config_cls(
         vocab_size=vocab,
         hidden_size=32,
         intermediate_size=48,
-        num_hidden_layers=layers,
+        num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=256,

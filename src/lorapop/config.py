@@ -168,10 +168,6 @@ class TrainConfig(Section):
     share_prompts: bool = True
     """Answers of one prompt under one adapter train as one sequence, the prompt computed once
     (exact; `engine/pack_attention`). false: every answer is its own sequence."""
-    compile: bool | Literal["auto"] = "auto"
-    """torch.compile the decoder layers for the update's forwards and backwards (fuses the
-    elementwise kernels around the GEMMs; compiled once per run, a few graphs); `auto`: on
-    CUDA. A checkpointed micro-batch runs eagerly; a compiler failure warns and runs eagerly."""
     kl_rows: int = Field(0, ge=0)
     """Rollouts per step (a seeded subsample) on which each member's per-token KL between the
     policy before and after the update is measured and logged (`kl` in metrics.jsonl): two

@@ -30,7 +30,6 @@ import torch
 from lorapop import dist
 from lorapop.checkpoint import load_checkpoint, resume_point, save_checkpoint, truncate_jsonl
 from lorapop.config import Config, dump_config
-from lorapop.engine.fused import use_compiled_layers
 from lorapop.engine.generate import Generation, SamplingParams, generate
 from lorapop.engine.logprobs import (
     HEAD_CHUNK,
@@ -39,10 +38,9 @@ from lorapop.engine.logprobs import (
     pack_widths,
     sequence_logprobs,
     shared_prompt_packs,
-    warm_up_compiled_layers,
 )
 from lorapop.engine.memory import free_memory, plan_update
-from lorapop.engine.model import is_checkpointing, use_checkpointing
+from lorapop.engine.model import use_checkpointing
 from lorapop.league import Role, match, match_results, plan_replacement, rate_children
 from lorapop.lora import evolve
 from lorapop.parts import build, derive_seed, load_state, save_state
@@ -83,7 +81,6 @@ class SelfPlay:
         self.cfg = cfg
         self.world = world
         self.allreduce_s = 0.0  # the last step's bank-gradient all-reduce
-        self._compile_ok: bool | None = None  # compiled decoder layers for the update
         if world.distributed and cfg.lora.dropout > 0:
             warnings.warn("lora.dropout > 0 under torchrun: dropout masks depend on how rows are "
                           "split across ranks, so results depend on the number of ranks",
@@ -406,7 +403,6 @@ class SelfPlay:
                  else [[i] for i in range(len(rollouts))])
         widths = pack_widths(packs, prompts, comps)
         mine = dist.shard(widths, self.world.size)[self.world.rank]
-        compiled = self._compiled_layers()
         with p.bank.held_copy(p.model.dtype):  # one cast of the bank for the whole update
             keep, max_tokens = self._update_memory_plan(max(widths))  # (copy not free memory)
             for rows, padded in pack_micro_batches([packs[j] for j in mine],
@@ -414,8 +410,6 @@ class SelfPlay:
                                                    tc.micro_batch_size):
                 if keep is not None:  # checkpoint only what does not fit with activations kept
                     use_checkpointing(p.model, padded > keep)
-                # torch's checkpoint recomputes eagerly: a checkpointed micro-batch runs so
-                use_compiled_layers(p.model, compiled and not is_checkpointing(p.model))
                 part = [rollouts[i] for i in rows]
                 idx = torch.tensor(rows, device=dev)
                 logprobs, mask = sequence_logprobs(
@@ -427,7 +421,6 @@ class SelfPlay:
                                              token_counts=token_counts)
                 loss.backward()
                 slot_loss.index_add_(0, slots[idx], row_loss)
-        use_compiled_layers(p.model, False)  # generation and probes run the plain layers
         if self.world.distributed:
             p.bank.bind_grads_()
             t0 = time.perf_counter()
@@ -442,17 +435,6 @@ class SelfPlay:
         trained = set(slots.tolist())
         losses = {m: float(slot_loss[i]) for m, i in p.slot.items() if i in trained}
         return losses, {m: float(norms.get(i, 0.0)) for m, i in p.slot.items()}, per_rollout
-
-    def _compiled_layers(self) -> bool:
-        """Whether the update runs compiled decoder layers (`train.compile`), compiled and
-        checked forward and backward on a small batch the first time it is asked."""
-        if self._compile_ok is None:
-            want = self.cfg.train.compile
-            p = self.parts
-            cuda = next(p.model.parameters()).is_cuda
-            self._compile_ok = bool(want is True or (want == "auto" and cuda)) and \
-                warm_up_compiled_layers(p.model, p.bank)
-        return self._compile_ok
 
     def _update_memory_plan(self, longest: int) -> tuple[int | None, int]:
         """`(keep_tokens, micro_batch_tokens)`: with `auto`, micro-batches of at most

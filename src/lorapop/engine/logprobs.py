@@ -21,7 +21,6 @@ once. Rows sharing nothing keep the plain causal path.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,7 +29,7 @@ import torch.nn.functional as F
 
 from lorapop.engine import pack_attention
 from lorapop.engine.decoder import route
-from lorapop.engine.fused import compile_failures, compiled_call, use_compiled_layers
+from lorapop.engine.fused import compiled_call
 
 HEAD_CHUNK = 2048  # positions whose logits are formed at once (memory.update_fixed_bytes)
 
@@ -214,37 +213,3 @@ def sequence_logprobs(
     parts = [head_logprobs(head, hidden[:, s : s + rows], target[:, s : s + rows])
              for s in range(0, t, rows)]
     return torch.cat(parts, dim=1).masked_fill(~mask, 0.0), mask
-
-
-def warm_up_compiled_layers(model: Any, bank: Any, slot: int = 0) -> bool:
-    """Compile the decoder layers for the update (`fused.use_compiled_layers`) on small
-    packed and unpacked micro-batches, forward and backward, before any real one: a compiler
-    failure in either pass then warns and leaves the layers eager instead of failing an
-    update halfway. Leaves the layers eager; returns whether compiling works. The bank's
-    gradients are left as they were."""
-    if "decoder layers" in compile_failures:
-        return False
-    grads = bank.grads.clone()
-    was_training = model.training
-    model.train()
-    try:
-        use_compiled_layers(model, True)
-        for rows, share in ((1, False), (3, False), (3, True)):  # one row: a shape apart
-            prompts = [[1 + i % 5 for i in range(4 + j)] for j in range(rows)]
-            if share:
-                prompts = [prompts[0]] * rows
-            comps = [[2 + i % 7 for i in range(3 + 2 * j)] for j in range(rows)]
-            lp, mask = sequence_logprobs(model, bank, prompts, comps, [slot] * rows,
-                                         share_prompts=share)
-            lp[mask].sum().backward()
-    except torch.OutOfMemoryError:
-        raise
-    except Exception as e:  # noqa: BLE001 - any compiler failure: eager layers
-        warnings.warn(f"torch.compile of the decoder layers failed, running them eagerly: "
-                      f"{type(e).__name__}: {str(e).splitlines()[0][:300]}", stacklevel=2)
-        compile_failures.add("decoder layers")
-    finally:
-        use_compiled_layers(model, False)
-        bank.grads.copy_(grads)
-        model.train(was_training)
-    return "decoder layers" not in compile_failures

@@ -83,18 +83,11 @@ def tiny_random_model(tokenizer: PreTrainedTokenizerBase, seed: int = 0) -> torc
     )  # fmt: skip
 
 
-def is_checkpointing(model: Any) -> bool:
-    """Whether the model's activation checkpointing is on (either transformers API)."""
-    if hasattr(model, "activation_checkpointing_enable"):
-        return bool(model.is_activation_checkpointing)
-    return bool(model.is_gradient_checkpointing)
-
-
 def use_checkpointing(model: Any, on: bool) -> None:
     """Turn the model's activation checkpointing on or off (transformers >= 5.24 renamed the
     methods `activation_checkpointing_*`; 5.17 has only `gradient_checkpointing_*`)."""
     new = hasattr(model, "activation_checkpointing_enable")
-    if on == is_checkpointing(model):
+    if on == (model.is_activation_checkpointing if new else model.is_gradient_checkpointing):
         return
     if not on:
         (model.activation_checkpointing_disable if new else model.gradient_checkpointing_disable)()

@@ -65,7 +65,8 @@ class _HeldCopy:
     """The bank's weights in a compute dtype, and each target's A and B views of them."""
 
     dtype: torch.dtype
-    flat: Tensor  # [N, P]; each target module's `_lorapop_held` holds its A and B views
+    flat: Tensor  # [N, P]
+    views: dict[str, tuple[Tensor, Tensor]]
     stamp: int  # the bank's weights stamp when copied
 
 
@@ -193,11 +194,7 @@ class AdapterBank:
         for i in range(n_slots):
             self.reset_slot(i, seed + i)
         for t in self.targets.values():
-            # plain attributes (not registered: the model's state dict stays as it was), read
-            # by the one hook every target shares, so a compiled decoder layer's graph holds
-            # for every layer (a per-layer closure would be a per-layer guard)
-            object.__setattr__(t.module, "_lorapop_target", (t.name, t.a, t.b))
-            t.handle = t.module.register_forward_hook(self._forward_hook)
+            t.handle = t.module.register_forward_hook(self._hook(t))
         model._lorapop_bank = self  # type: ignore[assignment]
 
     # ------------------------------------------------------------------ routing
@@ -219,8 +216,6 @@ class AdapterBank:
         prev = self._active
         saved = None if prev is None else (prev.ids.clone(), prev.is_sorted)
         self.set_slot_ids_(ids.to(self.device), is_sorted=is_sorted)
-        if torch.is_grad_enabled():
-            self._routing()  # the snapshot a recomputation reads (a compiled forward can't)
         try:
             yield
         finally:
@@ -263,12 +258,6 @@ class AdapterBank:
         forwards therefore snapshot the routing, and recomputation (a forward running inside
         a backward pass) reads that snapshot.
         """
-        if torch.compiler.is_compiling():
-            # a compiled forward never runs inside a backward (torch's checkpoint recomputes
-            # eagerly), and `route` took the snapshot a recompute reads
-            if self._active is None:
-                raise RuntimeError(_NO_ROUTE)
-            return self._active
         if torch.is_grad_enabled():
             if torch._C._current_graph_task_id() != -1:
                 if self._grad_routing is None:
@@ -284,52 +273,49 @@ class AdapterBank:
             raise RuntimeError(_NO_ROUTE)
         return self._active
 
-    def _forward_hook(self, module: nn.Module, args: tuple, output: Tensor) -> Tensor:
-        if self._disabled:
-            return output
-        routing = self._routing()
-        name, a_master, b_master = module.__dict__["_lorapop_target"]
-        x = args[0]
-        if self.dropout > 0 and module.training:
-            x = nn.functional.dropout(x, self.dropout, training=True)
-        dev = x.device.type
-        dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-        one_token = x.dim() >= 2 and x.shape[-2] == 1
-        kernel = self.decode_kernel if one_token else self.kernel
-        fused = one_token and x.dim() == 3 and kernel in ("auto", "fused")
-        fused = fused and not torch.is_grad_enabled()
-        tracing = torch.compiler.is_compiling()
-        if fused and not (self.dropout > 0 and module.training):
-            # while torch.compile traces, version counters can't be read (the decoder
-            # refreshes before each batch); sharing h between q/k/v (gate/up) is a
-            # side effect on the cache that dynamo replays, so it stays on; compiled,
-            # each group's deltas come from one GEMM and the adds fuse downstream
-            cache = self.decode_cache(dt, check=not tracing)
-            return cache.add_delta(name, x, output, routing, True, tracing)
-        if kernel in ("auto", "fused"):
-            grouped = routing.is_sorted and self._grouped_ok.get(dt, False)
-            # traced, grouped_mm's shape function takes bf16 only
-            grouped = grouped and (dt == torch.bfloat16 or not tracing)
-            kernel = "dense" if one_token else "grouped" if grouped else "gather"
-        a, b = self._compute_weights(module, a_master, b_master, dt)
-        delta = lora_delta(x.to(dt), a, b, routing, kernel, self.scaling)
-        return output + delta.to(output.dtype)
+    def _hook(self, target: _Target):
+        def hook(module: nn.Module, args: tuple, output: Tensor) -> Tensor:
+            if self._disabled:
+                return output
+            routing = self._routing()
+            x = args[0]
+            if self.dropout > 0 and module.training:
+                x = nn.functional.dropout(x, self.dropout, training=True)
+            dev = x.device.type
+            dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+            one_token = x.dim() >= 2 and x.shape[-2] == 1
+            kernel = self.decode_kernel if one_token else self.kernel
+            fused = one_token and x.dim() == 3 and kernel in ("auto", "fused")
+            fused = fused and not torch.is_grad_enabled()
+            if fused and not (self.dropout > 0 and module.training):
+                # while torch.compile traces, version counters can't be read (the decoder
+                # refreshes before each batch); sharing h between q/k/v (gate/up) is a
+                # side effect on the cache that dynamo replays, so it stays on; compiled,
+                # each group's deltas come from one GEMM and the adds fuse downstream
+                tracing = torch.compiler.is_compiling()
+                cache = self.decode_cache(dt, check=not tracing)
+                return cache.add_delta(target.name, x, output, routing, True, tracing)
+            if kernel in ("auto", "fused"):
+                grouped = routing.is_sorted and self._grouped_ok.get(dt, False)
+                kernel = "dense" if one_token else "grouped" if grouped else "gather"
+            a, b = self._compute_weights(target, dt)
+            delta = lora_delta(x.to(dt), a, b, routing, kernel, self.scaling)
+            return output + delta.to(output.dtype)
 
-    def _compute_weights(self, module: nn.Module, a: Tensor, b: Tensor, dtype: torch.dtype
-                         ) -> tuple[Tensor, Tensor]:
+        return hook
+
+    def _compute_weights(self, target: _Target, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """A and B of every slot in `dtype`: views of the held copy if there is one in that
-        dtype (refreshed if the weights changed), else casts of the masters `a`, `b`."""
+        dtype (refreshed if the weights changed), else casts."""
         held = self._held
         if held is None or held.dtype != dtype:
-            return a.to(dtype), b.to(dtype)
-        # traced, version counters can't be read: a compiled update runs inside one
-        # `held_copy`, whose weights change only after its last backward (the optimizer step)
-        if not torch.compiler.is_compiling() and held.stamp != self._stamp():
+            return target.a.to(dtype), target.b.to(dtype)
+        if held.stamp != self._stamp():
             with torch.no_grad():
                 held.flat.copy_(self.weights)
             held.stamp = self._stamp()
-        a_held, b_held = module.__dict__["_lorapop_held"]
-        return _HeldCast.apply(a, a_held), _HeldCast.apply(b, b_held)
+        a, b = held.views[target.name]
+        return _HeldCast.apply(target.a, a), _HeldCast.apply(target.b, b)
 
     @contextmanager
     def held_copy(self, dtype: torch.dtype) -> Iterator[None]:
@@ -339,16 +325,13 @@ class AdapterBank:
             yield
             return
         flat = self.weights.detach().to(dtype)
-        for t in self.targets.values():
-            object.__setattr__(t.module, "_lorapop_held", (flat[:, t.a_slice].view(t.a.shape),
-                                                           flat[:, t.b_slice].view(t.b.shape)))
-        self._held = _HeldCopy(dtype, flat, self._stamp())
+        views = {n: (flat[:, t.a_slice].view(t.a.shape), flat[:, t.b_slice].view(t.b.shape))
+                 for n, t in self.targets.items()}
+        self._held = _HeldCopy(dtype, flat, views, self._stamp())
         try:
             yield
         finally:
             self._held = None
-            for t in self.targets.values():
-                object.__delattr__(t.module, "_lorapop_held")
 
     # ------------------------------------------------------------------ decode cache
     def decode_cache(self, dtype: torch.dtype, check: bool = True) -> DecodeCache:
@@ -494,7 +477,6 @@ class AdapterBank:
             if t.handle is not None:
                 t.handle.remove()
                 t.handle = None
-            vars(t.module).pop("_lorapop_target", None)
         if getattr(self.model, "_lorapop_bank", None) is self:
             self.model._lorapop_bank = None  # type: ignore[assignment]
 

@@ -149,8 +149,7 @@ def lora_delta(
     scaling is applied to the rank-r intermediate, the smallest tensor on the path.
     """
     rows = x.shape[0]
-    # traced, the check would tie the batch size to the routing's (one graph per size)
-    if not torch.compiler.is_compiling() and rows != routing.ids.numel():
+    if rows != routing.ids.numel():
         raise ValueError(
             f"AdapterBank: batch has {rows} rows but the routing has {routing.ids.numel()} slot ids"
         )
@@ -180,7 +179,6 @@ class _PermuteRows(torch.autograd.Function):
         return grad.index_select(0, inv), None, None
 
 
-@torch.compiler.disable  # compiled (CPU inductor, torch 2.13) its gradient went wrong
 def _gather(x: Tensor, a: Tensor, b: Tensor, routing: Routing, scaling: float) -> Tensor:
     a_rows = a.index_select(0, routing.ids)  # [B, r, in]
     b_rows = b.index_select(0, routing.ids)  # [B, out, r]
@@ -198,8 +196,7 @@ def _grouped(x: Tensor, a: Tensor, b: Tensor, routing: Routing, scaling: float) 
     if not skip:
         x = _PermuteRows.apply(x, routing.perm, routing.inv)
     flat = x.reshape(rows * tokens, x.shape[-1])
-    # traced, `tokens` is symbolic: no cache keyed by it
-    ends = routing.ends * tokens if torch.compiler.is_compiling() else routing.ends_for(tokens)
+    ends = routing.ends_for(tokens)
     h = GROUPED_MM(flat, a.transpose(1, 2), offs=ends) * scaling  # [B*T, r]
     y = GROUPED_MM(h, b.transpose(1, 2), offs=ends).view(rows, tokens, b.shape[1])
     return y if skip else _PermuteRows.apply(y, routing.inv, routing.perm)
