@@ -38,6 +38,7 @@ from lorapop.engine.logprobs import (
     pack_widths,
     sequence_logprobs,
     shared_prompt_packs,
+    split_packs,
 )
 from lorapop.engine.memory import free_memory, plan_update
 from lorapop.engine.model import use_checkpointing
@@ -405,9 +406,11 @@ class SelfPlay:
         mine = dist.shard(widths, self.world.size)[self.world.rank]
         with p.bank.held_copy(p.model.dtype):  # one cast of the bank for the whole update
             keep, max_tokens = self._update_memory_plan(max(widths))  # (copy not free memory)
-            for rows, padded in pack_micro_batches([packs[j] for j in mine],
-                                                   [widths[j] for j in mine], max_tokens,
-                                                   tc.micro_batch_size):
+            my_packs = [packs[j] for j in mine]
+            if keep:  # a pack too wide to keep its activations goes in parts that fit
+                my_packs = split_packs(my_packs, prompts, comps, keep)
+            for rows, padded in pack_micro_batches(my_packs, pack_widths(my_packs, prompts, comps),
+                                                   max_tokens, tc.micro_batch_size):
                 if keep is not None:  # checkpoint only what does not fit with activations kept
                     use_checkpointing(p.model, padded > keep)
                 part = [rollouts[i] for i in rows]

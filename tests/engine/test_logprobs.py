@@ -16,6 +16,7 @@ from lorapop.engine.logprobs import (
     pack_widths,
     sequence_logprobs,
     shared_prompt_packs,
+    split_packs,
 )
 from lorapop.engine.model import use_checkpointing
 from lorapop.lora.bank import AdapterBank
@@ -168,3 +169,18 @@ def test_pack_micro_batches_keep_packs_whole_and_apart_from_lone_rows():
                 assert set(pack) <= set(g) or not set(pack) & set(g)
     # padded tokens: two packs (widest 22) in one forward, the lone row alone
     assert pack_micro_batches(packs, widths, 1000, 4) == [([0, 1, 3, 4, 5], 44), ([2], 38)]
+
+
+def test_split_packs_cut_wide_packs_into_parts_within_the_limit():
+    """A pack wider than the limit goes in consecutive parts that each fit with their own
+    copy of the prompt; narrower packs and a lone row wider than the limit stay whole."""
+    prompts = [[1] * 10] * 4 + [[2] * 30, [3] * 5, [3] * 5]
+    completions = [[0] * 4, [0] * 6, [0] * 8, [0] * 2, [0] * 8, [0] * 3, [0] * 3]
+    packs = shared_prompt_packs(prompts, [0] * 7)
+    assert packs == [[0, 1, 2, 3], [4], [5, 6]]
+    assert split_packs(packs, prompts, completions, 1000) == packs
+    parts = split_packs(packs, prompts, completions, 20)
+    assert parts == [[0, 1], [2, 3], [4], [5, 6]]
+    assert [w for w, g in zip(pack_widths(parts, prompts, completions), parts, strict=True)
+            if len(g) > 1] == [20, 20, 11]  # every part of several rows within the limit
+    assert split_packs(packs, prompts, completions, 1) == [[i] for i in range(7)]

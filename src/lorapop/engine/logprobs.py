@@ -66,6 +66,28 @@ def pack_widths(packs: Sequence[Sequence[int]], prompt_ids: Sequence[Sequence[in
     return [len(prompt_ids[g[0]]) + sum(len(completion_ids[i]) for i in g) for g in packs]
 
 
+def split_packs(packs: Sequence[Sequence[int]], prompt_ids: Sequence[Sequence[int]],
+                completion_ids: Sequence[Sequence[int]], limit: int) -> list[list[int]]:
+    """Packs wider than `limit` tokens cut into consecutive parts of at most `limit` (each
+    part repeats the prompt; a row wider than `limit` alone stays alone): a part whose
+    activations fit costs one more prompt forward, where the whole pack, checkpointed, costs a
+    second forward of everything."""
+    out: list[list[int]] = []
+    for g in packs:
+        prompt = len(prompt_ids[g[0]])
+        part: list[int] = []
+        width = prompt
+        for i in g:
+            n = len(completion_ids[i])
+            if part and width + n > limit:
+                out.append(part)
+                part, width = [], prompt
+            part.append(i)
+            width += n
+        out.append(part)
+    return out
+
+
 def pack_micro_batches(packs: Sequence[Sequence[int]], widths: Sequence[int], max_tokens: int,
                        max_rows: int) -> list[tuple[list[int], int]]:
     """Length-grouped micro-batches of whole packs (`micro_batches` over pack widths,
