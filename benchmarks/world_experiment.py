@@ -35,7 +35,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from statistics import fmean
+from statistics import fmean, median
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "world.yaml"
@@ -240,7 +240,9 @@ def collapse(c: dict[str, list]) -> dict:
 
 def gate_probe(out: Path) -> dict:
     """The gate on what the single-agent runs under OUT/runs have logged so far (finished or
-    not), with first/last-10% means of the main curves and the seconds per step."""
+    not), with first/last-10% means of the main curves, the solve rate's least-squares slope
+    per 100 steps (how fast it heads for the gate's 0.8), the seconds per step and the median
+    seconds of each phase after the first step (which includes warm-up)."""
     from lorapop.report import read_metrics
 
     res = {}
@@ -249,11 +251,16 @@ def gate_probe(out: Path) -> dict:
         if not rows:
             continue
         c = curves(rows)
+        sl = slope(c["solve_rate"])
         res[d.name] = {
             "steps": len(rows), **collapse(c),
+            "solve_rate_slope_per_100_steps": None if sl is None else 100 * sl,
             **{f"{k}_first_last": [window(c[k], last=False), window(c[k], last=True)]
-               for k in ("solve_rate", "valid_rate", "cyclomatic", "partial_share", "kl")},
+               for k in ("solve_rate", "valid_rate", "cyclomatic", "loc", "partial_share",
+                         "entropy", "kl")},
             "step_s": fmean(sum(r["phase_s"].values()) for r in rows),
+            "phase_s_median": {k: median(r["phase_s"][k] for r in rows[1:] or rows)
+                               for k in rows[0]["phase_s"]},
         }  # fmt: skip
     (out / "gate_probe.json").write_text(json.dumps(res, indent=1) + "\n")
     return res
