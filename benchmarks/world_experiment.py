@@ -6,7 +6,7 @@ Arms (all with the same generation compute per step: proposals and answers):
   independent  (c) T independent single agents, each proposals_per_type and answers x k
   noevolve     (d) the population without evolution (evolve.every=0)
 
-    PYTHONPATH=src python benchmarks/world_experiment.py --model runs/world/small --out runs/world \\
+    PYTHONPATH=src python benchmarks/world_experiment.py --model runs/world/world-short --out runs/world \\
         --seeds 0 1 2 --parallel 21 --deadline 540          # trains; re-run to continue
     python benchmarks/world_experiment.py --plot runs/world/world_experiment.json
 
@@ -539,9 +539,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n", 2)[2])  # fmt: skip
-    ap.add_argument("--model", default="runs/world/small",
+    ap.add_argument("--model", default="runs/world/world-short",
                     help="base model directory (built with --size when empty), or `tiny`")
-    ap.add_argument("--size", default="small", help="pretrain-tiny size used to build --model")
+    ap.add_argument("--size", default="world-short",
+                    help="pretrain-tiny size used to build --model (the best base so far)")
     ap.add_argument("--out", default="runs/world")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)

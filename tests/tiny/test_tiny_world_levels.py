@@ -6,8 +6,8 @@ import statistics
 
 import pytest
 
-from lorapop.tiny.corpus import generate_corpus, generate_variants_fast
 from lorapop.tasks import program_metrics
+from lorapop.tiny.corpus import generate_corpus, generate_variants_fast
 from lorapop.tiny.grammar import (
     LEVELS,
     SHORT_LEVELS,
