@@ -6,8 +6,8 @@ Arms (all with the same generation compute per step: proposals and answers):
   independent  (c) T independent single agents, each proposals_per_type and answers x k
   noevolve     (d) the population without evolution (evolve.every=0)
 
-    PYTHONPATH=src python benchmarks/world_experiment.py --model runs/world/world-short --out runs/world \\
-        --seeds 0 1 2 --parallel 21 --deadline 540          # trains; re-run to continue
+    PYTHONPATH=src python benchmarks/world_experiment.py --model runs/world/world-short \\
+        --out runs/world --seeds 0 1 2 --parallel 21 --deadline 540   # trains; re-run to continue
     python benchmarks/world_experiment.py --plot runs/world/world_experiment.json
 
 Every run trains in its own process (many share one GPU; the sandboxes share the CPUs), stops

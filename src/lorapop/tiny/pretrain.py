@@ -183,10 +183,10 @@ SIZES |= {
 SIZES |= {
     # tune the world, not the algorithm: `world-steps`' mix at 80k-token batches (as `small`)
     # on a level table whose every level is short (`grammar.SHORT_LEVELS`: level 5 is ~220
-    # characters, like the standard level 3), since validity at temperature 1 falls with program length
-    # (`small`: code_o .90 .75 .45 .25 .00 at 60 / 155 / 220 / 500 / 1000 characters) and
-    # students execute short programs best; 2000 steps (~150M tokens), one build filling
-    # one H100 call
+    # characters, like the standard level 3), since validity at temperature 1 falls with
+    # program length (`small`: code_o .90 .75 .45 .25 .00 at 60 / 155 / 220 / 500 / 1000
+    # characters) and students execute short programs best; 2000 steps (~150M tokens), one
+    # build filling one H100 call (measured: benchmarks/results/tiny_world_world-short.json)
     "world-short": Recipe(**SIZES["world-steps"].__dict__ | {
         "levels": "short", "steps": 2000, "batch_tokens": 81_920, "lr": 1.5e-3}),
 }  # fmt: skip
