@@ -6,8 +6,8 @@ Arms (all with the same generation compute per step: proposals and answers):
   independent  (c) T independent single agents, each proposals_per_type and answers x k
   noevolve     (d) the population without evolution (evolve.every=0)
 
-    PYTHONPATH=src python benchmarks/world_experiment.py --model runs/world/small --out runs/world \\
-        --seeds 0 1 2 --parallel 21 --deadline 540          # trains; re-run to continue
+    PYTHONPATH=src python benchmarks/world_experiment.py --model runs/world/world-short \\
+        --out runs/world --seeds 0 1 2 --parallel 21 --deadline 540   # trains; re-run to continue
     python benchmarks/world_experiment.py --plot runs/world/world_experiment.json
 
 Every run trains in its own process (many share one GPU; the sandboxes share the CPUs), stops
@@ -35,7 +35,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from statistics import fmean
+from statistics import fmean, median
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "world.yaml"
@@ -240,7 +240,9 @@ def collapse(c: dict[str, list]) -> dict:
 
 def gate_probe(out: Path) -> dict:
     """The gate on what the single-agent runs under OUT/runs have logged so far (finished or
-    not), with first/last-10% means of the main curves and the seconds per step."""
+    not), with first/last-10% means of the main curves, the solve rate's least-squares slope
+    per 100 steps (how fast it heads for the gate's 0.8), the seconds per step and the median
+    seconds of each phase after the first step (which includes warm-up)."""
     from lorapop.report import read_metrics
 
     res = {}
@@ -249,11 +251,16 @@ def gate_probe(out: Path) -> dict:
         if not rows:
             continue
         c = curves(rows)
+        sl = slope(c["solve_rate"])
         res[d.name] = {
             "steps": len(rows), **collapse(c),
+            "solve_rate_slope_per_100_steps": None if sl is None else 100 * sl,
             **{f"{k}_first_last": [window(c[k], last=False), window(c[k], last=True)]
-               for k in ("solve_rate", "valid_rate", "cyclomatic", "partial_share", "kl")},
+               for k in ("solve_rate", "valid_rate", "cyclomatic", "loc", "partial_share",
+                         "entropy", "kl")},
             "step_s": fmean(sum(r["phase_s"].values()) for r in rows),
+            "phase_s_median": {k: median(r["phase_s"][k] for r in rows[1:] or rows)
+                               for k in rows[0]["phase_s"]},
         }  # fmt: skip
     (out / "gate_probe.json").write_text(json.dumps(res, indent=1) + "\n")
     return res
@@ -532,9 +539,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n", 2)[2])  # fmt: skip
-    ap.add_argument("--model", default="runs/world/small",
+    ap.add_argument("--model", default="runs/world/world-short",
                     help="base model directory (built with --size when empty), or `tiny`")
-    ap.add_argument("--size", default="small", help="pretrain-tiny size used to build --model")
+    ap.add_argument("--size", default="world-short",
+                    help="pretrain-tiny size used to build --model (the best base so far)")
     ap.add_argument("--out", default="runs/world")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)

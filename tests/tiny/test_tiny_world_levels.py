@@ -6,9 +6,11 @@ import statistics
 
 import pytest
 
+from lorapop.tasks import program_metrics
 from lorapop.tiny.corpus import generate_corpus, generate_variants_fast
 from lorapop.tiny.grammar import (
     LEVELS,
+    SHORT_LEVELS,
     WORLD_LEVELS,
     Knobs,
     Level,
@@ -27,6 +29,9 @@ def test_standard_levels_and_the_tiny_and_small_recipes_are_unchanged() -> None:
     assert table_levels("standard") == [1, 2, 3, 4, 5]  # plain numbers: the same programs
     assert SIZES["tiny"].levels == SIZES["small"].levels == "standard"
     assert all(SIZES[s].levels == "world" for s in ("world", "world-exec", "world-refs", "world-steps"))
+    # world-short is world-steps on the short table, at small's batches and lr
+    changed = {"levels": "short", "steps": 2000, "batch_tokens": 81_920, "lr": 1.5e-3}
+    assert SIZES["world-short"].__dict__ == SIZES["world-steps"].__dict__ | changed
 
 
 def test_world_table_shares_levels_1_to_3_and_asks_for_its_own_4_and_5() -> None:
@@ -81,3 +86,19 @@ def test_world_of_a_model_reads_its_training_record(tmp_path) -> None:
         world_of(tmp_path)
     (tmp_path / "training.json").write_text("{not json")
     assert world_of(tmp_path)["levels"] == "standard"
+
+
+def test_short_table_keeps_every_level_short_and_complexity_rising() -> None:
+    assert table_levels("short")[0] == 1  # level 1 is the standard one: the same programs
+    assert table_levels("short")[1:] == [Level(lv, SHORT_LEVELS[lv]) for lv in (2, 3, 4, 5)]
+    corpus = generate_corpus(40, "short/0", levels=table_levels("short"), workers=1)
+    by = {lv: [t for t in corpus if t.meta["difficulty"] == lv] for lv in LEVELS}
+    assert all(len(ts) == 40 for ts in by.values())
+    chars = {lv: statistics.fmean(len(t.program) for t in ts) for lv, ts in by.items()}
+    cyclo = {lv: statistics.fmean(program_metrics(t.program).cyclomatic for t in ts)
+             for lv, ts in by.items()}  # fmt: skip
+    assert chars[1] < chars[2] < chars[3] < chars[5] < 300  # standard level 5: ~1000
+    assert cyclo[1] < cyclo[3] < cyclo[5]  # a collapse toward easy tasks stays visible
+    assert not any("def g(" in t.program or "dict(" in t.program for t in corpus)
+    with pytest.raises(ValueError, match="no level 6"):
+        table_level(6, "short")

@@ -102,8 +102,26 @@ WORLD_LEVELS: dict[int, Knobs] = {
     5: Knobs(statements=7, depth=3, params=2, types=TYPES, loops=True,
              conditionals=True, helpers=0, expr_depth=2),
 }  # fmt: skip
+#: A shorter regime world (session 7): every level short enough for a 26M model to write at
+#: temperature 1 and to execute. Level 1 is `LEVELS`' own; then one statement more a level
+#: (2..5), conditionals from 2, loops and lists from 3, two arguments and nested expressions
+#: from 4, nesting 2 at 5; no dicts or helpers (variants bring helpers). ~60, 85, 120, 185 and
+#: 220 characters (`WORLD_LEVELS`: 60, 155, 220, 255, 350), cyclomatic 1.0 / 1.3 / 2.1 / 3.0 /
+#: 3.8, so the complexity of proposals still rises with the level.
+SHORT_LEVELS: dict[int, Knobs] = {
+    1: LEVELS[1],
+    2: Knobs(statements=2, depth=1, params=1, types=(INT, STR), loops=False,
+             conditionals=True, helpers=0, expr_depth=1),
+    3: Knobs(statements=3, depth=1, params=1, types=(INT, STR, LIST), loops=True,
+             conditionals=True, helpers=0, expr_depth=1),
+    4: Knobs(statements=4, depth=1, params=2, types=(INT, STR, LIST), loops=True,
+             conditionals=True, helpers=0, expr_depth=2),
+    5: Knobs(statements=5, depth=2, params=2, types=(INT, STR, LIST), loops=True,
+             conditionals=True, helpers=0, expr_depth=2),
+}  # fmt: skip
 #: Level tables by name (`Recipe.levels`, `tiny_world.py --level-table`).
-LEVEL_TABLES: dict[str, dict[int, Knobs]] = {"standard": LEVELS, "world": WORLD_LEVELS}
+LEVEL_TABLES: dict[str, dict[int, Knobs]] = {"standard": LEVELS, "world": WORLD_LEVELS,
+                                             "short": SHORT_LEVELS}  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,8 @@ it in worker processes), the pool is drawn once and trained in one pass, and the
 the loss weights and the tokenizer favour students learning to execute (`Recipe`). The `world*`
 sizes draw from the world's level table (`grammar.WORLD_LEVELS`: shorter levels 4-5) and give
 each (role, level) a share of the pool's tokens rather than of its examples (`budget_cells`,
-`Examples.budget`), so short student examples are not crowded out by long teacher ones.
+`Examples.budget`), so short student examples are not crowded out by long teacher ones;
+`world-short` draws from a table whose every level is short (`grammar.SHORT_LEVELS`).
 """
 
 from __future__ import annotations
@@ -178,6 +179,16 @@ SIZES |= {
         "steps": 3000, "batch_tokens": 20_480, "lr": 1e-3,
         "token_shares": {"teacher/code_o": 0.16, "teacher/code_i": 0.16, "teacher/code_f": 0.08,
                          "student/code_o": 0.25, "student/code_i": 0.15, "student/code_f": 0.20}}),
+}  # fmt: skip
+SIZES |= {
+    # tune the world, not the algorithm: `world-steps`' mix at 80k-token batches (as `small`)
+    # on a level table whose every level is short (`grammar.SHORT_LEVELS`: level 5 is ~220
+    # characters, like the standard level 3), since validity at temperature 1 falls with
+    # program length (`small`: code_o .90 .75 .45 .25 .00 at 60 / 155 / 220 / 500 / 1000
+    # characters) and students execute short programs best; 2000 steps (~150M tokens), one
+    # build filling one H100 call (measured: benchmarks/results/tiny_world_world-short.json)
+    "world-short": Recipe(**SIZES["world-steps"].__dict__ | {
+        "levels": "short", "steps": 2000, "batch_tokens": 81_920, "lr": 1.5e-3}),
 }  # fmt: skip
 
 

@@ -1,0 +1,51 @@
+"""benchmarks/world_experiment.py --gate-probe: the gate on whatever single-agent steps exist."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _row(step: int, solve: float, cyclomatic: float, update_s: float) -> dict:
+    prog = {"valid": 4, "proposed": 5, "cyclomatic": cyclomatic, "ast_depth": 6.0, "loc": 5.0,
+            "variables": 2.0, "coverage": 3}  # fmt: skip
+    return {"step": step, "members": {"A0": {"valid_rate": 0.8, "entropy": 0.5, "kl": 1e-5}},
+            "matchups": [{"teacher": "A0", "student": "A0", "answers": 64, "solve_rate": solve}],
+            "programs": {"code_o": prog, "code_i": prog}, "task_solve_rates": {"partial": 0.5},
+            "teacher_reward_var": 0.1, "replacements": [],
+            "phase_s": {"proposal": 1.0, "solving": 2.0, "update": update_s}}  # fmt: skip
+
+
+def _probe(out: Path) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "world_experiment.py"),
+                           "--out", str(out), "--gate-probe"], capture_output=True, text=True,
+                          env=env, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == json.loads((out / "gate_probe.json").read_text())
+    return json.loads(proc.stdout)
+
+
+def test_gate_probe_reports_the_collapse_its_slope_and_phase_costs(tmp_path) -> None:
+    runs = {  # seed 0 collapses (solve 0.2 -> 0.99, complexity falling); seed 1 learns, no drift
+        "single_s0": [_row(i + 1, 0.2 + 0.01 * i, 3.0 - 0.02 * i, 20.0 if i == 0 else 1.5)
+                      for i in range(80)],
+        "single_s1": [_row(i + 1, 0.3 + 0.001 * i, 1.5 + 0.001 * i, 1.5) for i in range(80)],
+    }  # fmt: skip
+    for name, rows in runs.items():
+        d = tmp_path / "runs" / name
+        d.mkdir(parents=True)
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"ste')
+    (tmp_path / "runs" / "population_s0").mkdir()  # other arms are not the gate's
+    res = _probe(tmp_path)
+    assert set(res) == {"single_s0", "single_s1"}
+    s0, s1 = res["single_s0"], res["single_s1"]
+    assert s0["steps"] == 80 and s0["collapsed"] and s0["complexity_slope"] < 0
+    assert abs(s0["solve_rate_slope_per_100_steps"] - 1.0) < 1e-6
+    assert s0["final_solve_rate"] >= 0.8 and s0["solve_rate_first_last"][0] < 0.3
+    assert s0["phase_s_median"]["update"] == 1.5  # a median: the 20 s warm-up step does not skew it
+    assert not s1["collapsed"] and abs(s1["solve_rate_slope_per_100_steps"] - 0.1) < 1e-6
+    assert s1["entropy_first_last"] == [0.5, 0.5] and s1["loc_first_last"] == [5.0, 5.0]
