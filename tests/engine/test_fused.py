@@ -24,24 +24,27 @@ from tiny_models import VOCAB, tiny_model
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
+def _forward_backward(model, device):
+    """Logits and input-embedding gradients of a training forward, and the logits of the same
+    input without grad (inference)."""
+    ids = torch.randint(0, VOCAB, (3, 9), generator=torch.Generator().manual_seed(0)).to(device)
+    x = model.get_input_embeddings()(ids).detach().requires_grad_()
+    logits = model(inputs_embeds=x).logits
+    logits.float().square().mean().backward()
+    with torch.no_grad():
+        inference = model(inputs_embeds=x).logits
+    return logits.detach(), x.grad, inference
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_norms_give_the_same_logits_and_gradients(arch, dtype, device):
     model = tiny_model(arch).to(device=device, dtype=dtype)
-    ids = torch.randint(0, VOCAB, (3, 9), generator=torch.Generator().manual_seed(0)).to(device)
-    emb = model.get_input_embeddings()
-
-    def run():
-        x = emb(ids).detach().requires_grad_()
-        logits = model(inputs_embeds=x).logits
-        logits.float().square().mean().backward()
-        return logits.detach(), x.grad
-
-    ref = run()
+    ref = _forward_backward(model, device)
     layers = model.config.num_hidden_layers
     assert fuse_rms_norms(model) == 2 * layers + 1  # two per layer and the final norm
-    fused = run()
+    fused = _forward_backward(model, device)
     # on CPU the composite rms_norm does the same arithmetic as the original: bit for bit;
     # CUDA's fused kernel sums in another order (a rounding step in bf16)
     tol = 0 if device == "cpu" else 2e-2 if dtype == torch.bfloat16 else 1e-5
@@ -64,22 +67,11 @@ def test_fused_mlps_give_the_same_logits_and_gradients(arch, dtype, device):
     """Training forwards run the fused SwiGLU (own backward, compiled on CUDA): the logits
     and input gradients of the plain MLP; inference forwards run the plain kernels."""
     model = tiny_model(arch).to(device=device, dtype=dtype)
-    ids = torch.randint(0, VOCAB, (3, 9), generator=torch.Generator().manual_seed(0)).to(device)
-    emb = model.get_input_embeddings()
-
-    def run():
-        x = emb(ids).detach().requires_grad_()
-        logits = model(inputs_embeds=x).logits
-        logits.float().square().mean().backward()
-        with torch.no_grad():
-            inference = model(inputs_embeds=x).logits
-        return logits.detach(), x.grad, inference
-
-    ref = run()
+    ref = _forward_backward(model, device)
     assert not mlps_fused(model)
     assert fuse_mlps(model) == model.config.num_hidden_layers
     assert mlps_fused(model)
-    fused = run()
+    fused = _forward_backward(model, device)
     # one float32 rounding of silu(gate) * up instead of two roundings to the dtype
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(fused[0], ref[0], rtol=tol, atol=tol)
