@@ -14,9 +14,9 @@ gate/up/act/product, LoRA inputs; keys and values once per head group, as SDPA's
 kernels and the pack attention keep them), 6.31 MB a token for Qwen2.5-7B (measured on an H100
 over the LM head chunk: ~6.15 MB for unshared rows; packs, whose keys and values the round-1
 dense mask repeated for every query head, took ~6.6). The fused SwiGLU (`engine/fused`) keeps
-no act: 3 intermediate, 5.25 MB. With checkpointing only each layer's
-input stays; recomputing costs one more forward (1.4-1.6x the time on an H100), so it pays
-only when memory is short.
+no act: 3 intermediate, 5.25 MB. With checkpointing only each layer's input stays;
+recomputing costs one more forward (1.4-1.6x the time on an H100), so it pays only when
+memory is short.
 """
 
 from __future__ import annotations
