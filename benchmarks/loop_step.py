@@ -159,21 +159,26 @@ class UpdateCount:
         self.start = None
 
 
-def warm_head(model) -> float:
-    """Compile the LM head's log-softmax (forward and backward, at one position and at
-    several) before timing: a one-off cost per process, not a step's. Seconds taken (0
-    without CUDA)."""
-    from lorapop.engine import logprobs
+def warm_compiled(model) -> float:
+    """Compile the update's compiled passes (the LM head's log-softmax and, where the MLPs
+    are fused, the SwiGLU; forward and backward, at one position and at several) before
+    timing: a one-off cost per process, not a step's. Seconds taken (0 without CUDA)."""
+    from lorapop.engine import fused, logprobs
 
     if not torch.cuda.is_available():
         return 0.0
     t0 = time.perf_counter()
     head = model.get_output_embeddings()
+    width = getattr(model.config, "intermediate_size", 0)
     for positions in (1, 32):  # one position is a shape of its own to the compiler
         h = torch.randn(positions, head.in_features, device="cuda", dtype=head.weight.dtype,
                         requires_grad=True)
         y = torch.zeros(positions, dtype=torch.long, device="cuda")
         logprobs.head_logprobs(head, h, y).sum().backward()
+        if fused.mlps_fused(model) and width:
+            gate, up = (torch.randn(positions, width, device="cuda", dtype=head.weight.dtype,
+                                    requires_grad=True) for _ in range(2))
+            fused._SwiGLU.apply(gate, up).sum().backward()
     torch.cuda.synchronize()
     return time.perf_counter() - t0
 
@@ -231,7 +236,7 @@ def measure(config: str, overrides: list[str], warmup: int, steps: int, run_dir:
     if skip_update:  # generation phases only: rewards and ratings, no policy-gradient step
         sp._policy_step = lambda rollouts, rewards: ({}, {}, [None] * len(rollouts))
     n_params = flop_params(getattr(sp, "parts", sp).model)  # (older loops: sp.model)
-    head_compile_s = warm_head(getattr(sp, "parts", sp).model)
+    compile_s = warm_compiled(getattr(sp, "parts", sp).model)
     rows = []
     try:
         for i in range(warmup + steps):
@@ -266,7 +271,7 @@ def measure(config: str, overrides: list[str], warmup: int, steps: int, run_dir:
         "generated_tokens": rows[0]["generated_tokens"],
         "tokens_per_s": median(r["tokens_per_s"] for r in rows),
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-        "head_compile_s": head_compile_s,
+        "compile_s": compile_s,
         "update": None if skip_update else {
             "tokens": counter.real // len(rows),
             "padded_tokens": counter.padded // len(rows),

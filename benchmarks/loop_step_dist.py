@@ -39,7 +39,7 @@ from loop_step import (  # noqa: E402
     _patch,
     bench_overrides,
     trace_generate,
-    warm_head,
+    warm_compiled,
 )
 
 # NVLink multicast stays off (shared hosts: see the device notes); children inherit these.
@@ -66,7 +66,7 @@ def worker(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     sp = SelfPlay(cfg, Path(args.run_dir), world=world)
     load_s = time.perf_counter() - t0
-    head_compile_s = warm_head(sp.parts.model)
+    compile_s = warm_compiled(sp.parts.model)
     counter = UpdateCount(f"rank {world.rank} ")  # its update tokens, a log line per micro-batch
     _patch("sequence_logprobs", counter)
     _patch("generate", trace_generate)
@@ -109,7 +109,7 @@ def worker(args: argparse.Namespace) -> None:
             "allreduce_alone_s": pure if world.distributed else 0.0,
             "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
             "load_s": load_s,
-            "head_compile_s": head_compile_s,
+            "compile_s": compile_s,
             "update_tokens": counter.real // len(rows),
             "update_micro_batches": counter.micro_batches // len(rows),
             "update_padded_tokens": counter.padded // len(rows),
@@ -143,7 +143,11 @@ def launch(group: list[int], args: argparse.Namespace, common: list[str], tmp: P
         cmd = [sys.executable, *me] if n == 1 else [
             sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc-per-node={n}", *me]
-        env = {**os.environ, **NO_MULTICAST, "PYTHONUNBUFFERED": "1"}
+        # torchrun gives each rank OMP_NUM_THREADS=1 unless set; every run gets the same
+        # share of the cores instead, so the 1-GPU baseline and the ranks compare like for like
+        threads = max(1, (os.cpu_count() or 1) // max(1, torch.cuda.device_count()))
+        env = {"OMP_NUM_THREADS": str(threads), **os.environ, **NO_MULTICAST,
+               "PYTHONUNBUFFERED": "1"}
         if torch.cuda.is_available():
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(first + i) for i in range(n))
         first += n

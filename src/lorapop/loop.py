@@ -33,7 +33,9 @@ from lorapop.config import Config, dump_config
 from lorapop.engine.generate import Generation, SamplingParams, generate
 from lorapop.engine.logprobs import (
     HEAD_CHUNK,
+    attention_pair_weight,
     micro_batches,
+    pack_costs,
     pack_micro_batches,
     pack_widths,
     sequence_logprobs,
@@ -403,7 +405,8 @@ class SelfPlay:
         packs = (shared_prompt_packs(prompts, slots.tolist()) if tc.share_prompts
                  else [[i] for i in range(len(rollouts))])
         widths = pack_widths(packs, prompts, comps)
-        mine = dist.shard(widths, self.world.size)[self.world.rank]
+        costs = pack_costs(packs, prompts, comps, attention_pair_weight(p.model))
+        mine = dist.shard(costs, self.world.size)[self.world.rank]
         with p.bank.held_copy(p.model.dtype):  # one cast of the bank for the whole update
             keep, max_tokens = self._update_memory_plan(max(widths))  # (copy not free memory)
             my_packs = [packs[j] for j in mine]

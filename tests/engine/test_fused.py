@@ -95,3 +95,21 @@ def test_compiled_swiglu_passes_equal_the_eager_ones_on_cpu():
         torch.testing.assert_close(compiled_call(fn, *args), fn(*args))
     assert not compile_failures
     torch.testing.assert_close(_silu_mul_grad(g0, u0, d), (gate.grad, up.grad))
+
+
+def test_swiglu_passes_run_on_two_dimensional_views(monkeypatch):
+    """Whatever the batch's shape, the (compiled on CUDA) passes see [tokens, width]: one
+    compiled graph serves packs and lone rows alike, with no recompile inside a step."""
+    import lorapop.engine.fused as fused
+
+    seen = []
+    for name in ("_silu_mul", "_silu_mul_grad"):
+        real = getattr(fused, name)
+        monkeypatch.setattr(fused, name, lambda *a, _f=real: (seen.append(a[0].shape), _f(*a))[1])
+    for shape in ((1, 6, 4), (3, 5, 4)):
+        gate, up = (torch.randn(shape, requires_grad=True) for _ in range(2))
+        out = fused._SwiGLU.apply(gate, up)
+        assert out.shape == shape
+        out.sum().backward()
+        assert gate.grad.shape == up.grad.shape == shape
+    assert seen == [(6, 4), (6, 4), (15, 4), (15, 4)]

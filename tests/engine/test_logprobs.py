@@ -11,7 +11,9 @@ import torch
 import lorapop.engine.logprobs as logprobs_mod
 from lorapop.engine.fused import compile_failures
 from lorapop.engine.logprobs import (
+    attention_pair_weight,
     micro_batches,
+    pack_costs,
     pack_micro_batches,
     pack_widths,
     sequence_logprobs,
@@ -184,3 +186,34 @@ def test_split_packs_cut_wide_packs_into_parts_within_the_limit():
     assert [w for w, g in zip(pack_widths(parts, prompts, completions), parts, strict=True)
             if len(g) > 1] == [20, 20, 11]  # every part of several rows within the limit
     assert split_packs(packs, prompts, completions, 1) == [[i] for i in range(7)]
+
+
+def test_pack_costs_count_tokens_and_every_attended_pair():
+    """A pack's cost is its tokens plus the (query, key) pairs its attention computes: the
+    prompt causally, each completion over the prompt and its own prefix, never another's."""
+    prompts = [[1] * 7, [1] * 7, [2] * 20]
+    completions = [[0] * 3, [0] * 5, [0] * 4]
+    packs = shared_prompt_packs(prompts, [0] * 3)
+    assert pack_costs(packs, prompts, completions, 0.0) == pack_widths(packs, prompts, completions)
+
+    def pairs(prompt: int, lengths: list[int]) -> int:  # brute force over the pack's positions
+        owner = [None] * prompt + [k for k, n in enumerate(lengths) for _ in range(n)]
+        return sum(1 for q in range(len(owner)) for k in range(q + 1)
+                   if owner[k] is None or owner[k] == owner[q])
+
+    expected = [pairs(7, [3, 5]), pairs(20, [4])]
+    costs = pack_costs(packs, prompts, completions, 0.5)
+    assert costs == [w + 0.5 * n for w, n in
+                     zip(pack_widths(packs, prompts, completions), expected, strict=True)]
+    # a long-context row costs more than the same tokens spread over short rows
+    assert pack_costs([[0]], [[1] * 90], [[0] * 10], 0.5)[0] > \
+        2 * pack_costs([[0]], [[1] * 40], [[0] * 10], 0.5)[0]
+
+
+def test_attention_pair_weight_is_attention_flops_over_weight_flops():
+    model = tiny_model()
+    cfg = model.config
+    params = sum(p.numel() for p in model.parameters())
+    assert attention_pair_weight(model) == pytest.approx(
+        2 * cfg.num_hidden_layers * cfg.hidden_size / params)
+    assert attention_pair_weight(torch.nn.Linear(3, 3)) == 0.0  # no config: tokens alone

@@ -118,7 +118,13 @@ class _SwiGLU(torch.autograd.Function):
 
 
 def _swiglu_pass(fn: Any, *args: torch.Tensor) -> Any:
-    return compiled_call(fn, *args) if args[0].is_cuda and COMPILE_SWIGLU else fn(*args)
+    """`fn` over [tokens, intermediate] views: one compiled graph then serves every batch
+    shape (a shared pack's [1, T, I], lone rows' [B, T, I]); a size-1 batch is a shape of its
+    own to the compiler, whose recompile would land inside a timed step."""
+    shape = args[0].shape
+    flat = [a.reshape(-1, shape[-1]) for a in args]
+    out = compiled_call(fn, *flat) if args[0].is_cuda and COMPILE_SWIGLU else fn(*flat)
+    return tuple(o.view(shape) for o in out) if isinstance(out, tuple) else out.view(shape)
 
 
 def _swiglu_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:

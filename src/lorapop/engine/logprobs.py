@@ -66,6 +66,34 @@ def pack_widths(packs: Sequence[Sequence[int]], prompt_ids: Sequence[Sequence[in
     return [len(prompt_ids[g[0]]) + sum(len(completion_ids[i]) for i in g) for g in packs]
 
 
+def pack_costs(packs: Sequence[Sequence[int]], prompt_ids: Sequence[Sequence[int]],
+               completion_ids: Sequence[Sequence[int]], pair_weight: float) -> list[float]:
+    """Each pack's forward-backward cost in tokens' worth of weight FLOPs: its tokens plus its
+    causal attention's (query, key) pairs times `pair_weight` (`attention_pair_weight`). Ranks
+    given equal tokens are not given equal work when one holds the long-context rows (a
+    teacher's long prompt and its completion), so the update is shared out by this cost."""
+    out = []
+    for g in packs:
+        p = len(prompt_ids[g[0]])
+        pairs = p * (p + 1) / 2
+        for i in g:  # each completion attends to the prompt and to its own prefix
+            c = len(completion_ids[i])
+            pairs += c * p + c * (c + 1) / 2
+        out.append(p + sum(len(completion_ids[i]) for i in g) + pair_weight * pairs)
+    return out
+
+
+def attention_pair_weight(model: torch.nn.Module) -> float:
+    """FLOPs of one attention (query, key) pair over those of one token through the weights:
+    scores and values cost 4 x hidden per pair and layer, the weights 2 x parameters per
+    token (forward; the backward scales both alike). ~2.6e-5 for a 7B Qwen2; 0 (tokens
+    alone) for a config without layers and width."""
+    cfg = getattr(model, "config", None)
+    layers, hidden = getattr(cfg, "num_hidden_layers", 0), getattr(cfg, "hidden_size", 0)
+    params = sum(p.numel() for p in model.parameters())
+    return 4 * layers * hidden / (2 * params) if layers and hidden and params else 0.0
+
+
 def split_packs(packs: Sequence[Sequence[int]], prompt_ids: Sequence[Sequence[int]],
                 completion_ids: Sequence[Sequence[int]], limit: int) -> list[list[int]]:
     """Packs wider than `limit` tokens cut into consecutive parts of at most `limit` (each
