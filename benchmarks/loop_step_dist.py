@@ -6,7 +6,9 @@ with `sampling.ignore_eos`), so every phase runs at full size. For each GPU coun
 runs in fresh processes: one plain process for 1 GPU (the single-process path), torchrun
 for more. `--gpus 1+2,4` runs 1 and 2 GPUs at the same time on disjoint GPUs (0 | 1-2), then
 4. Each run does a small warm-up step (`--warmup-tokens`, one proposal per type: lazy
-initialisation, allocator growth; 0 skips it), then `--steps` timed steps at full size.
+initialisation, allocator growth; 0 skips it), then `--steps` timed steps at full size. For the
+steady state give it the step's own length (e.g. 1024): the first update micro-batch at real
+widths costs 1-7 s once per process, which otherwise lands in the timed step.
 
 Recorded per GPU count: the step's wall time and rank 0's per-phase times (they include
 waiting for the slowest rank at each gather), every rank's generation time, the bank-gradient
