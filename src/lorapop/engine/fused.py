@@ -119,8 +119,8 @@ class _SwiGLU(torch.autograd.Function):
 
 def _swiglu_pass(fn: Any, *args: torch.Tensor) -> Any:
     """`fn` over [tokens, intermediate] views: one compiled graph then serves every batch
-    shape (a shared pack's [1, T, I], lone rows' [B, T, I]); a size-1 batch is a shape of its
-    own to the compiler, whose recompile would land inside a timed step."""
+    shape (a shared pack's [1, T, I], lone rows' [B, T, I]), where a size-1 batch would be a
+    shape of its own to the compiler: a recompile in the middle of an update."""
     shape = args[0].shape
     flat = [a.reshape(-1, shape[-1]) for a in args]
     out = compiled_call(fn, *flat) if args[0].is_cuda and COMPILE_SWIGLU else fn(*flat)

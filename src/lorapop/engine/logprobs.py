@@ -73,13 +73,12 @@ def pack_costs(packs: Sequence[Sequence[int]], prompt_ids: Sequence[Sequence[int
     given equal tokens are not given equal work when one holds the long-context rows (a
     teacher's long prompt and its completion), so the update is shared out by this cost."""
     out = []
-    for g in packs:
+    for g, width in zip(packs, pack_widths(packs, prompt_ids, completion_ids), strict=True):
         p = len(prompt_ids[g[0]])
-        pairs = p * (p + 1) / 2
-        for i in g:  # each completion attends to the prompt and to its own prefix
-            c = len(completion_ids[i])
-            pairs += c * p + c * (c + 1) / 2
-        out.append(p + sum(len(completion_ids[i]) for i in g) + pair_weight * pairs)
+        # the prompt attends causally; each completion to the prompt and to its own prefix
+        pairs = p * (p + 1) / 2 + sum(c * p + c * (c + 1) / 2
+                                      for c in (len(completion_ids[i]) for i in g))
+        out.append(width + pair_weight * pairs)
     return out
 
 
