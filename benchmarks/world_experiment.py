@@ -238,11 +238,24 @@ def collapse(c: dict[str, list]) -> dict:
             "collapsed": solve is not None and solve >= 0.8 and sl is not None and sl < 0}
 
 
+PROBE_CURVES = ("solve_rate", "valid_rate", "cyclomatic", "loc", "partial_share", "entropy", "kl")
+
+
+def _bins(ys: list[float | None], n: int) -> list[float | None]:
+    """Means of consecutive n-step bins (None where a bin has no value)."""
+    out = []
+    for i in range(0, len(ys), n):
+        vals = [y for y in ys[i : i + n] if y is not None]
+        out.append(round(fmean(vals), 6) if vals else None)
+    return out
+
+
 def gate_probe(out: Path) -> dict:
     """The gate on what the single-agent runs under OUT/runs have logged so far (finished or
-    not), with first/last-10% means of the main curves, the solve rate's least-squares slope
-    per 100 steps (how fast it heads for the gate's 0.8), the seconds per step and the median
-    seconds of each phase after the first step (which includes warm-up)."""
+    not), with first/last-10% means of the main curves and their 10-step means, the solve
+    rate's least-squares slope per 100 steps (how fast it heads for the gate's 0.8), the
+    largest per-step KL, the seconds per step and the median seconds of each phase after the
+    first step (which includes warm-up)."""
     from lorapop.report import read_metrics
 
     res = {}
@@ -256,8 +269,9 @@ def gate_probe(out: Path) -> dict:
             "steps": len(rows), **collapse(c),
             "solve_rate_slope_per_100_steps": None if sl is None else 100 * sl,
             **{f"{k}_first_last": [window(c[k], last=False), window(c[k], last=True)]
-               for k in ("solve_rate", "valid_rate", "cyclomatic", "loc", "partial_share",
-                         "entropy", "kl")},
+               for k in PROBE_CURVES},
+            "kl_max": max((x for x in c["kl"] if x is not None), default=None),
+            "every_10_steps": {k: _bins(c[k], 10) for k in PROBE_CURVES},
             "step_s": fmean(sum(r["phase_s"].values()) for r in rows),
             "phase_s_median": {k: median(r["phase_s"][k] for r in rows[1:] or rows)
                                for k in rows[0]["phase_s"]},
@@ -442,6 +456,9 @@ def run_all(args: argparse.Namespace) -> None:
     if not all(r["done"] for r in recs):
         left = sum(not r["done"] for r in recs)
         print(f"{left} of {len(recs)} runs not finished: run the same command again to continue")
+        return
+    if not {"population", "single"} <= set(args.arms):  # the criterion compares the two
+        print(json.dumps({"gate_probe": gate_probe(out)}, indent=1))
         return
     from lorapop.report import read_metrics
     from lorapop.tiny.heldout import load_jsonl, save_jsonl

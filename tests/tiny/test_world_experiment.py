@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -49,3 +51,23 @@ def test_gate_probe_reports_the_collapse_its_slope_and_phase_costs(tmp_path) -> 
     assert s0["phase_s_median"]["update"] == 1.5  # a median: the 20 s warm-up step does not skew it
     assert not s1["collapsed"] and abs(s1["solve_rate_slope_per_100_steps"] - 0.1) < 1e-6
     assert s1["entropy_first_last"] == [0.5, 0.5] and s1["loc_first_last"] == [5.0, 5.0]
+    bins = s0["every_10_steps"]["solve_rate"]  # 10-step means: 0.245, 0.345, ...
+    assert len(bins) == 8 and abs(bins[0] - 0.245) < 1e-6 and abs(bins[-1] - 0.945) < 1e-6
+    assert s0["kl_max"] == 1e-5
+
+
+@pytest.mark.slow
+def test_a_finished_single_arm_reports_its_gate(tmp_path) -> None:
+    """`--arms single` to the end (the gate probe's runs): the gate, not the criterion's error."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    small = ["train.steps=2", "tasks.proposals_per_type=1", "tasks.answers_per_task=1",
+             "league.teachers=1", "league.students=1", "league.students_per_teacher=1",
+             "sampling.teacher_max_new_tokens=48", "sampling.student_max_new_tokens=32",
+             "verify.workers=1", "model.device=cpu"]  # fmt: skip
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "world_experiment.py"),
+                           "--model", "tiny", "--arms", "single", "--out", str(tmp_path),
+                           "--seeds", "0", "--parallel", "1", "--per-level", "1", "--workers",
+                           "1", *small], capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    probe = json.loads(proc.stdout[proc.stdout.index("{"):])["gate_probe"]
+    assert probe["single_s0"]["steps"] == 2 and probe["single_s0"]["collapsed"] is False
