@@ -250,12 +250,41 @@ def _bins(ys: list[float | None], n: int) -> list[float | None]:
     return out
 
 
+def type_solve_rates(run_dir: Path) -> dict[str, list[float | None]]:
+    """Per task type and step, the share of the student's answers graded correct, from the
+    run's saved rollouts (None at steps without a readable file). The gate's solve rate mixes
+    the types; this shows whether one of them (code_f) holds it down."""
+    import gzip
+
+    files = {}
+    for f in (run_dir / "rollouts").glob("step_*.jsonl.gz"):
+        stem = f.name.removeprefix("step_").split(".")[0]
+        if stem.isdigit():
+            files[int(stem)] = f
+    out: dict[str, list[float | None]] = {}
+    for step, f in sorted(files.items()):
+        counts: dict[str, list[int]] = {}
+        try:
+            with gzip.open(f, "rt") as fh:
+                for line in fh:
+                    r = json.loads(line)
+                    if r.get("role") == "student":
+                        c = counts.setdefault(r["type"], [0, 0])
+                        c[0] += r.get("verdict") == "correct"
+                        c[1] += 1
+        except (OSError, EOFError, ValueError, KeyError):
+            continue  # a file still being written, or not a rollouts file
+        for t, (right, n) in counts.items():
+            out.setdefault(t, [None] * max(files))[step - 1] = right / n
+    return out
+
+
 def gate_probe(out: Path) -> dict:
     """The gate on what the single-agent runs under OUT/runs have logged so far (finished or
     not), with first/last-10% means of the main curves and their 10-step means, the solve
     rate's least-squares slope per 100 steps (how fast it heads for the gate's 0.8), the
-    largest per-step KL, the seconds per step and the median seconds of each phase after the
-    first step (which includes warm-up)."""
+    largest per-step KL, the solve rate per task type (from saved rollouts), the seconds per
+    step and the median seconds of each phase after the first step (which includes warm-up)."""
     from lorapop.report import read_metrics
 
     res = {}
@@ -272,6 +301,9 @@ def gate_probe(out: Path) -> dict:
                for k in PROBE_CURVES},
             "kl_max": max((x for x in c["kl"] if x is not None), default=None),
             "every_10_steps": {k: _bins(c[k], 10) for k in PROBE_CURVES},
+            "solve_rate_by_type": {t: {"first_last": [window(v, last=False), window(v, last=True)],
+                                       "every_10_steps": _bins(v, 10)}
+                                   for t, v in sorted(type_solve_rates(d).items())},
             "step_s": fmean(sum(r["phase_s"].values()) for r in rows),
             "phase_s_median": {k: median(r["phase_s"][k] for r in rows[1:] or rows)
                                for k in rows[0]["phase_s"]},
