@@ -419,28 +419,35 @@ def ensure_model(args: argparse.Namespace) -> str:
     return args.model
 
 
-def prepare(out: Path, per_level: int, workers: int, table: str) -> dict[str, str]:
-    """Held-out and selection sets, and the buffers' seed tasks, at the levels of level table
-    `table` (built once, then reused)."""
+def prepare(out: Path, per_level: int, workers: int, table: str,
+            seed_levels: tuple[int, ...] = (1, 2, 3)) -> dict[str, str]:  # fmt: skip
+    """Held-out and selection sets at the levels of level table `table`, and the buffers' seed
+    tasks at `seed_levels` (each built once, then reused)."""
     from lorapop.tiny import generate_tasks
     from lorapop.tiny.grammar import table_level
     from lorapop.tiny.heldout import build_heldout, save_jsonl
     from lorapop.verify import Sandbox
 
-    paths = {k: str(out / f"{k}.jsonl") for k in ("heldout", "select", "seed_tasks")}
+    seeds_name = "seed_tasks" + ("" if seed_levels == (1, 2, 3) else
+                                 "_levels" + "".join(map(str, seed_levels)))  # fmt: skip
+    paths = {k: str(out / f"{k}.jsonl") for k in ("heldout", "select")}
+    paths["seed_tasks"] = str(out / f"{seeds_name}.jsonl")
     made = out / "level_table.txt"
-    if all(Path(p).is_file() for p in paths.values()):
+    have_sets = Path(paths["heldout"]).is_file() and Path(paths["select"]).is_file()
+    if have_sets:
         have = made.read_text().strip() if made.is_file() else "standard"  # (older sets)
         if have != table:
             raise SystemExit(f"{out} holds sets of level table {have!r}, the model's is "
                              f"{table!r}: use another --out")  # fmt: skip
-        return paths
+        if Path(paths["seed_tasks"]).is_file():
+            return paths
     with Sandbox(workers=workers) as sb:
-        held = build_heldout(per_level, sandbox=sb, table=table)
-        save_jsonl(held, paths["heldout"])
-        save_jsonl(build_heldout(per_level, seed=SELECT_SEED, sandbox=sb, table=table,
-                                 exclude=[t.program for t in held]), paths["select"])  # fmt: skip
-        seeds = [t for k in ("code_o", "code_i", "code_f") for lv in (1, 2, 3)
+        if not have_sets:
+            held = build_heldout(per_level, sandbox=sb, table=table)
+            save_jsonl(held, paths["heldout"])
+            save_jsonl(build_heldout(per_level, seed=SELECT_SEED, sandbox=sb, table=table,
+                                     exclude=[t.program for t in held]), paths["select"])  # fmt: skip
+        seeds = [t for k in ("code_o", "code_i", "code_f") for lv in seed_levels
                  for t in generate_tasks(k, 8, table_level(lv, table), "world-seed-tasks",
                                          sandbox=sb, n_inputs=4)]  # fmt: skip
         save_jsonl(seeds, paths["seed_tasks"])
@@ -461,7 +468,7 @@ def run_all(args: argparse.Namespace) -> None:
     except ValueError as e:
         raise SystemExit(str(e)) from None
     table = world["levels"]
-    paths = prepare(out, args.per_level, args.workers, table)
+    paths = prepare(out, args.per_level, args.workers, table, tuple(args.seed_levels))
     base = [f"model.name_or_path={Path(model).resolve() if Path(model).exists() else model}",
             f"tasks.seed_tasks={Path(paths['seed_tasks']).resolve()}",
             f"tasks.references={world['references']}", *args.overrides]
@@ -603,6 +610,10 @@ def main() -> None:
     ap.add_argument("--recent-steps", type=int, default=30, help="cross-play: tasks of the last N steps")
     ap.add_argument("--recent-tasks", type=int, default=60, help="cross-play: tasks per run")
     ap.add_argument("--workers", type=int, default=4, help="sandbox workers for set-up")
+    ap.add_argument("--seed-levels", type=int, nargs="+", default=[1, 2, 3],
+                    choices=[1, 2, 3, 4, 5], metavar="LEVEL",
+                    help="levels of the grammar tasks the buffers start with (8 per type and "
+                    "level): where the teachers' references, so their proposals, begin")
     ap.add_argument("--plot", type=Path, help="plot a finished world_experiment.json")
     ap.add_argument("--gate-probe", action="store_true",
                     help="print the gate on the single-agent runs under --out so far (any steps)")

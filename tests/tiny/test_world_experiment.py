@@ -1,6 +1,7 @@
 """benchmarks/world_experiment.py --gate-probe: the gate on whatever single-agent steps exist."""
 
 import gzip
+import importlib.util
 import json
 import os
 import subprocess
@@ -84,3 +85,20 @@ def test_a_finished_single_arm_reports_its_gate(tmp_path) -> None:
     assert proc.returncode == 0, proc.stderr
     probe = json.loads(proc.stdout[proc.stdout.index("{"):])["gate_probe"]
     assert probe["single_s0"]["steps"] == 2 and probe["single_s0"]["collapsed"] is False
+
+
+def test_seed_levels_choose_the_buffers_start_and_reuse_the_sets(tmp_path) -> None:
+    from lorapop.tiny.heldout import load_jsonl
+
+    spec = importlib.util.spec_from_file_location("world_experiment",
+                                                  ROOT / "benchmarks" / "world_experiment.py")
+    we = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(we)
+    prepare = we.prepare
+    high = prepare(tmp_path, 1, 2, "short", (4, 5))
+    held = Path(high["heldout"]).stat().st_mtime_ns
+    low = prepare(tmp_path, 1, 2, "short")  # the default start: levels 1-3, its own file
+    assert Path(low["heldout"]).stat().st_mtime_ns == held and low["seed_tasks"] != high["seed_tasks"]
+    for paths, levels in ((high, {4, 5}), (low, {1, 2, 3})):
+        tasks = load_jsonl(paths["seed_tasks"])
+        assert {t.meta["difficulty"] for t in tasks} == levels and len(tasks) == 3 * 8 * len(levels)
