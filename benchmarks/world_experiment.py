@@ -468,7 +468,7 @@ def run_all(args: argparse.Namespace) -> None:
     except ValueError as e:
         raise SystemExit(str(e)) from None
     table = world["levels"]
-    paths = prepare(out, args.per_level, args.workers, table, tuple(args.seed_levels))
+    paths = prepare(out, args.per_level, args.workers, table, tuple(sorted(set(args.seed_levels))))
     base = [f"model.name_or_path={Path(model).resolve() if Path(model).exists() else model}",
             f"tasks.seed_tasks={Path(paths['seed_tasks']).resolve()}",
             f"tasks.references={world['references']}", *args.overrides]

@@ -1,4 +1,5 @@
-"""benchmarks/world_experiment.py --gate-probe: the gate on whatever single-agent steps exist."""
+"""benchmarks/world_experiment.py: the gate on whatever single-agent steps exist (--gate-probe),
+a single-agent arm run to its end, and the levels the buffers start with (--seed-levels)."""
 
 import gzip
 import importlib.util
