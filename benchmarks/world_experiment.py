@@ -238,11 +238,53 @@ def collapse(c: dict[str, list]) -> dict:
             "collapsed": solve is not None and solve >= 0.8 and sl is not None and sl < 0}
 
 
+PROBE_CURVES = ("solve_rate", "valid_rate", "cyclomatic", "loc", "partial_share", "entropy", "kl")
+
+
+def _bins(ys: list[float | None], n: int) -> list[float | None]:
+    """Means of consecutive n-step bins (None where a bin has no value)."""
+    out = []
+    for i in range(0, len(ys), n):
+        vals = [y for y in ys[i : i + n] if y is not None]
+        out.append(round(fmean(vals), 6) if vals else None)
+    return out
+
+
+def type_solve_rates(run_dir: Path) -> dict[str, list[float | None]]:
+    """Per task type and step, the share of the student's answers graded correct, from the
+    run's saved rollouts (None at steps without a readable file). The gate's solve rate mixes
+    the types; this shows whether one of them (code_f) holds it down."""
+    import gzip
+
+    files = {}
+    for f in (run_dir / "rollouts").glob("step_*.jsonl.gz"):
+        stem = f.name.removeprefix("step_").split(".")[0]
+        if stem.isdigit():
+            files[int(stem)] = f
+    out: dict[str, list[float | None]] = {}
+    for step, f in sorted(files.items()):
+        counts: dict[str, list[int]] = {}
+        try:
+            with gzip.open(f, "rt") as fh:
+                for line in fh:
+                    r = json.loads(line)
+                    if r.get("role") == "student":
+                        c = counts.setdefault(r["type"], [0, 0])
+                        c[0] += r.get("verdict") == "correct"
+                        c[1] += 1
+        except (OSError, EOFError, ValueError, KeyError):
+            continue  # a file still being written, or not a rollouts file
+        for t, (right, n) in counts.items():
+            out.setdefault(t, [None] * max(files))[step - 1] = right / n
+    return out
+
+
 def gate_probe(out: Path) -> dict:
     """The gate on what the single-agent runs under OUT/runs have logged so far (finished or
-    not), with first/last-10% means of the main curves, the solve rate's least-squares slope
-    per 100 steps (how fast it heads for the gate's 0.8), the seconds per step and the median
-    seconds of each phase after the first step (which includes warm-up)."""
+    not), with first/last-10% means of the main curves and their 10-step means, the solve
+    rate's least-squares slope per 100 steps (how fast it heads for the gate's 0.8), the
+    largest per-step KL, the solve rate per task type (from saved rollouts), the seconds per
+    step and the median seconds of each phase after the first step (which includes warm-up)."""
     from lorapop.report import read_metrics
 
     res = {}
@@ -256,8 +298,12 @@ def gate_probe(out: Path) -> dict:
             "steps": len(rows), **collapse(c),
             "solve_rate_slope_per_100_steps": None if sl is None else 100 * sl,
             **{f"{k}_first_last": [window(c[k], last=False), window(c[k], last=True)]
-               for k in ("solve_rate", "valid_rate", "cyclomatic", "loc", "partial_share",
-                         "entropy", "kl")},
+               for k in PROBE_CURVES},
+            "kl_max": max((x for x in c["kl"] if x is not None), default=None),
+            "every_10_steps": {k: _bins(c[k], 10) for k in PROBE_CURVES},
+            "solve_rate_by_type": {t: {"first_last": [window(v, last=False), window(v, last=True)],
+                                       "every_10_steps": _bins(v, 10)}
+                                   for t, v in sorted(type_solve_rates(d).items())},
             "step_s": fmean(sum(r["phase_s"].values()) for r in rows),
             "phase_s_median": {k: median(r["phase_s"][k] for r in rows[1:] or rows)
                                for k in rows[0]["phase_s"]},
@@ -373,28 +419,35 @@ def ensure_model(args: argparse.Namespace) -> str:
     return args.model
 
 
-def prepare(out: Path, per_level: int, workers: int, table: str) -> dict[str, str]:
-    """Held-out and selection sets, and the buffers' seed tasks, at the levels of level table
-    `table` (built once, then reused)."""
+def prepare(out: Path, per_level: int, workers: int, table: str,
+            seed_levels: tuple[int, ...] = (1, 2, 3)) -> dict[str, str]:  # fmt: skip
+    """Held-out and selection sets at the levels of level table `table`, and the buffers' seed
+    tasks at `seed_levels` (each built once, then reused)."""
     from lorapop.tiny import generate_tasks
     from lorapop.tiny.grammar import table_level
     from lorapop.tiny.heldout import build_heldout, save_jsonl
     from lorapop.verify import Sandbox
 
-    paths = {k: str(out / f"{k}.jsonl") for k in ("heldout", "select", "seed_tasks")}
+    seeds_name = "seed_tasks" + ("" if seed_levels == (1, 2, 3) else
+                                 "_levels" + "".join(map(str, seed_levels)))  # fmt: skip
+    paths = {k: str(out / f"{k}.jsonl") for k in ("heldout", "select")}
+    paths["seed_tasks"] = str(out / f"{seeds_name}.jsonl")
     made = out / "level_table.txt"
-    if all(Path(p).is_file() for p in paths.values()):
+    have_sets = Path(paths["heldout"]).is_file() and Path(paths["select"]).is_file()
+    if have_sets:
         have = made.read_text().strip() if made.is_file() else "standard"  # (older sets)
         if have != table:
             raise SystemExit(f"{out} holds sets of level table {have!r}, the model's is "
                              f"{table!r}: use another --out")  # fmt: skip
-        return paths
+        if Path(paths["seed_tasks"]).is_file():
+            return paths
     with Sandbox(workers=workers) as sb:
-        held = build_heldout(per_level, sandbox=sb, table=table)
-        save_jsonl(held, paths["heldout"])
-        save_jsonl(build_heldout(per_level, seed=SELECT_SEED, sandbox=sb, table=table,
-                                 exclude=[t.program for t in held]), paths["select"])  # fmt: skip
-        seeds = [t for k in ("code_o", "code_i", "code_f") for lv in (1, 2, 3)
+        if not have_sets:
+            held = build_heldout(per_level, sandbox=sb, table=table)
+            save_jsonl(held, paths["heldout"])
+            save_jsonl(build_heldout(per_level, seed=SELECT_SEED, sandbox=sb, table=table,
+                                     exclude=[t.program for t in held]), paths["select"])  # fmt: skip
+        seeds = [t for k in ("code_o", "code_i", "code_f") for lv in seed_levels
                  for t in generate_tasks(k, 8, table_level(lv, table), "world-seed-tasks",
                                          sandbox=sb, n_inputs=4)]  # fmt: skip
         save_jsonl(seeds, paths["seed_tasks"])
@@ -415,7 +468,7 @@ def run_all(args: argparse.Namespace) -> None:
     except ValueError as e:
         raise SystemExit(str(e)) from None
     table = world["levels"]
-    paths = prepare(out, args.per_level, args.workers, table)
+    paths = prepare(out, args.per_level, args.workers, table, tuple(sorted(set(args.seed_levels))))
     base = [f"model.name_or_path={Path(model).resolve() if Path(model).exists() else model}",
             f"tasks.seed_tasks={Path(paths['seed_tasks']).resolve()}",
             f"tasks.references={world['references']}", *args.overrides]
@@ -442,6 +495,9 @@ def run_all(args: argparse.Namespace) -> None:
     if not all(r["done"] for r in recs):
         left = sum(not r["done"] for r in recs)
         print(f"{left} of {len(recs)} runs not finished: run the same command again to continue")
+        return
+    if not {"population", "single"} <= set(args.arms):  # the criterion compares the two
+        print(json.dumps({"gate_probe": gate_probe(out)}, indent=1))
         return
     from lorapop.report import read_metrics
     from lorapop.tiny.heldout import load_jsonl, save_jsonl
@@ -554,6 +610,10 @@ def main() -> None:
     ap.add_argument("--recent-steps", type=int, default=30, help="cross-play: tasks of the last N steps")
     ap.add_argument("--recent-tasks", type=int, default=60, help="cross-play: tasks per run")
     ap.add_argument("--workers", type=int, default=4, help="sandbox workers for set-up")
+    ap.add_argument("--seed-levels", type=int, nargs="+", default=[1, 2, 3],
+                    choices=[1, 2, 3, 4, 5], metavar="LEVEL",
+                    help="levels of the grammar tasks the buffers start with (8 per type and "
+                    "level): where the teachers' references, so their proposals, begin")
     ap.add_argument("--plot", type=Path, help="plot a finished world_experiment.json")
     ap.add_argument("--gate-probe", action="store_true",
                     help="print the gate on the single-agent runs under --out so far (any steps)")

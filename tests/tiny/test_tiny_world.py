@@ -126,6 +126,11 @@ def test_measure_world_on_the_shipped_model(tiny_sandbox) -> None:
     dep = m["reference_dependence"]
     if dep["n"]:
         assert 0 <= dep["unshown_similarity"] <= 1 and 0 <= dep["shown_similarity"] <= 1
+    n, v = 3 * 4, m["valid_tasks"]  # invalid proposals count -1 in the reward landscape
+    mean_valid = m["teacher_reward_valid"]["mean"] or 0.0
+    assert m["teacher_reward_by_level"]["1"] == pytest.approx((v * mean_valid - (n - v)) / n)
+    drift = m["complexity_drift_by_level"]  # level-1 references: straight-line, cyclomatic 1
+    assert set(drift) <= {"1"} and all(d is None or d >= 0 for d in drift.values())
     checks = regime_checks(m)
     assert checks["solves_fewer_at_levels_4_5"] is None  # levels 4-5 not measured here
 

@@ -1,10 +1,15 @@
-"""benchmarks/world_experiment.py --gate-probe: the gate on whatever single-agent steps exist."""
+"""benchmarks/world_experiment.py: the gate on whatever single-agent steps exist (--gate-probe),
+a single-agent arm run to its end, and the levels the buffers start with (--seed-levels)."""
 
+import gzip
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -40,6 +45,15 @@ def test_gate_probe_reports_the_collapse_its_slope_and_phase_costs(tmp_path) -> 
         d.mkdir(parents=True)
         (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"ste')
     (tmp_path / "runs" / "population_s0").mkdir()  # other arms are not the gate's
+    rollouts = tmp_path / "runs" / "single_s0" / "rollouts"
+    rollouts.mkdir()
+    for step, verdicts in ((1, ["wrong", "correct"]), (80, ["correct", "correct"])):
+        recs = [{"role": "student", "type": "code_o", "verdict": v} for v in verdicts]
+        recs += [{"role": "student", "type": "code_f", "verdict": "format_error"},
+                 {"role": "teacher", "type": "code_f", "verdict": "valid"}]  # fmt: skip
+        with gzip.open(rollouts / f"step_{step}.jsonl.gz", "wt") as fh:
+            fh.write("".join(json.dumps(r) + "\n" for r in recs))
+    (rollouts / "step_81.jsonl.gz").write_bytes(gzip.compress(b'{"role": "student"}\n')[:-9])
     res = _probe(tmp_path)
     assert set(res) == {"single_s0", "single_s1"}
     s0, s1 = res["single_s0"], res["single_s1"]
@@ -49,3 +63,43 @@ def test_gate_probe_reports_the_collapse_its_slope_and_phase_costs(tmp_path) -> 
     assert s0["phase_s_median"]["update"] == 1.5  # a median: the 20 s warm-up step does not skew it
     assert not s1["collapsed"] and abs(s1["solve_rate_slope_per_100_steps"] - 0.1) < 1e-6
     assert s1["entropy_first_last"] == [0.5, 0.5] and s1["loc_first_last"] == [5.0, 5.0]
+    bins = s0["every_10_steps"]["solve_rate"]  # 10-step means: 0.245, 0.345, ...
+    assert len(bins) == 8 and abs(bins[0] - 0.245) < 1e-6 and abs(bins[-1] - 0.945) < 1e-6
+    assert s0["kl_max"] == 1e-5
+    by_type = s0["solve_rate_by_type"]  # from the rollouts; the cut file at step 81 is skipped
+    assert by_type["code_o"]["first_last"] == [0.5, 1.0] and by_type["code_f"]["first_last"] == [0, 0]
+    assert by_type["code_o"]["every_10_steps"][0] == 0.5 and not s1["solve_rate_by_type"]
+
+
+@pytest.mark.slow
+def test_a_finished_single_arm_reports_its_gate(tmp_path) -> None:
+    """`--arms single` to the end (the gate probe's runs): the gate, not the criterion's error."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    small = ["train.steps=2", "tasks.proposals_per_type=1", "tasks.answers_per_task=1",
+             "league.teachers=1", "league.students=1", "league.students_per_teacher=1",
+             "sampling.teacher_max_new_tokens=48", "sampling.student_max_new_tokens=32",
+             "verify.workers=1", "model.device=cpu"]  # fmt: skip
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "world_experiment.py"),
+                           "--model", "tiny", "--arms", "single", "--out", str(tmp_path),
+                           "--seeds", "0", "--parallel", "1", "--per-level", "1", "--workers",
+                           "1", *small], capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    probe = json.loads(proc.stdout[proc.stdout.index("{"):])["gate_probe"]
+    assert probe["single_s0"]["steps"] == 2 and probe["single_s0"]["collapsed"] is False
+
+
+def test_seed_levels_choose_the_buffers_start_and_reuse_the_sets(tmp_path) -> None:
+    from lorapop.tiny.heldout import load_jsonl
+
+    spec = importlib.util.spec_from_file_location("world_experiment",
+                                                  ROOT / "benchmarks" / "world_experiment.py")
+    we = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(we)
+    prepare = we.prepare
+    high = prepare(tmp_path, 1, 2, "short", (4, 5))
+    held = Path(high["heldout"]).stat().st_mtime_ns
+    low = prepare(tmp_path, 1, 2, "short")  # the default start: levels 1-3, its own file
+    assert Path(low["heldout"]).stat().st_mtime_ns == held and low["seed_tasks"] != high["seed_tasks"]
+    for paths, levels in ((high, {4, 5}), (low, {1, 2, 3})):
+        tasks = load_jsonl(paths["seed_tasks"])
+        assert {t.meta["difficulty"] for t in tasks} == levels and len(tasks) == 3 * 8 * len(levels)

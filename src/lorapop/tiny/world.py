@@ -13,6 +13,13 @@ slot), as the loop would use it:
 - solving: the same model answers each valid task `answers` times at temperature 1; the task's
   solve rate s is the share of correct answers. Reported by level and type, with the share of
   tasks at 0 < s < 1 and the teacher reward those tasks would earn (PopuLoRA's rule).
+- the teacher's reward landscape: the mean teacher reward of a proposal at each level, invalid
+  ones included (-1). Where it falls with the level, a teacher that follows its reward drifts
+  to easy tasks (the single agent's collapse); where it rises, to hard ones.
+- complexity drift: per level, the cyclomatic complexity of valid code_o/code_i proposals minus
+  that of the references shown. The loop's references come from the buffer of past valid
+  proposals, so a positive drift raises the complexity of proposals step by step without any
+  learning, against the reward landscape's pull.
 - reference dependence: for each valid code_o/code_i proposal, the highest text similarity
   (difflib ratio of the normalised programs) to the references it was shown vs to as many
   references of the same level it was not shown; dependence is the mean difference (0 when
@@ -139,6 +146,11 @@ def measure_world(
     valid = [(a, v.task) for a, v in zip(asks, verdicts, strict=True) if v.valid and v.task]
     rates = _solve(model, tokenizer, runner, fams, [t for _, t in valid], answers,
                    temperature, bank, slot, batch_size, seed)  # fmt: skip
+    by_level: dict[int, list[float]] = defaultdict(list)  # every proposal's teacher reward
+    valid_rates = iter(rates)
+    for a, v in zip(asks, verdicts, strict=True):
+        ok = bool(v.valid and v.task)
+        by_level[a.level].append(teacher_reward(ok, next(valid_rates) if ok else None))
     return {
         "settings": {"proposals_per_type_and_level": proposals, "references": references,
                      "answers": answers, "code_f_inputs": code_f_inputs,
@@ -146,6 +158,8 @@ def measure_world(
         **_validity(asks, verdicts),
         **_solving(valid, rates),
         "reference_dependence": _dependence([(a, t) for a, t in valid if a.kind != "code_f"]),
+        "teacher_reward_by_level": {str(lv): _mean(xs) for lv, xs in sorted(by_level.items())},
+        "complexity_drift_by_level": _drift([(a, t) for a, t in valid if a.kind != "code_f"]),
     }  # fmt: skip
 
 
@@ -218,6 +232,18 @@ def _solving(valid: Sequence[tuple[_Ask, Task]], rates: Sequence[float]) -> dict
                                  "positive_share": _mean([float(r > 0) for r in rewards])},
         "cyclomatic_by_level": {str(lv): _mean(xs) for lv, xs in sorted(complexity.items())},
     }  # fmt: skip
+
+
+def _drift(valid: Sequence[tuple[_Ask, Task]]) -> dict[str, float | None]:
+    """Per level, the mean cyclomatic complexity of valid proposals minus that of the
+    references they were shown."""
+    by: dict[int, list[float]] = defaultdict(list)
+    for a, t in valid:
+        mine = program_metrics(t.program)
+        refs = [m.cyclomatic for r in a.shown if (m := program_metrics(r.program)) is not None]
+        if mine is not None and refs:
+            by[a.level].append(mine.cyclomatic - fmean(refs))
+    return {str(lv): _mean(xs) for lv, xs in sorted(by.items())}
 
 
 def _dependence(valid: Sequence[tuple[_Ask, Task]]) -> dict:
