@@ -195,19 +195,27 @@ def _peak() -> str:
     return f"; peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB{clock}"
 
 
+GENERATE_CALLS: list[dict] = []  # every traced generation call's rows, tokens and timing
+
+
 def trace_generate(generate):
-    """Print each generation call as it ends (rows, new tokens, seconds)."""
+    """Print each generation call as it ends (rows, new tokens, seconds, where they went) and
+    keep its figures in `GENERATE_CALLS`."""
 
     @functools.wraps(generate)
     def run(*a, **kw):
+        timing = kw.setdefault("timing", {})
         t0 = time.perf_counter()
         out = generate(*a, **kw)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         new = sum(len(g.token_ids) for g in out)
+        GENERATE_CALLS.append({"rows": len(out), "new_tokens": new, "s": dt, **timing})
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in timing.items() if k.endswith("_s"))
         print(f"[generate] {len(out)} rows, {new} new tokens in {dt:.1f} s "
-              f"({new / max(dt, 1e-9):.0f} tok/s){_peak()}", flush=True)
+              f"({new / max(dt, 1e-9):.0f} tok/s; batch {timing.get('batch')}, "
+              f"{timing.get('steps')} steps: {parts}){_peak()}", flush=True)
         return out
 
     return run

@@ -36,6 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from loop_step import (  # noqa: E402
+    GENERATE_CALLS,
     ROOT,
     UpdateCount,
     _patch,
@@ -84,6 +85,7 @@ def worker(args: argparse.Namespace) -> None:
              cfg.tasks.proposals_per_type) = full
         rows = []
         counter.reset()
+        GENERATE_CALLS.clear()
         for _ in range(args.steps):
             dist.barrier(world)
             sync()
@@ -116,6 +118,7 @@ def worker(args: argparse.Namespace) -> None:
             "update_micro_batches": counter.micro_batches // len(rows),
             "update_padded_tokens": counter.padded // len(rows),
             "checkpointed_micro_batches": counter.checkpointed // len(rows),
+            "generate_calls": GENERATE_CALLS,  # the timed steps' (proposal, solving, ...)
         }
         ranks = dist.all_gather(mine, world)
         if world.main:

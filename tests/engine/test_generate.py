@@ -67,6 +67,21 @@ def test_sample_independent_of_batch_composition_and_size(setup, tok):
     assert len({tuple(g.token_ids) for g in dup}) > 1
 
 
+def test_timing_accounts_for_the_run(setup, tok):
+    """A caller can see where a generation's time went, and the accounting adds up."""
+    model, bank = setup
+    timing: dict[str, float] = {}
+    out = generate(model, bank, tok, PROMPTS, [0, 1, 2, 1, 0], SAMPLED, seed=3, batch_size=2,
+                   timing=timing)
+    assert timing["batch"] == 2
+    # 5 prompts in 2 rows of 11 decode steps each (the first token comes from the prefill)
+    assert timing["steps"] >= 3 * (SAMPLED.max_new_tokens - 1)
+    assert timing["steps"] <= timing["row_steps"] <= 2 * timing["steps"]
+    assert min(timing["prefill_s"], timing["capture_s"], timing["decode_s"]) >= 0
+    assert timing["prefill_s"] > 0 and timing["decode_s"] > 0
+    assert [len(g.token_ids) for g in out] == [SAMPLED.max_new_tokens] * 5
+
+
 def test_logprobs_equal_teacher_forced_forward(setup, tok):
     model, bank = setup
     slots = [2, 0, 1, 1, 2]

@@ -36,6 +36,7 @@ the plain forward.
 from __future__ import annotations
 
 import contextlib
+import time
 import warnings
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
@@ -164,6 +165,9 @@ class Decoder:
         self.shared = 0  # prompts whose cache rows were copied from an identical prompt's
         self.widths: set[int] = set()  # widths the decode step ran at
         self.row_counts: set[int] = set()  # row counts the decode step ran over
+        # where a run's wall time went: prefills (admissions), graph captures and compiles,
+        # decode steps (the rest, host checks included); steps and row-steps run
+        self.timing: Counter[str] = Counter()
         if compile:
             self.compiled = _compile(self._logits)
 
@@ -204,8 +208,9 @@ class Decoder:
         self.rows = self.kv.rows = self.batch
         if hasattr(self.bank, "sync_caches"):
             self.bank.sync_caches()  # the graph reads the cache: refresh it in place
+        t0 = time.perf_counter()
         with static_kv(self.model, self.kv), route(self.bank, self.slots):
-            self._admit(q, list(range(self.batch)))
+            self._timed("prefill_s", self._admit, q, list(range(self.batch)))
             n, step = 0, self._step
             while True:
                 if n % check_every == 0:  # also right after the first prefill
@@ -213,7 +218,7 @@ class Decoder:
                     if not refill:  # static: the next batch once every row is free
                         free = list(range(b)) if all(o < 0 for o in q.owner) else []
                     if free and q.waiting:
-                        self._admit(q, free)
+                        self._timed("prefill_s", self._admit, q, free)
                     if all(o < 0 for o in q.owner):
                         break
                     if refill and not q.waiting and self.compiled is None:
@@ -221,7 +226,18 @@ class Decoder:
                     step = self._at_width(self._need(q, check_every))
                 step()
                 n += 1
+                self.timing["row_steps"] += self.rows
+        self.timing["steps"] += n
+        self.timing["run_s"] += time.perf_counter() - t0
         return [o for o in q.out if o is not None]
+
+    def _timed(self, key: str, fn: Callable[..., Any], *args: Any) -> None:
+        """`fn(*args)`, its wall time (to the end of its GPU work) added to `timing[key]`."""
+        t0 = time.perf_counter()
+        fn(*args)
+        if self.tok.is_cuda:
+            torch.cuda.synchronize()
+        self.timing[key] += time.perf_counter() - t0
 
     def _need(self, q: _Queue, ahead: int) -> int:
         """Cache positions the next `ahead` steps read: a row at column c of a prompt of
@@ -266,7 +282,7 @@ class Decoder:
             (self.compiled is not None and not self._compiled)
             or (self.use_graph and (self.rows, width) not in self.graphs)
         ):
-            self._prepare()
+            self._timed("capture_s", self._prepare)
         graph = self.graph
         return self._step if graph is None else graph.replay
 

@@ -57,6 +57,7 @@ def generate(
     prefill_tokens: int = 8192,
     memory_budget: int | None = None,
     refill: bool = True,
+    timing: dict[str, float] | None = None,
 ) -> list[Generation]:
     """Sample one completion per prompt, prompt i under adapter slot `slot_ids[i]`.
 
@@ -75,6 +76,10 @@ def generate(
     prompt i early (it returns how many tokens to keep; `tokens` is read-only), on top of EOS
     and `params.stop`. `refill=False` decodes static batches instead (a batch's rows wait
     for its slowest before the next batch starts): a baseline for benchmarks.
+
+    `timing`, if given, receives where the time went: `batch` (rows decoding at once),
+    `prefill_s`, `capture_s` (CUDA graphs, compiles), `decode_s` (the steps and host checks),
+    `steps` and `row_steps` (steps times the rows each ran over).
 
     `cuda_graph=False` forces the eager decode step on GPU. `compile=True` (None: on CUDA
     only; default off) runs the decode step's model forward through torch.compile before
@@ -121,6 +126,11 @@ def generate(
         _CHECK_EVERY,
         refill,
     )
+    if timing is not None:
+        t = decoder.timing
+        timing.update(batch=batch, prefill_s=t["prefill_s"], capture_s=t["capture_s"],
+                      decode_s=t["run_s"] - t["prefill_s"] - t["capture_s"],
+                      steps=t["steps"], row_steps=t["row_steps"])
     del decoder  # its cache and graph pool go back before the caller's next phase
     if next(model.parameters()).device.type == "cuda":
         torch.cuda.empty_cache()
