@@ -41,8 +41,10 @@ def _sync() -> None:
 
 
 def _kernels(prof, n: int = 25) -> list[dict]:
+    """The `n` GPU kernels with the most time (operators, which sum their kernels, left out)."""
     rows = []
-    for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:n]:
+    kernels = [e for e in prof.key_averages() if "CUDA" in str(getattr(e, "device_type", ""))]
+    for e in sorted(kernels, key=lambda e: -e.device_time_total)[:n]:
         rows.append({"name": e.key[:120], "calls": e.count, "cuda_ms": e.device_time_total / 1e3})
     return rows
 
