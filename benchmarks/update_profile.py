@@ -171,13 +171,15 @@ def packed_difference(parts, rows: tuple[list, list, list]) -> dict:
 
 
 AB_VARIANTS = {"norms": ("HF norms", "fused norms"), "head": ("eager head", "compiled head"),
-               "swiglu": ("plain SwiGLU", "fused SwiGLU")}
+               "swiglu": ("plain SwiGLU", "fused SwiGLU"),
+               "lora": ("grouped LoRA", "addmm LoRA")}
 
 
 def set_variant(parts, variant: str) -> None:
     """One `--ab` variant: the model's RMSNorms (the classes' own or the fused kernel), its
-    SwiGLU MLPs (the classes' own or `_SwiGLU`: less memory, so larger micro-batches), or
-    the LM head's log-softmax (eager or compiled)."""
+    SwiGLU MLPs (the classes' own or `_SwiGLU`: less memory, so larger micro-batches), the
+    LM head's log-softmax (eager or compiled), or the LoRA of rows in runs of one slot (the
+    grouped kernel and an add, or the add in the expand GEMM: `routing.add_delta_by_runs`)."""
     import lorapop.engine.logprobs as logprobs
     from lorapop.engine.fused import fuse_mlps, fuse_rms_norms, unfuse_mlps, unfuse_rms_norms
 
@@ -185,6 +187,8 @@ def set_variant(parts, variant: str) -> None:
         (fuse_rms_norms if variant == "fused norms" else unfuse_rms_norms)(parts.model)
     elif variant.endswith("SwiGLU"):
         (fuse_mlps if variant == "fused SwiGLU" else unfuse_mlps)(parts.model)
+    elif variant.endswith("LoRA"):  # "auto" takes the addmm path where rows come in runs
+        parts.bank.kernel = "auto" if variant == "addmm LoRA" else "grouped"
     else:
         logprobs.COMPILE_HEAD = variant == "compiled head"
 
@@ -366,8 +370,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--ab", choices=sorted(AB_VARIANTS),
                     help="paper and decode cases: only two variants, twice each: HF vs fused "
-                         "RMSNorms, plain vs fused SwiGLU, or the eager vs compiled LM-head "
-                         "log-softmax")
+                         "RMSNorms, plain vs fused SwiGLU, the eager vs compiled LM-head "
+                         "log-softmax, or grouped vs addmm LoRA")
     ap.add_argument("--decode", default="", help="ROWS:PROMPT,... decode cases (e.g. 192:1500)")
     ap.add_argument("--decode-new", type=int, default=96)
     ap.add_argument("--out", default="benchmarks/results/update_profile.json")

@@ -115,6 +115,45 @@ def test_kernels_agree_on_unsorted_mixed_batch(tokens):
         torch.testing.assert_close(_logits(model, ids[order]), outs["gather"][order])
 
 
+def test_runs_of_one_slot_add_the_delta_in_the_expand_gemm(monkeypatch):
+    """Rows routed in slot order take the addmm path (no delta tensor): logits and gradients
+    equal the gather kernel's; several runs with grad fall back to the batched kernels."""
+    import lorapop.lora.bank as bank_mod
+
+    model = tiny_model().train()
+    bank = AdapterBank(model, n_slots=3, rank=4, alpha=8)
+    randomize_b(bank)
+    ids = torch.randint(0, VOCAB, (4, 6))
+    taken = []
+    real = bank_mod.add_delta_by_runs
+    monkeypatch.setattr(bank_mod, "add_delta_by_runs",
+                        lambda *a: taken.append(len(a[4])) or real(*a))
+
+    def run(kernel, slots, grad):
+        bank.kernel = kernel
+        bank.zero_grad()
+        with bank.route(slots), torch.set_grad_enabled(grad):
+            out = model(ids).logits
+            if grad:
+                (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+        return out.detach(), bank.grads.clone()
+
+    for slots, grad in (([1, 1, 1, 1], True), ([0, 0, 2, 2], False), ([0, 1, 1, 2], True)):
+        taken.clear()
+        want = run("gather", slots, grad)
+        assert not taken
+        got = run("auto", slots, grad)
+        assert taken and set(taken) == {len(set(slots))}
+        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+        peak = float(want[1].abs().max())  # fp32 rounding: the scaling moves between GEMMs
+        assert (peak > 0) == grad
+        torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5 * peak)
+    # an unsorted batch has no runs: the batched kernels as before
+    taken.clear()
+    run("auto", [2, 0, 2, 1], False)
+    assert not taken
+
+
 def test_set_slot_ids_reuses_buffers_in_place():
     """A CUDA graph captured once must see later routings of the same batch size."""
     bank = AdapterBank(tiny_model(), n_slots=3, rank=4)

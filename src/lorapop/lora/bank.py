@@ -22,7 +22,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from lorapop.lora.routing import KERNELS, DecodeCache, Routing, grouped_supported, lora_delta
+from lorapop.lora.routing import (
+    KERNELS,
+    DecodeCache,
+    Routing,
+    add_delta_by_runs,
+    grouped_supported,
+    lora_delta,
+    slot_runs,
+)
 
 DEFAULT_TARGETS: tuple[str, ...] = (
     "q_proj",
@@ -214,8 +222,9 @@ class AdapterBank:
             raise ValueError(f"slot ids must lie in [0, {self.n_slots}), got range [{lo}, {hi}]")
         is_sorted = bool((host[1:] >= host[:-1]).all())
         prev = self._active
-        saved = None if prev is None else (prev.ids.clone(), prev.is_sorted)
-        self.set_slot_ids_(ids.to(self.device), is_sorted=is_sorted)
+        saved = None if prev is None else (prev.ids.clone(), prev.is_sorted, prev.runs)
+        self.set_slot_ids_(ids.to(self.device), is_sorted=is_sorted,
+                           runs=slot_runs(host) if is_sorted else None)
         try:
             yield
         finally:
@@ -225,7 +234,8 @@ class AdapterBank:
             else:
                 self.set_slot_ids_(*saved)
 
-    def set_slot_ids_(self, slot_ids: Tensor, is_sorted: bool = False) -> None:
+    def set_slot_ids_(self, slot_ids: Tensor, is_sorted: bool = False,
+                      runs: list[tuple[int, int, int]] | None = None) -> None:
         """Set the routing in place, without host synchronisation or validation.
 
         Index buffers persist per batch size, so a CUDA graph captured after this call reads
@@ -237,7 +247,7 @@ class AdapterBank:
         if routing is None:
             routing = Routing.empty(batch, self.n_slots, self.device)
             self._routings[batch] = routing
-        routing.fill_(slot_ids.reshape(-1), is_sorted)
+        routing.fill_(slot_ids.reshape(-1), is_sorted, runs)
         self._active = routing
         self._version += 1
 
@@ -295,10 +305,14 @@ class AdapterBank:
                 tracing = torch.compiler.is_compiling()
                 cache = self.decode_cache(dt, check=not tracing)
                 return cache.add_delta(target.name, x, output, routing, True, tracing)
+            a, b = self._compute_weights(target, dt)
             if kernel in ("auto", "fused"):
+                if not one_token and routing.runs is not None:
+                    y = add_delta_by_runs(output, x.to(dt), a, b, routing.runs, self.scaling)
+                    if y is not None:
+                        return y
                 grouped = routing.is_sorted and self._grouped_ok.get(dt, False)
                 kernel = "dense" if one_token else "grouped" if grouped else "gather"
-            a, b = self._compute_weights(target, dt)
             delta = lora_delta(x.to(dt), a, b, routing, kernel, self.scaling)
             return output + delta.to(output.dtype)
 

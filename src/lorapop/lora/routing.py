@@ -55,6 +55,9 @@ class Routing:
     ends: Tensor  # [N] int32: exclusive end of each slot's group among the sorted rows
     mask: Tensor  # [N, B] float32: mask[s, b] = 1 when row b uses slot s
     is_sorted: bool  # rows already in slot order: the grouped kernel skips its gathers (T > 1)
+    # (slot, first row, end row) of each run of one slot, where the host knows them (rows in
+    # slot order, routed by `AdapterBank.route`); None otherwise (e.g. CUDA-graph decoding)
+    runs: list[tuple[int, int, int]] | None = None
     _ends_by_len: dict[int, Tensor] = field(default_factory=dict)
     _masks: dict[tuple[int, torch.dtype, float], Tensor] = field(default_factory=dict)
     _cols: dict[tuple[int, int, torch.dtype], Tensor] = field(default_factory=dict)
@@ -72,8 +75,10 @@ class Routing:
         )
 
     @torch.no_grad()
-    def fill_(self, ids: Tensor, is_sorted: bool) -> None:
-        """Recompute every index tensor in place from `ids` (no host synchronisation)."""
+    def fill_(self, ids: Tensor, is_sorted: bool,
+              runs: list[tuple[int, int, int]] | None = None) -> None:
+        """Recompute every index tensor in place from `ids` (no host synchronisation);
+        `runs`: the host's view of the same ids, if it has one."""
         n_slots = self.ends.numel()
         self.ids.copy_(ids)
         sorted_ids, perm = torch.sort(self.ids, stable=True)
@@ -83,6 +88,7 @@ class Routing:
         self.ends.copy_(torch.searchsorted(sorted_ids, slots, right=True))
         self.mask.copy_(slots[:, None] == self.ids[None, :])
         self.is_sorted = is_sorted
+        self.runs = runs
         for tokens, ends in self._ends_by_len.items():
             torch.mul(self.ends, tokens, out=ends)
         for key, mask in self._masks.items():
@@ -137,7 +143,40 @@ class Routing:
             ends=self.ends.clone(),
             mask=self.mask.clone(),
             is_sorted=self.is_sorted,
+            runs=self.runs,
         )
+
+
+def slot_runs(ids: Tensor) -> list[tuple[int, int, int]]:
+    """(slot, first row, end row) of each run of equal ids in host tensor `ids`."""
+    slots, counts = torch.unique_consecutive(ids, return_counts=True)
+    ends = counts.cumsum(0)
+    return list(zip(slots.tolist(), (ends - counts).tolist(), ends.tolist(), strict=True))
+
+
+def add_delta_by_runs(
+    out: Tensor, x: Tensor, a: Tensor, b: Tensor, runs: list[tuple[int, int, int]],
+    scaling: float,
+) -> Tensor | None:
+    """out + scaling * B[s] @ A[s] @ x for multi-token rows x [B, T, in] that come in `runs`
+    of one slot, with the add in the expand GEMM (addmm): the delta, a full-width tensor per
+    projection, is never written and read back. None where this does not apply: several runs
+    under autograd (an in-place add into slices of `out` would make autograd copy the whole
+    gradient of `out` for each), or `out` not in the compute dtype.
+    """
+    if out.dtype != x.dtype:
+        return None
+    x2, out2 = x.reshape(-1, x.shape[-1]), out.reshape(-1, out.shape[-1])
+    if len(runs) == 1:
+        s = runs[0][0]
+        return torch.addmm(out2, x2 @ a[s].t(), b[s].t(), alpha=scaling).view(out.shape)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (out, x, a, b)):
+        return None
+    tokens = x2.shape[0] // x.shape[0]
+    for s, first, end in runs:
+        rows = slice(first * tokens, end * tokens)
+        out2[rows].addmm_(x2[rows] @ a[s].t(), b[s].t(), alpha=scaling)
+    return out
 
 
 def lora_delta(
