@@ -119,7 +119,7 @@ def update_pass(parts, rows: tuple[list, list, list], share: bool, mode: bool | 
                      if mode == "auto" else (None, max_tokens))
         ckpt = bool(mode) if keep is None else keep < max(widths)
         model.train()
-        groups = pack_micro_batches(packs, widths, cap, 64)
+        groups = pack_micro_batches(packs, widths, cap, 64, slot_list)
         for idx, padded in groups:
             use_checkpointing(model, ckpt if keep is None else padded > keep)
             micro(idx)

@@ -402,7 +402,8 @@ class SelfPlay:
         # this rank's packs, whole; the loss is a sum of rows normalised by the global per-slot
         # token counts, so summing the ranks' gradients gives the whole batch's
         prompts, comps = [r.prompt_ids for r in rollouts], [r.token_ids for r in rollouts]
-        packs = (shared_prompt_packs(prompts, slots.tolist()) if tc.share_prompts
+        slot_list = slots.tolist()
+        packs = (shared_prompt_packs(prompts, slot_list) if tc.share_prompts
                  else [[i] for i in range(len(rollouts))])
         widths = pack_widths(packs, prompts, comps)
         costs = pack_costs(packs, prompts, comps, attention_pair_weight(p.model))
@@ -413,7 +414,7 @@ class SelfPlay:
             if keep:  # a pack too wide to keep its activations goes in parts that fit
                 my_packs = split_packs(my_packs, prompts, comps, keep)
             for rows, padded in pack_micro_batches(my_packs, pack_widths(my_packs, prompts, comps),
-                                                   max_tokens, tc.micro_batch_size):
+                                                   max_tokens, tc.micro_batch_size, slot_list):
                 if keep is not None:  # checkpoint only what does not fit with activations kept
                     use_checkpointing(p.model, padded > keep)
                 part = [rollouts[i] for i in rows]

@@ -34,6 +34,8 @@ def test_micro_batches_cover_every_row_within_the_token_budget():
             assert g == sorted(g) and len(g) <= 3
             assert len(g) == 1 or len(g) * max(lengths[i] for i in g) <= max_tokens
     assert micro_batches(lengths, 10_000, 3)[0] == [1, 4, 6]  # the longest rows together
+    slots = [0, 1, 0, 1, 0, 1, 0, 1, 0]  # with slots: the longest of each slot together
+    assert micro_batches(lengths, 10_000, 3, slots) == [[4, 6, 8], [0, 2], [1, 3, 7], [5]]
     with pytest.raises(ValueError, match=">= 1"):
         micro_batches(lengths, 0, 3)
 
@@ -171,6 +173,9 @@ def test_pack_micro_batches_keep_packs_whole_and_apart_from_lone_rows():
                 assert set(pack) <= set(g) or not set(pack) & set(g)
     # padded tokens: two packs (widest 22) in one forward, the lone row alone
     assert pack_micro_batches(packs, widths, 1000, 4) == [([0, 1, 3, 4, 5], 44), ([2], 38)]
+    # rows' slots: packs of different slots go apart
+    assert pack_micro_batches(packs, widths, 1000, 4, [0, 0, 1, 0, 1, 1]) == [
+        ([0, 1, 3], 22), ([4, 5], 11), ([2], 38)]
 
 
 def test_split_packs_cut_wide_packs_into_parts_within_the_limit():

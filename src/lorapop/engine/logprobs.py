@@ -34,15 +34,20 @@ from lorapop.engine.fused import compiled_call
 HEAD_CHUNK = 2048  # positions whose logits are formed at once (memory.update_fixed_bytes)
 
 
-def micro_batches(lengths: Sequence[int], max_tokens: int, max_rows: int) -> list[list[int]]:
+def micro_batches(lengths: Sequence[int], max_tokens: int, max_rows: int,
+                  slots: Sequence[int] | None = None) -> list[list[int]]:
     """Row indices grouped by length: each group's rows x longest row <= `max_tokens` (a
-    longer row goes alone) and at most `max_rows` rows; rows keep their order in a group."""
+    longer row goes alone) and at most `max_rows` rows; rows keep their order in a group.
+    With `slots`, a group holds rows of one slot only: its LoRA is then one plain GEMM pair
+    with the add in the expand (`routing.add_delta_by_runs`), not the batched kernels."""
     if max_tokens < 1 or max_rows < 1:
         raise ValueError(f"max_tokens and max_rows must be >= 1, got {max_tokens}, {max_rows}")
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    key = (lambda i: (0, -lengths[i])) if slots is None else (lambda i: (slots[i], -lengths[i]))
+    order = sorted(range(len(lengths)), key=key)
     groups: list[list[int]] = []
     for i in order:
-        if groups and len(groups[-1]) < max_rows:
+        same = slots is None or (groups and slots[groups[-1][0]] == slots[i])
+        if groups and same and len(groups[-1]) < max_rows:
             widest = lengths[groups[-1][0]]
             if (len(groups[-1]) + 1) * widest <= max_tokens:
                 groups[-1].append(i)
@@ -116,15 +121,17 @@ def split_packs(packs: Sequence[Sequence[int]], prompt_ids: Sequence[Sequence[in
 
 
 def pack_micro_batches(packs: Sequence[Sequence[int]], widths: Sequence[int], max_tokens: int,
-                       max_rows: int) -> list[tuple[list[int], int]]:
+                       max_rows: int, slots: Sequence[int] | None = None
+                       ) -> list[tuple[list[int], int]]:
     """Length-grouped micro-batches of whole packs (`micro_batches` over pack widths,
-    `max_rows` sequences), each as (row indices, padded tokens: sequences x the widest);
-    shared packs and lone rows never share a micro-batch, so the lone rows keep the causal
-    kernel."""
+    `max_rows` sequences; with rows' `slots`, one slot per micro-batch), each as (row
+    indices, padded tokens: sequences x the widest); shared packs and lone rows never share
+    a micro-batch, so the lone rows keep the causal kernel."""
     out = []
     for shared in (True, False):
         units = [j for j, g in enumerate(packs) if (len(g) > 1) == shared]
-        for group in micro_batches([widths[j] for j in units], max_tokens, max_rows):
+        keys = None if slots is None else [slots[packs[j][0]] for j in units]
+        for group in micro_batches([widths[j] for j in units], max_tokens, max_rows, keys):
             rows = sorted(i for j in group for i in packs[units[j]])
             out.append((rows, len(group) * max(widths[units[j]] for j in group)))
     return out
