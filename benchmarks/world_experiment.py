@@ -258,7 +258,7 @@ def rollout_counts(run_dir: Path) -> dict[int, dict[str, list[int]]]:
     out: dict[int, dict[str, list[int]]] = {}
     for f in (run_dir / "rollouts").glob("step_*.jsonl.gz"):
         stem = f.name.removeprefix("step_").split(".")[0]
-        if not stem.isdigit():
+        if not stem.isdigit() or int(stem) < 1:  # steps count from 1
             continue
         counts: dict[str, list[int]] = {}
         try:
