@@ -76,7 +76,7 @@ def test_gate_probe_reports_the_collapse_its_slope_and_phase_costs(tmp_path) -> 
     bins = s0["every_10_steps"]["solve_rate"]  # 10-step means: 0.245, 0.345, ...
     assert len(bins) == 8 and abs(bins[0] - 0.245) < 1e-6 and abs(bins[-1] - 0.945) < 1e-6
     assert s0["kl_max"] == 1e-5
-    by_type = s0["solve_rate_by_type"]  # from the rollouts; the cut file at step 81 and step 0 are skipped
+    by_type = s0["solve_rate_by_type"]  # from the rollouts; step 0 and the cut step 81 skipped
     assert by_type["code_o"]["first_last"] == [0.5, 1.0] and by_type["code_f"]["first_last"] == [0, 0]
     assert by_type["code_o"]["every_10_steps"][0] == 0.5 and not s1["solve_rate_by_type"]
     # the gate on code_o/code_i answers alone, beside the pre-registered (mixed) one
