@@ -250,19 +250,16 @@ def _bins(ys: list[float | None], n: int) -> list[float | None]:
     return out
 
 
-def type_solve_rates(run_dir: Path) -> dict[str, list[float | None]]:
-    """Per task type and step, the share of the student's answers graded correct, from the
-    run's saved rollouts (None at steps without a readable file). The gate's solve rate mixes
-    the types; this shows whether one of them (code_f) holds it down."""
+def rollout_counts(run_dir: Path) -> dict[int, dict[str, list[int]]]:
+    """Per step and task type, [right, answers] of the student's answers, from the run's saved
+    rollouts (steps without a readable file are left out)."""
     import gzip
 
-    files = {}
+    out: dict[int, dict[str, list[int]]] = {}
     for f in (run_dir / "rollouts").glob("step_*.jsonl.gz"):
         stem = f.name.removeprefix("step_").split(".")[0]
-        if stem.isdigit():
-            files[int(stem)] = f
-    out: dict[str, list[float | None]] = {}
-    for step, f in sorted(files.items()):
+        if not stem.isdigit() or int(stem) < 1:  # steps count from 1
+            continue
         counts: dict[str, list[int]] = {}
         try:
             with gzip.open(f, "rt") as fh:
@@ -274,17 +271,30 @@ def type_solve_rates(run_dir: Path) -> dict[str, list[float | None]]:
                         c[1] += 1
         except (OSError, EOFError, ValueError, KeyError):
             continue  # a file still being written, or not a rollouts file
-        for t, (right, n) in counts.items():
-            out.setdefault(t, [None] * max(files))[step - 1] = right / n
+        out[int(stem)] = counts
     return out
+
+
+def type_solve_rate(counts: dict[int, dict[str, list[int]]], types: tuple[str, ...]
+                    ) -> list[float | None]:  # fmt: skip
+    """Per step, the share of answers to tasks of `types` (pooled) graded correct (None at
+    steps without such answers). The gate's solve rate mixes all types; this shows whether one
+    of them (code_f) holds it down."""
+    rates: list[float | None] = [None] * max(counts, default=0)
+    for step, by_type in counts.items():
+        right, n = (sum(by_type.get(t, (0, 0))[i] for t in types) for i in (0, 1))
+        rates[step - 1] = right / n if n else None
+    return rates
 
 
 def gate_probe(out: Path) -> dict:
     """The gate on what the single-agent runs under OUT/runs have logged so far (finished or
     not), with first/last-10% means of the main curves and their 10-step means, the solve
     rate's least-squares slope per 100 steps (how fast it heads for the gate's 0.8), the
-    largest per-step KL, the solve rate per task type (from saved rollouts), the seconds per
-    step and the median seconds of each phase after the first step (which includes warm-up)."""
+    largest per-step KL, the solve rate per task type (from saved rollouts) and the gate on the
+    code_o/code_i answers alone (`gate_code_o_i`: beside the pre-registered gate, not instead of
+    it), the seconds per step and the median seconds of each phase after the first step (which
+    includes warm-up)."""
     from lorapop.report import read_metrics
 
     res = {}
@@ -294,6 +304,10 @@ def gate_probe(out: Path) -> dict:
             continue
         c = curves(rows)
         sl = slope(c["solve_rate"])
+        counts = rollout_counts(d)
+        by_type = {t: type_solve_rate(counts, (t,))
+                   for t in sorted({t for step in counts.values() for t in step})}
+        oi = type_solve_rate(counts, ("code_o", "code_i"))  # the tasks whose complexity is measured
         res[d.name] = {
             "steps": len(rows), **collapse(c),
             "solve_rate_slope_per_100_steps": None if sl is None else 100 * sl,
@@ -303,7 +317,8 @@ def gate_probe(out: Path) -> dict:
             "every_10_steps": {k: _bins(c[k], 10) for k in PROBE_CURVES},
             "solve_rate_by_type": {t: {"first_last": [window(v, last=False), window(v, last=True)],
                                        "every_10_steps": _bins(v, 10)}
-                                   for t, v in sorted(type_solve_rates(d).items())},
+                                   for t, v in by_type.items()},
+            "gate_code_o_i": collapse({"solve_rate": oi, "cyclomatic": c["cyclomatic"]}),
             "step_s": fmean(sum(r["phase_s"].values()) for r in rows),
             "phase_s_median": {k: median(r["phase_s"][k] for r in rows[1:] or rows)
                                for k in rows[0]["phase_s"]},

@@ -1,5 +1,6 @@
 """benchmarks/world_experiment.py: the gate on whatever single-agent steps exist (--gate-probe),
-a single-agent arm run to its end, and the levels the buffers start with (--seed-levels)."""
+per task type from the rollouts, a single-agent arm run to its end, and the levels the buffers
+start with (--seed-levels)."""
 
 import gzip
 import importlib.util
@@ -22,6 +23,14 @@ def _row(step: int, solve: float, cyclomatic: float, update_s: float) -> dict:
             "programs": {"code_o": prog, "code_i": prog}, "task_solve_rates": {"partial": 0.5},
             "teacher_reward_var": 0.1, "replacements": [],
             "phase_s": {"proposal": 1.0, "solving": 2.0, "update": update_s}}  # fmt: skip
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("world_experiment",
+                                                  ROOT / "benchmarks" / "world_experiment.py")
+    we = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(we)
+    return we
 
 
 def _probe(out: Path) -> dict:
@@ -54,6 +63,7 @@ def test_gate_probe_reports_the_collapse_its_slope_and_phase_costs(tmp_path) -> 
         with gzip.open(rollouts / f"step_{step}.jsonl.gz", "wt") as fh:
             fh.write("".join(json.dumps(r) + "\n" for r in recs))
     (rollouts / "step_81.jsonl.gz").write_bytes(gzip.compress(b'{"role": "student"}\n')[:-9])
+    (rollouts / "step_0.jsonl.gz").write_bytes(gzip.compress(b'{"role": "student", "type": "code_o"}\n'))
     res = _probe(tmp_path)
     assert set(res) == {"single_s0", "single_s1"}
     s0, s1 = res["single_s0"], res["single_s1"]
@@ -66,9 +76,20 @@ def test_gate_probe_reports_the_collapse_its_slope_and_phase_costs(tmp_path) -> 
     bins = s0["every_10_steps"]["solve_rate"]  # 10-step means: 0.245, 0.345, ...
     assert len(bins) == 8 and abs(bins[0] - 0.245) < 1e-6 and abs(bins[-1] - 0.945) < 1e-6
     assert s0["kl_max"] == 1e-5
-    by_type = s0["solve_rate_by_type"]  # from the rollouts; the cut file at step 81 is skipped
+    by_type = s0["solve_rate_by_type"]  # from the rollouts; step 0 and the cut step 81 skipped
     assert by_type["code_o"]["first_last"] == [0.5, 1.0] and by_type["code_f"]["first_last"] == [0, 0]
     assert by_type["code_o"]["every_10_steps"][0] == 0.5 and not s1["solve_rate_by_type"]
+    # the gate on code_o/code_i answers alone, beside the pre-registered (mixed) one
+    assert s0["gate_code_o_i"] == {"final_solve_rate": 1.0, "complexity_slope": s0["complexity_slope"],
+                                   "collapsed": True}
+    assert s1["gate_code_o_i"]["final_solve_rate"] is None and not s1["gate_code_o_i"]["collapsed"]
+
+
+def test_type_solve_rate_pools_the_types_asked_for() -> None:
+    counts = {1: {"code_o": [1, 2], "code_i": [0, 1], "code_f": [0, 4]}, 3: {"code_f": [1, 4]}}
+    rate = _module().type_solve_rate
+    assert rate(counts, ("code_o", "code_i")) == [1 / 3, None, None]  # answers pooled, not rates
+    assert rate(counts, ("code_f",)) == [0.0, None, 0.25] and rate({}, ("code_o",)) == []
 
 
 @pytest.mark.slow
@@ -91,11 +112,7 @@ def test_a_finished_single_arm_reports_its_gate(tmp_path) -> None:
 def test_seed_levels_choose_the_buffers_start_and_reuse_the_sets(tmp_path) -> None:
     from lorapop.tiny.heldout import load_jsonl
 
-    spec = importlib.util.spec_from_file_location("world_experiment",
-                                                  ROOT / "benchmarks" / "world_experiment.py")
-    we = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(we)
-    prepare = we.prepare
+    prepare = _module().prepare
     high = prepare(tmp_path, 1, 2, "short", (4, 5))
     held = Path(high["heldout"]).stat().st_mtime_ns
     low = prepare(tmp_path, 1, 2, "short")  # the default start: levels 1-3, its own file
