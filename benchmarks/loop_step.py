@@ -16,7 +16,9 @@ makes each row stop at a length drawn from a log-normal (through `generate`'s st
 keyed by call and prompt; EOS stays off), and `--static` decodes static batches (no
 refills: each batch, of the size continuous batching gets from the free memory, runs until
 its slowest row ends), for comparison with continuous batching; `--and-static` runs both in one
-process, the same rows drawing the same lengths. A run writes one JSON (`--out`): phase
+process, the same rows drawing the same lengths. `--update-ab grouped,auto,...` runs the last
+timed step's update again under each listed LoRA kernel (the loop's own update, one process).
+A run writes one JSON (`--out`): phase
 times, peak memory, generated tokens/s and the update's tokens/s and model FLOP utilisation.
 """
 
@@ -36,6 +38,8 @@ from pathlib import Path
 from statistics import median
 
 import torch
+
+from lorapop.lora.routing import KERNELS
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = [
@@ -229,7 +233,7 @@ def flop_params(model) -> int:
 
 
 def measure(config: str, overrides: list[str], warmup: int, steps: int, run_dir: Path,
-            skip_update: bool = False) -> dict:
+            skip_update: bool = False, update_ab: list[str] | None = None) -> dict:
     from lorapop.config import load_config
     from lorapop.loop import SelfPlay
 
@@ -245,7 +249,16 @@ def measure(config: str, overrides: list[str], warmup: int, steps: int, run_dir:
         sp._policy_step = lambda rollouts, rewards: ({}, {}, [None] * len(rollouts))
     n_params = flop_params(getattr(sp, "parts", sp).model)  # (older loops: sp.model)
     compile_s = warm_compiled(getattr(sp, "parts", sp).model)
-    rows = []
+    rows, ab = [], []
+    last: list = []  # the last policy step's (rollouts, rewards), for the update A/B
+    if update_ab:
+        policy_step = sp._policy_step
+
+        def keep_args(rollouts, rewards):
+            last[:] = [rollouts, rewards]
+            return policy_step(rollouts, rewards)
+
+        sp._policy_step = keep_args
     try:
         for i in range(warmup + steps):
             sync()
@@ -258,12 +271,25 @@ def measure(config: str, overrides: list[str], warmup: int, steps: int, run_dir:
             else:
                 counter.reset()
             print(f"{config} step {i}: {row['wall_s']:.1f}s {row['phase_s']}", flush=True)
+        timed = (counter.real, counter.padded, counter.micro_batches, counter.checkpointed)
+        for kernel in update_ab or []:  # the last step's update again, one LoRA kernel each
+            sp.parts.bank.kernel = kernel
+            counter.reset()
+            sync()
+            t0 = time.perf_counter()
+            policy_step(*last)
+            sync()
+            ab.append({"lora_kernel": kernel, "update_s": time.perf_counter() - t0,
+                       "micro_batches": counter.micro_batches, "tokens": counter.real})
+            print(f"update again, LoRA kernel {kernel}: {ab[-1]['update_s']:.1f}s", flush=True)
     finally:
         sp.close()
         del sp
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
+    if update_ab:
+        counter.real, counter.padded, counter.micro_batches, counter.checkpointed = timed
     phases = {p: median(r["phase_s"].get(p, 0.0) for r in rows) for p in rows[0]["phase_s"]}
     update_s = sum(r["phase_s"].get("update", 0.0) for r in rows)
     name = torch.cuda.get_device_name() if cuda else ""
@@ -280,6 +306,7 @@ def measure(config: str, overrides: list[str], warmup: int, steps: int, run_dir:
         "tokens_per_s": median(r["tokens_per_s"] for r in rows),
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         "compile_s": compile_s,
+        "update_ab": ab or None,
         "update": None if skip_update else {
             "tokens": counter.real // len(rows),
             "padded_tokens": counter.padded // len(rows),
@@ -316,6 +343,9 @@ def main() -> None:
     ap.add_argument("--skip-update", action="store_true",
                     help="generation phases only (no policy-gradient step)")
     ap.add_argument("--seed-dir", help="reuse (or create) the seed tasks and tokenizer here")
+    ap.add_argument("--update-ab", help="KERNEL,... after the timed steps, run the last step's "
+                    "update again once per listed LoRA kernel (e.g. grouped,auto,grouped,auto): "
+                    "the loop's own update compared in one process")
     ap.add_argument("overrides", nargs="*", help="extra key.path=value for both runs")
     args = ap.parse_args()
     if args.and_static and (args.static or not args.paper):
@@ -350,8 +380,13 @@ def main() -> None:
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    if args.update_ab and args.skip_update:
+        ap.error("--update-ab needs the update (no --skip-update)")
+    kernels = args.update_ab.split(",") if args.update_ab else None
+    if kernels and not set(kernels) <= {"auto", *KERNELS}:
+        ap.error(f"--update-ab: LoRA kernels are auto, {', '.join(KERNELS)}")
     result["population"] = pop = measure(args.config, common, args.warmup, args.steps,
-                                         tmp / "pop", args.skip_update)
+                                         tmp / "pop", args.skip_update, kernels)
     if args.paper:
         out.write_text(json.dumps(result, indent=1))
         print(json.dumps(pop, indent=1))
