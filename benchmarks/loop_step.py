@@ -17,7 +17,8 @@ keyed by call and prompt; EOS stays off), and `--static` decodes static batches 
 refills: each batch, of the size continuous batching gets from the free memory, runs until
 its slowest row ends), for comparison with continuous batching; `--and-static` runs both in one
 process, the same rows drawing the same lengths. `--update-ab grouped,auto,...` runs the last
-timed step's update again under each listed LoRA kernel (the loop's own update, one process).
+timed step's update again under each listed LoRA kernel (the loop's own update, one process);
+`--update-trace` runs it once more with four micro-batches profiled (is the GPU kept busy?).
 A run writes one JSON (`--out`): phase
 times, peak memory, generated tokens/s and the update's tokens/s and model FLOP utilisation.
 """
@@ -38,6 +39,7 @@ from pathlib import Path
 from statistics import median
 
 import torch
+from torch import profiler
 
 from lorapop.lora.routing import KERNELS
 
@@ -199,6 +201,81 @@ def _peak() -> str:
     return f"; peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB{clock}"
 
 
+def _kernel_events(prof) -> list:
+    """The profile's GPU kernels (operators, which sum their kernels, left out)."""
+    return [e for e in prof.key_averages()
+            if "CUDA" in str(getattr(e, "device_type", "")) and e.device_time_total > 0]
+
+
+def kernel_table(prof, n: int = 25) -> list[dict]:
+    """The `n` GPU kernels with the most time."""
+    return [{"name": e.key[:120], "calls": e.count, "cuda_ms": e.device_time_total / 1e3}
+            for e in sorted(_kernel_events(prof), key=lambda e: -e.device_time_total)[:n]]
+
+
+# first match wins: FlashAttention's kernels name cutlass types, so attention comes first
+KINDS = {"attention": ("fmha", "flash", "attention", "sdpa", "efficient"),
+         "gemm": ("gemm", "xmma", "cutlass", "nvjet", "matmul"),
+         "copy_cast": ("copy", "cast", "to_copy", "fill", "cat", "index", "gather", "scatter")}
+
+
+def kernel_kinds(prof) -> dict[str, float]:
+    """GPU kernel time (ms) by kind: attention, GEMMs, copies/casts/indexing, the rest."""
+    out = dict.fromkeys([*KINDS, "other"], 0.0)
+    for e in _kernel_events(prof):
+        name = e.key.lower()
+        kind = next((k for k, words in KINDS.items() if any(w in name for w in words)), "other")
+        out[kind] += e.device_time_total / 1e3
+    return out
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class MicroBatchTrace:
+    """Profile micro-batches [first, first + count) of the next update (wraps
+    `sequence_logprobs`, as `UpdateCount`; the backward of a micro-batch runs before the next
+    call): their wall time, GPU kernel time by kind, and the share of the wall the GPU was
+    busy (well below 1: the GPU waited for the host)."""
+
+    def __init__(self, first: int = 10, count: int = 4) -> None:
+        self.first, self.count, self.seen = first, count, 0
+        self.prof = None
+        self.t0 = 0.0
+        self.result: dict | None = None
+
+    def __call__(self, fn):
+        @functools.wraps(fn)
+        def run(*a, **kw):
+            if torch.is_grad_enabled() and self.result is None:
+                if self.seen == self.first:
+                    _sync()
+                    self.prof = profiler.profile(activities=[profiler.ProfilerActivity.CPU,
+                                                             profiler.ProfilerActivity.CUDA])
+                    self.prof.__enter__()
+                    self.t0 = time.perf_counter()
+                elif self.seen == self.first + self.count:
+                    self.stop()
+                self.seen += 1
+            return fn(*a, **kw)
+
+        return run
+
+    def stop(self) -> None:
+        if self.prof is None or self.result is not None:
+            return
+        _sync()
+        wall_ms = (time.perf_counter() - self.t0) * 1e3
+        self.prof.__exit__(None, None, None)
+        kinds = kernel_kinds(self.prof)
+        self.result = {"micro_batches": min(self.count, self.seen - self.first),
+                       "wall_ms": wall_ms, "kernel_ms": kinds,
+                       "gpu_busy": sum(kinds.values()) / wall_ms,
+                       "kernels": kernel_table(self.prof, 30)}
+
+
 GENERATE_CALLS: list[dict] = []  # every traced generation call's rows, tokens and timing
 
 
@@ -233,7 +310,8 @@ def flop_params(model) -> int:
 
 
 def measure(config: str, overrides: list[str], warmup: int, steps: int, run_dir: Path,
-            skip_update: bool = False, update_ab: list[str] | None = None) -> dict:
+            skip_update: bool = False, update_ab: list[str] | None = None,
+            update_trace: bool = False) -> dict:
     from lorapop.config import load_config
     from lorapop.loop import SelfPlay
 
@@ -249,9 +327,9 @@ def measure(config: str, overrides: list[str], warmup: int, steps: int, run_dir:
         sp._policy_step = lambda rollouts, rewards: ({}, {}, [None] * len(rollouts))
     n_params = flop_params(getattr(sp, "parts", sp).model)  # (older loops: sp.model)
     compile_s = warm_compiled(getattr(sp, "parts", sp).model)
-    rows, ab = [], []
+    rows, ab, trace = [], [], None
     last: list = []  # the last policy step's (rollouts, rewards), for the update A/B
-    if update_ab:
+    if update_ab or update_trace:
         policy_step = sp._policy_step
 
         def keep_args(rollouts, rewards):
@@ -282,6 +360,16 @@ def measure(config: str, overrides: list[str], warmup: int, steps: int, run_dir:
             ab.append({"lora_kernel": kernel, "update_s": time.perf_counter() - t0,
                        "micro_batches": counter.micro_batches, "tokens": counter.real})
             print(f"update again, LoRA kernel {kernel}: {ab[-1]['update_s']:.1f}s", flush=True)
+        if update_trace:  # the last step's update again, 4 micro-batches (from the 11th) profiled
+            per_update = timed[2] // max(1, len(rows))  # micro-batches of one update
+            tracer = MicroBatchTrace(min(10, per_update // 3), min(4, max(1, per_update // 3)))
+            _patch("sequence_logprobs", tracer)
+            policy_step(*last)
+            tracer.stop()
+            trace = tracer.result
+            if trace:
+                print(f"update trace: GPU busy {trace['gpu_busy']:.2f} of "
+                      f"{trace['wall_ms']:.0f} ms, {trace['kernel_ms']}", flush=True)
     finally:
         sp.close()
         del sp
@@ -307,6 +395,7 @@ def measure(config: str, overrides: list[str], warmup: int, steps: int, run_dir:
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         "compile_s": compile_s,
         "update_ab": ab or None,
+        "update_trace": trace,
         "update": None if skip_update else {
             "tokens": counter.real // len(rows),
             "padded_tokens": counter.padded // len(rows),
@@ -346,6 +435,9 @@ def main() -> None:
     ap.add_argument("--update-ab", help="KERNEL,... after the timed steps, run the last step's "
                     "update again once per listed LoRA kernel (e.g. grouped,auto,grouped,auto): "
                     "the loop's own update compared in one process")
+    ap.add_argument("--update-trace", action="store_true",
+                    help="after the timed steps, run the last step's update again with "
+                         "micro-batches 10-13 profiled (kernel time by kind, GPU busy share)")
     ap.add_argument("overrides", nargs="*", help="extra key.path=value for both runs")
     args = ap.parse_args()
     if args.and_static and (args.static or not args.paper):
@@ -380,13 +472,14 @@ def main() -> None:
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    if args.update_ab and args.skip_update:
-        ap.error("--update-ab needs the update (no --skip-update)")
+    if (args.update_ab or args.update_trace) and args.skip_update:
+        ap.error("--update-ab and --update-trace need the update (no --skip-update)")
     kernels = args.update_ab.split(",") if args.update_ab else None
     if kernels and not set(kernels) <= {"auto", *KERNELS}:
         ap.error(f"--update-ab: LoRA kernels are auto, {', '.join(KERNELS)}")
     result["population"] = pop = measure(args.config, common, args.warmup, args.steps,
-                                         tmp / "pop", args.skip_update, kernels)
+                                         tmp / "pop", args.skip_update, kernels,
+                                         args.update_trace)
     if args.paper:
         out.write_text(json.dumps(result, indent=1))
         print(json.dumps(pop, indent=1))

@@ -29,7 +29,7 @@ import torch
 from torch import profiler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from loop_step import ROOT, bench_overrides, flop_params  # noqa: E402
+from loop_step import ROOT, bench_overrides, flop_params, kernel_kinds, kernel_table  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 SMOKE = ["model.name_or_path=tiny-random", f"model.device={DEV}", "model.dtype=bfloat16"]
@@ -38,32 +38,6 @@ SMOKE = ["model.name_or_path=tiny-random", f"model.device={DEV}", "model.dtype=b
 def _sync() -> None:
     if DEV == "cuda":
         torch.cuda.synchronize()
-
-
-def _kernels(prof, n: int = 25) -> list[dict]:
-    """The `n` GPU kernels with the most time (operators, which sum their kernels, left out)."""
-    rows = []
-    kernels = [e for e in prof.key_averages() if "CUDA" in str(getattr(e, "device_type", ""))]
-    for e in sorted(kernels, key=lambda e: -e.device_time_total)[:n]:
-        rows.append({"name": e.key[:120], "calls": e.count, "cuda_ms": e.device_time_total / 1e3})
-    return rows
-
-
-KINDS = {"gemm": ("gemm", "xmma", "cutlass", "nvjet", "matmul"),
-         "attention": ("fmha", "flash", "attention", "efficient"),
-         "copy_cast": ("copy", "cast", "to_copy", "fill", "cat", "index", "gather", "scatter")}
-
-
-def _kernel_kinds(prof) -> dict[str, float]:
-    """CUDA kernel time (ms) by kind: GEMMs, attention, copies/casts/indexing, the rest."""
-    out = dict.fromkeys([*KINDS, "other"], 0.0)
-    for e in prof.key_averages():
-        if "CUDA" not in str(getattr(e, "device_type", "")) or e.device_time_total <= 0:
-            continue  # kernels only (operators' totals would count them twice)
-        name = e.key.lower()
-        kind = next((k for k, words in KINDS.items() if any(w in name for w in words)), "other")
-        out[kind] += e.device_time_total / 1e3
-    return out
 
 
 def _rows(vocab: int, n: int, prompt: int, completion: int, share: int, slots: list[int],
@@ -137,11 +111,15 @@ def update_pass(parts, rows: tuple[list, list, list], share: bool, mode: bool | 
         if profile:
             with profiler.profile(activities=[profiler.ProfilerActivity.CUDA,
                                               profiler.ProfilerActivity.CPU]) as prof:
+                t0 = time.perf_counter()
                 micro(groups[0][0])
                 _sync()
+                wall_ms = (time.perf_counter() - t0) * 1e3
             out["profiled_micro_batch_rows"] = len(groups[0][0])
-            out["kernel_kinds_ms"] = _kernel_kinds(prof)
-            out["kernels"] = _kernels(prof, 30)
+            out["kernel_kinds_ms"] = kernel_kinds(prof)
+            out["profiled_wall_ms"] = wall_ms  # as loop_step.py --update-trace: GPU busy share
+            out["gpu_busy"] = sum(out["kernel_kinds_ms"].values()) / wall_ms
+            out["kernels"] = kernel_table(prof, 30)
             out["cpu_ops"] = [{"name": e.key[:100], "calls": e.count,
                                "self_cpu_ms": e.self_cpu_time_total / 1e3}
                               for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:15]]
@@ -304,7 +282,7 @@ def update_case(parts, prompt: int, completion: int, tokens: int, ckpt: bool, re
         with profiler.profile(activities=[profiler.ProfilerActivity.CUDA, profiler.ProfilerActivity.CPU]) as prof:
             once()
             _sync()
-        out["kernels"] = _kernels(prof)
+        out["kernels"] = kernel_table(prof)
     parts.opt.zero_grad()
     bank.zero_grad()
     if DEV == "cuda":
@@ -343,13 +321,13 @@ def decode_case(parts, rows: int, prompt: int, new: int, profile: bool) -> dict:
                 generate(model, bank, None, prompts, slots, p, seed=0, batch_size=rows,
                          cuda_graph=False)
                 _sync()
-            return _kernel_kinds(prof), prof
+            return kernel_kinds(prof), prof
 
         kinds(2)  # warm-up
         one, _ = kinds(1)
         many, prof = kinds(25)
         out["eager_step_kernel_ms"] = {k: (many[k] - one[k]) / 24 for k in many}
-        out["kernels"] = _kernels(prof, 30)
+        out["kernels"] = kernel_table(prof, 30)
         out["cpu_ops"] = [{"name": e.key[:100], "calls": e.count, "cpu_ms": e.cpu_time_total / 1e3}
                           for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:20]]
     return out
