@@ -234,6 +234,20 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+ALLOCATOR_COUNTS = ("num_alloc_retries", "num_ooms", "num_device_alloc", "num_device_free",
+                    "num_sync_all_streams")
+
+
+def allocator_counts() -> dict[str, int]:
+    """The CUDA caching allocator's event counters: retries (cached blocks freed to satisfy a
+    request) and device mallocs/frees each synchronise the device, so a step with many of them
+    stalls its GPU ({} on CPU)."""
+    if not torch.cuda.is_available():
+        return {}
+    stats = torch.cuda.memory_stats()
+    return {k: int(stats[k]) for k in ALLOCATOR_COUNTS if k in stats}
+
+
 class MicroBatchTrace:
     """Profile micro-batches [first, first + count) of the next update (wraps
     `sequence_logprobs`, as `UpdateCount`; the backward of a micro-batch runs before the next
@@ -328,6 +342,7 @@ def measure(config: str, overrides: list[str], warmup: int, steps: int, run_dir:
     n_params = flop_params(getattr(sp, "parts", sp).model)  # (older loops: sp.model)
     compile_s = warm_compiled(getattr(sp, "parts", sp).model)
     rows, ab, trace = [], [], None
+    alloc = allocator_counts()
     last: list = []  # the last policy step's (rollouts, rewards), for the update A/B
     if update_ab or update_trace:
         policy_step = sp._policy_step
@@ -348,8 +363,10 @@ def measure(config: str, overrides: list[str], warmup: int, steps: int, run_dir:
                 rows.append(row)
             else:
                 counter.reset()
+                alloc = allocator_counts()  # counted from the first timed step on
             print(f"{config} step {i}: {row['wall_s']:.1f}s {row['phase_s']}", flush=True)
         timed = (counter.real, counter.padded, counter.micro_batches, counter.checkpointed)
+        alloc = {k: v - alloc.get(k, 0) for k, v in allocator_counts().items()}
         for kernel in update_ab or []:  # the last step's update again, one LoRA kernel each
             sp.parts.bank.kernel = kernel
             counter.reset()
@@ -394,6 +411,7 @@ def measure(config: str, overrides: list[str], warmup: int, steps: int, run_dir:
         "tokens_per_s": median(r["tokens_per_s"] for r in rows),
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         "compile_s": compile_s,
+        "allocator_events": alloc,  # over the timed steps
         "update_ab": ab or None,
         "update_trace": trace,
         "update": None if skip_update else {

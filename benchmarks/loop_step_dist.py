@@ -40,6 +40,7 @@ from loop_step import (  # noqa: E402
     ROOT,
     UpdateCount,
     _patch,
+    allocator_counts,
     bench_overrides,
     trace_generate,
     warm_compiled,
@@ -86,6 +87,7 @@ def worker(args: argparse.Namespace) -> None:
         rows = []
         counter.reset()
         GENERATE_CALLS.clear()
+        alloc = allocator_counts()
         for _ in range(args.steps):
             dist.barrier(world)
             sync()
@@ -119,6 +121,7 @@ def worker(args: argparse.Namespace) -> None:
             "update_padded_tokens": counter.padded // len(rows),
             "checkpointed_micro_batches": counter.checkpointed // len(rows),
             "generate_calls": GENERATE_CALLS,  # the timed steps' (proposal, solving, ...)
+            "allocator_events": {k: v - alloc.get(k, 0) for k, v in allocator_counts().items()},
         }
         ranks = dist.all_gather(mine, world)
         if world.main:
