@@ -207,8 +207,8 @@ def _kernel_events(prof) -> list:
             if "CUDA" in str(getattr(e, "device_type", "")) and e.device_time_total > 0]
 
 
-def kernel_table(prof, n: int = 25) -> list[dict]:
-    """The `n` GPU kernels with the most time."""
+def kernel_table(prof, n: int | None = 25) -> list[dict]:
+    """The `n` GPU kernels with the most time (None: all)."""
     return [{"name": e.key[:120], "calls": e.count, "cuda_ms": e.device_time_total / 1e3}
             for e in sorted(_kernel_events(prof), key=lambda e: -e.device_time_total)[:n]]
 

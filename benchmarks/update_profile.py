@@ -301,35 +301,40 @@ def decode_case(parts, rows: int, prompt: int, new: int, profile: bool) -> dict:
     prompts = torch.randint(0, vocab, (rows, prompt), generator=g).tolist()
     slots = [i % len(parts.slot) for i in range(rows)]
 
-    def run(n_new: int) -> float:
+    def run(n_new: int) -> tuple[float, dict]:
         p = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=n_new, eos_token_ids=())
+        timing: dict = {}
         _sync()
         t0 = time.perf_counter()
-        generate(model, bank, None, prompts, slots, p, seed=0, batch_size=rows)
+        generate(model, bank, None, prompts, slots, p, seed=0, batch_size=rows, timing=timing)
         _sync()
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, timing
 
-    short, full = run(8), run(new)
+    (short, _), (full, timing) = run(8), run(new)
     out = {"rows": rows, "prompt": prompt, "new": new, "s_8": short, f"s_{new}": full,
-           "step_ms": (full - short) / (new - 8) * 1e3}
-    if profile:  # eager steps (no graph): kernel time by kind per decode step, launch gaps
-        # left out; a 1-token run is subtracted from a 25-token run (the prefill cancels)
-        def kinds(n_new: int):
+           "step_ms": timing["decode_s"] / max(1, timing["steps"]) * 1e3,
+           "prefill_s": timing["prefill_s"], "capture_s": timing["capture_s"]}
+    if profile:  # eager steps (no graph): kernel time per decode step, launch gaps left
+        # out; a 1-token run is subtracted from a 25-token run (the prefill cancels)
+        def kernels(n_new: int) -> tuple[dict[str, float], dict[str, float]]:
             p = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=n_new, eos_token_ids=())
             with profiler.profile(activities=[profiler.ProfilerActivity.CUDA,
                                               profiler.ProfilerActivity.CPU]) as prof:
                 generate(model, bank, None, prompts, slots, p, seed=0, batch_size=rows,
                          cuda_graph=False)
                 _sync()
-            return kernel_kinds(prof), prof
+            times: dict[str, float] = {}
+            for k in kernel_table(prof, None):  # names cut at 120 characters may repeat
+                times[k["name"]] = times.get(k["name"], 0.0) + k["cuda_ms"]
+            return kernel_kinds(prof), times
 
-        kinds(2)  # warm-up
-        one, _ = kinds(1)
-        many, prof = kinds(25)
+        kernels(2)  # warm-up
+        one, one_k = kernels(1)
+        many, many_k = kernels(25)
         out["eager_step_kernel_ms"] = {k: (many[k] - one[k]) / 24 for k in many}
-        out["kernels"] = kernel_table(prof, 30)
-        out["cpu_ops"] = [{"name": e.key[:100], "calls": e.count, "cpu_ms": e.cpu_time_total / 1e3}
-                          for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:20]]
+        per_step = {name: (ms - one_k.get(name, 0.0)) / 24 for name, ms in many_k.items()}
+        out["step_kernels"] = [{"name": name, "ms_per_step": ms} for name, ms in
+                               sorted(per_step.items(), key=lambda kv: -kv[1])[:40]]
     return out
 
 
@@ -397,7 +402,7 @@ def main() -> None:
                 write()
             continue
         r = decode_case(parts, rows, prompt, args.decode_new, profile=True)
-        print(json.dumps({k: v for k, v in r.items() if k not in ("kernels", "cpu_ops")}), flush=True)
+        print(json.dumps({k: v for k, v in r.items() if k not in ("step_kernels",)}), flush=True)
         result["decode"].append(r)
         write()
 
