@@ -64,6 +64,8 @@ def test_bad_input_gives_clear_errors():
         pass
     with pytest.raises(ValueError, match="3 slot ids"), bank.route([0, 1, 1]):
         model(ids)
+    with torch.no_grad(), pytest.raises(ValueError, match="3 slot ids"), bank.route([1, 1, 1]):
+        model(ids)  # rows in runs of one slot: the addmm path checks too
     state = bank.slot_state(0)
     name = next(iter(state))
     state[name]["A"] = state[name]["A"][:2]

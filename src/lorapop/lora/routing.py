@@ -164,6 +164,9 @@ def add_delta_by_runs(
     under autograd (an in-place add into slices of `out` would make autograd copy the whole
     gradient of `out` for each), or `out` not in the compute dtype.
     """
+    if runs[-1][2] != x.shape[0]:
+        raise ValueError(f"AdapterBank: batch has {x.shape[0]} rows but the routing has "
+                         f"{runs[-1][2]} slot ids")
     if out.dtype != x.dtype:
         return None
     x2, out2 = x.reshape(-1, x.shape[-1]), out.reshape(-1, out.shape[-1])
