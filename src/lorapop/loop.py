@@ -391,6 +391,9 @@ class SelfPlay:
         rollouts = [r for _, r, _ in batch]
         dev = next(p.model.parameters()).device
         slots = torch.tensor([p.slot[r.member] for r in rollouts], device=dev)
+        # on the device once: a host-to-device copy inside the micro-batch loop waits for the
+        # GPU to finish the forward before the loss and backward can be queued
+        adv_all = torch.tensor(advs, device=dev, dtype=torch.float32)
         lengths = torch.tensor([len(r.token_ids) for r in rollouts], device=dev)
         full_mask = torch.arange(int(lengths.max()), device=dev)[None, :] < lengths[:, None]
         token_counts = group_token_counts(full_mask, slots, n_groups=len(p.slot))
@@ -423,8 +426,7 @@ class SelfPlay:
                     p.model, p.bank, [r.prompt_ids for r in part], [r.token_ids for r in part],
                     slots[idx], share_prompts=tc.share_prompts,
                 )
-                adv = torch.tensor([advs[i] for i in rows], device=dev, dtype=torch.float32)
-                loss, row_loss = policy_loss(logprobs.float(), adv, mask, groups=slots[idx],
+                loss, row_loss = policy_loss(logprobs.float(), adv_all[idx], mask, groups=slots[idx],
                                              token_counts=token_counts)
                 loss.backward()
                 slot_loss.index_add_(0, slots[idx], row_loss)
