@@ -18,6 +18,11 @@ world recipes' `world`) and on a selection set (which picks
 the best and weakest student), then on the other arms' recent tasks (cross-play), and the
 summary is written: per-step curves, the gate, the pre-registered criterion (README), paired
 bootstrap CIs. `--model` builds the base with `--size` when the directory holds no model.
+
+A call's small results (curves, per-task grades, cross-play) go to `results.json`; `--merge`
+joins those of calls that ran other seeds or arms (runs cannot move between machines, their
+results can). `--gpus N` puts each run on one of N GPUs; `benchmarks/world_call.sh` is one
+device call of a chain on a warm machine (README: "Plan for the next session's device calls").
 """
 
 from __future__ import annotations
@@ -415,9 +420,10 @@ def _coverage_table(arm_curves: dict, seeds: list[int]) -> dict:
 
 
 def place(jobs: list[dict], gpus: int) -> None:
-    """Spread the runs over `gpus` GPUs, round robin in job order (0: leave CUDA's default)."""
-    for i, job in enumerate(jobs):
-        if gpus > 0:
+    """Spread the runs over `gpus` GPUs (0: leave CUDA's default), round robin, the full runs
+    first: an independent agent (arm c) generates a quarter of what the others do per step."""
+    if gpus > 0:
+        for i, job in enumerate(sorted(jobs, key=lambda j: j["arm"] == "independent")):
             job["gpu"] = i % gpus
 
 

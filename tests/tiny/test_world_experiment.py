@@ -129,9 +129,10 @@ def test_seed_levels_choose_the_buffers_start_and_reuse_the_sets(tmp_path) -> No
 
 def test_runs_are_spread_over_the_gpus_each_in_its_own_process(tmp_path, monkeypatch) -> None:
     we = _module()
-    jobs = [{"name": f"r{i}"} for i in range(5)]
-    we.place(jobs, 2)
-    assert [j["gpu"] for j in jobs] == [0, 1, 0, 1, 0]
+    arms = ["population", "single", *["independent"] * 4, "noevolve"]
+    jobs = [{"name": f"r{i}", "arm": a} for i, a in enumerate(arms)]
+    we.place(jobs, 3)  # the three full runs on three GPUs, then the light ones
+    assert [j["gpu"] for j in jobs] == [0, 1, 0, 1, 2, 0, 2]
     seen = {}
 
     def fake_run(cmd, **kw):
@@ -144,7 +145,7 @@ def test_runs_are_spread_over_the_gpus_each_in_its_own_process(tmp_path, monkeyp
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     for j in jobs[:2]:
         we._subprocess("--train-one", j, tmp_path / f"{j['name']}.json")
-    untouched = [{"name": "r9"}]
+    untouched = [{"name": "r9", "arm": "single"}]
     we.place(untouched, 0)
     we._subprocess("--train-one", untouched[0], tmp_path / "r9.json")
     assert seen == {"r0": "0", "r1": "1", "r9": None}
