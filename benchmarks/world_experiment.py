@@ -702,8 +702,11 @@ def main() -> None:
         missing = [str(m) for m in args.merge if not m.is_file()]
         if missing:
             ap.error(f"no such results file: {', '.join(missing)}")
-        write_summary([json.loads(m.read_text()) for m in args.merge],
-                      Path(args.out) / "world_experiment.json")
+        try:
+            write_summary([json.loads(m.read_text()) for m in args.merge],
+                          Path(args.out) / "world_experiment.json")  # fmt: skip
+        except (ValueError, KeyError, TypeError) as e:  # (JSONDecodeError is a ValueError)
+            raise SystemExit(f"--merge: not mergeable results ({type(e).__name__}: {e})") from None
     elif args.gate_probe:
         print(json.dumps(gate_probe(Path(args.out)), indent=1))
     elif args.train_one or args.cross_one:

@@ -196,3 +196,17 @@ def test_calls_of_other_seeds_merge_into_one_verdict(tmp_path) -> None:
 def test_merge_refuses_a_run_given_twice(tmp_path) -> None:
     with pytest.raises(SystemExit, match="population_s0, single_s0"):
         _module().merge_results([_results([0], 0.0), _results([0, 1], 0.1)])
+
+
+def test_merge_of_a_single_arm_or_a_broken_file_is_a_one_line_error(tmp_path) -> None:
+    only_single = _results([0], 0.0)
+    only_single["runs"] = [r for r in only_single["runs"] if r["arm"] == "single"]
+    (tmp_path / "single.json").write_text(json.dumps(only_single))
+    (tmp_path / "cut.json").write_text(json.dumps(_results([1], 0.0))[:100])
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    for name in ("single.json", "cut.json", "absent.json"):
+        proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "world_experiment.py"),
+                               "--merge", str(tmp_path / name), "--out", str(tmp_path / "m")],
+                              capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+        assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+        assert "merge" in proc.stderr or "no such results file" in proc.stderr
