@@ -18,6 +18,11 @@ world recipes' `world`) and on a selection set (which picks
 the best and weakest student), then on the other arms' recent tasks (cross-play), and the
 summary is written: per-step curves, the gate, the pre-registered criterion (README), paired
 bootstrap CIs. `--model` builds the base with `--size` when the directory holds no model.
+
+A call's small results (curves, per-task grades, cross-play) go to `results.json`; `--merge`
+joins those of calls that ran other seeds or arms (runs cannot move between machines, their
+results can). `--gpus N` puts each run on one of N GPUs; `benchmarks/world_call.sh` is one
+device call of a chain on a warm machine (README: "Plan for the next session's device calls").
 """
 
 from __future__ import annotations
@@ -414,10 +419,19 @@ def _coverage_table(arm_curves: dict, seeds: list[int]) -> dict:
 # -- orchestration ----------------------------------------------------------------------------
 
 
+def place(jobs: list[dict], gpus: int) -> None:
+    """Spread the runs over `gpus` GPUs (0: leave CUDA's default), round robin, the full runs
+    first: an independent agent (arm c) generates a quarter of what the others do per step."""
+    if gpus > 0:
+        for i, job in enumerate(sorted(jobs, key=lambda j: j["arm"] == "independent")):
+            job["gpu"] = i % gpus
+
+
 def _subprocess(mode: str, job: dict, path: Path) -> dict:
     path.write_text(json.dumps(job))
+    env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": str(job["gpu"])} if "gpu" in job else {})}
     proc = subprocess.run([sys.executable, __file__, mode, str(path)], capture_output=True,
-                          text=True)  # fmt: skip
+                          text=True, env=env)  # fmt: skip
     if proc.returncode:
         raise RuntimeError(f"{job['name']} ({mode}) failed:\n{proc.stderr[-3000:]}")
     return json.loads(path.with_suffix(".out.json").read_text())
@@ -495,6 +509,7 @@ def run_all(args: argparse.Namespace) -> None:
                              "run_dir": str(out / "runs" / name), "heldout": paths["heldout"],
                              "select": paths["select"], "deadline_at": t0 + args.deadline,
                              "recent_steps": args.recent_steps, "recent_tasks": args.recent_tasks})
+    place(jobs, args.gpus)
 
     def train(job: dict) -> dict:
         path = out / "jobs" / f"{job['name']}.json"
@@ -510,9 +525,6 @@ def run_all(args: argparse.Namespace) -> None:
     if not all(r["done"] for r in recs):
         left = sum(not r["done"] for r in recs)
         print(f"{left} of {len(recs)} runs not finished: run the same command again to continue")
-        return
-    if not {"population", "single"} <= set(args.arms):  # the criterion compares the two
-        print(json.dumps({"gate_probe": gate_probe(out)}, indent=1))
         return
     from lorapop.report import read_metrics
     from lorapop.tiny.heldout import load_jsonl, save_jsonl
@@ -539,22 +551,63 @@ def run_all(args: argparse.Namespace) -> None:
     for j, res in zip(cross_jobs, cross_recs, strict=True):
         for task_arm, v in res.items():
             cross.setdefault(j["arm"], {}).setdefault(task_arm, []).append(v)
-    crossplay = {a: {t: fmean(v) for t, v in row.items()} for a, row in cross.items()}
-    summary = {
-        "benchmark": "world_experiment",
+    results = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "config": str(CONFIG.relative_to(ROOT)),
         "level_table": table,
         "base_overrides": base,
         "seeds": args.seeds,
         "arms": {arm: [n for n, _ in arm_runs(arm, 0, base)] for arm in args.arms},
         "device": _device(),
         "cpus": os.cpu_count(),
+        "gpus": args.gpus,
+        "wall_s": round(time.time() - t0, 1),
+        "runs": recs,
+        "crossplay": cross,
+    }
+    (out / "results.json").write_text(json.dumps(results) + "\n")
+    print(f"wrote {out / 'results.json'} ({len(recs)} runs, their end points and cross-play)")
+    if not {"population", "single"} <= set(args.arms):  # the criterion compares the two
+        print(json.dumps({"gate_probe": gate_probe(out)}, indent=1))
+        return
+    write_summary([results], out / "world_experiment.json")
+
+
+def merge_results(parts: list[dict]) -> dict:
+    """One call's results from several calls' `results.json` (runs of other arms or seeds):
+    runs concatenated, cross-play lists joined (cross-play only pairs arms of one call)."""
+    if not parts:
+        raise SystemExit("--merge needs at least one results.json")
+    names = [r["name"] for p in parts for r in p["runs"]]
+    if dup := sorted({n for n in names if names.count(n) > 1}):
+        raise SystemExit(f"--merge: runs in more than one results.json: {', '.join(dup)}")
+    if len({p["level_table"] for p in parts}) > 1:
+        raise SystemExit("--merge: results of different level tables")
+    cross: dict[str, dict[str, list[float]]] = {}
+    for p in parts:
+        for arm, row in p["crossplay"].items():
+            for task_arm, v in row.items():
+                cross.setdefault(arm, {}).setdefault(task_arm, []).extend(v)
+    return {**parts[0], "command": [p["command"] for p in parts],
+            "seeds": sorted({s for p in parts for s in p["seeds"]}),
+            "arms": {a: n for p in parts for a, n in p["arms"].items()},
+            "device": sorted({p["device"] for p in parts}), "wall_s": [p["wall_s"] for p in parts],
+            "runs": [r for p in parts for r in p["runs"]], "crossplay": cross}  # fmt: skip
+
+
+def write_summary(parts: list[dict], path: Path) -> None:
+    """The criterion, end points and curves of one or more calls' results, and the figure."""
+    res = merge_results(parts)
+    summary = {
+        "benchmark": "world_experiment",
+        "config": str(CONFIG.relative_to(ROOT)),
+        **{k: v for k, v in res.items() if k not in ("runs", "crossplay")},
         "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d %H:%M"),
-        **summarize(recs, crossplay, [1, 2, 3, 4, 5], args.seeds),
+        **summarize(res["runs"],
+                    {a: {t: fmean(v) for t, v in row.items()} for a, row in res["crossplay"].items()},
+                    [1, 2, 3, 4, 5], res["seeds"]),  # fmt: skip
     }
-    path = out / "world_experiment.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(summary) + "\n")
     print(json.dumps({"gate": summary["gate"]["passed"],
                       "verdict": summary["criterion"]["verdict"]}))  # fmt: skip
@@ -618,6 +671,8 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
     ap.add_argument("--parallel", type=int, default=21, help="runs trained at once")
+    ap.add_argument("--gpus", type=int, default=0,
+                    help="spread the runs over this many GPUs (CUDA_VISIBLE_DEVICES per run)")
     ap.add_argument("--deadline", type=float, default=540.0,
                     help="seconds after start at which runs checkpoint and stop; runs that finish "
                     "then score their students, so leave room for that in the last call")
@@ -630,14 +685,28 @@ def main() -> None:
                     help="levels of the grammar tasks the buffers start with (8 per type and "
                     "level): where the teachers' references, so their proposals, begin")
     ap.add_argument("--plot", type=Path, help="plot a finished world_experiment.json")
+    ap.add_argument("--merge", type=Path, nargs="+", metavar="RESULTS",
+                    help="merge calls' results.json (other arms or seeds) into --out's "
+                    "world_experiment.json and figure, then stop")
     ap.add_argument("--gate-probe", action="store_true",
                     help="print the gate on the single-agent runs under --out so far (any steps)")
     ap.add_argument("--train-one", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--cross-one", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help="key.path=value for every run (before matching)")
-    args = ap.parse_args()
+    args = ap.parse_intermixed_args()  # overrides may come before the options
+    if args.gpus < 0:
+        ap.error("--gpus must be >= 0")
     if args.plot:
         plot(args.plot)
+    elif args.merge:
+        missing = [str(m) for m in args.merge if not m.is_file()]
+        if missing:
+            ap.error(f"no such results file: {', '.join(missing)}")
+        try:
+            write_summary([json.loads(m.read_text()) for m in args.merge],
+                          Path(args.out) / "world_experiment.json")  # fmt: skip
+        except (ValueError, KeyError, TypeError) as e:  # (JSONDecodeError is a ValueError)
+            raise SystemExit(f"--merge: not mergeable results ({type(e).__name__}: {e})") from None
     elif args.gate_probe:
         print(json.dumps(gate_probe(Path(args.out)), indent=1))
     elif args.train_one or args.cross_one:

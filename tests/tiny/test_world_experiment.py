@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from statistics import fmean
 
 import pytest
 
@@ -107,6 +108,10 @@ def test_a_finished_single_arm_reports_its_gate(tmp_path) -> None:
     assert proc.returncode == 0, proc.stderr
     probe = json.loads(proc.stdout[proc.stdout.index("{"):])["gate_probe"]
     assert probe["single_s0"]["steps"] == 2 and probe["single_s0"]["collapsed"] is False
+    res = json.loads((tmp_path / "results.json").read_text())  # what a call brings back
+    (run,) = res["runs"]
+    assert run["done"] and len(run["heldout"]["grades"]["A0"]) == len(run["heldout_levels"]) == 15
+    assert len(run["curves"]["solve_rate"]) == 2 and res["runs"][0]["steps"] == 2
 
 
 def test_seed_levels_choose_the_buffers_start_and_reuse_the_sets(tmp_path) -> None:
@@ -120,3 +125,88 @@ def test_seed_levels_choose_the_buffers_start_and_reuse_the_sets(tmp_path) -> No
     for paths, levels in ((high, {4, 5}), (low, {1, 2, 3})):
         tasks = load_jsonl(paths["seed_tasks"])
         assert {t.meta["difficulty"] for t in tasks} == levels and len(tasks) == 3 * 8 * len(levels)
+
+
+def test_runs_are_spread_over_the_gpus_each_in_its_own_process(tmp_path, monkeypatch) -> None:
+    we = _module()
+    arms = ["population", "single", *["independent"] * 4, "noevolve"]
+    jobs = [{"name": f"r{i}", "arm": a} for i, a in enumerate(arms)]
+    we.place(jobs, 3)  # the three full runs on three GPUs, then the light ones
+    assert [j["gpu"] for j in jobs] == [0, 1, 0, 1, 2, 0, 2]
+    seen = {}
+
+    def fake_run(cmd, **kw):
+        path = Path(cmd[-1])
+        seen[path.stem] = kw["env"].get("CUDA_VISIBLE_DEVICES")
+        path.with_suffix(".out.json").write_text("{}")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(we.subprocess, "run", fake_run)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    for j in jobs[:2]:
+        we._subprocess("--train-one", j, tmp_path / f"{j['name']}.json")
+    untouched = [{"name": "r9", "arm": "single"}]
+    we.place(untouched, 0)
+    we._subprocess("--train-one", untouched[0], tmp_path / "r9.json")
+    assert seen == {"r0": "0", "r1": "1", "r9": None}
+
+
+def _results(seeds: list[int], shift: float) -> dict:
+    """One call's results.json: population and single arms for `seeds`, 4 held-out tasks."""
+    we = _module()
+    runs = []
+    for s in seeds:
+        for arm, cyc, solve in (("population", 1.0, 0.3), ("single", 2.0, 0.85)):
+            rows = [_row(i, solve + shift, cyc - (0.01 if arm == "single" else -0.01) * i, 1.0)
+                    for i in range(1, 11)]  # fmt: skip
+            g = [1.0] * 4 if arm == "population" else [0.0] * 4
+            runs.append({"name": f"{arm}_s{s}", "arm": arm, "seed": s, "steps": 10, "done": True,
+                         "heldout": {"grades": {"A0": g}, "pass@1": {"A0": fmean(g)}},
+                         "select": {"grades": {"A0": g}, "pass@1": {"A0": fmean(g)}},
+                         "curves": we.curves(rows), "heldout_levels": [1, 3, 4, 5]})  # fmt: skip
+    return {"command": "x", "level_table": "short", "base_overrides": [], "seeds": seeds,
+            "arms": {"population": ["population_s0"], "single": ["single_s0"]}, "device": "cpu",
+            "cpus": 2, "gpus": 0, "wall_s": 1.0, "runs": runs,
+            "crossplay": {"population": {"single": [0.5] * len(seeds)},
+                          "single": {"population": [0.25] * len(seeds)}}}  # fmt: skip
+
+
+def test_calls_of_other_seeds_merge_into_one_verdict(tmp_path) -> None:
+    """Each seed's runs in its own call (its own machine); --merge gives what one call would."""
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(_results([0], 0.0)))
+    b.write_text(json.dumps(_results([1, 2], 0.0)))
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    script = str(ROOT / "benchmarks" / "world_experiment.py")
+    proc = subprocess.run([sys.executable, script, "--merge", str(a), str(b), "--out",
+                           str(tmp_path / "m")], capture_output=True, text=True, env=env,
+                          timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    merged = json.loads((tmp_path / "m" / "world_experiment.json").read_text())
+    assert (tmp_path / "m" / "world_experiment.png").is_file()
+    assert merged["seeds"] == [0, 1, 2] and merged["gate"]["passed"] is True
+    assert merged["criterion"]["C1_complexity"]["holds"] is True
+    c2 = merged["criterion"]["C2_weakest_vs_single_levels_3_5"]
+    assert c2["diff"] == pytest.approx(1.0) and c2["verdict"] == "supported"
+    assert merged["crossplay"] == {"population": {"single": 0.5}, "single": {"population": 0.25}}
+    whole = _module().merge_results([_results([0, 1, 2], 0.0)])
+    assert _module().merge_results([_results([0], 0.0), _results([1, 2], 0.0)])["runs"] == whole["runs"]
+
+
+def test_merge_refuses_a_run_given_twice(tmp_path) -> None:
+    with pytest.raises(SystemExit, match="population_s0, single_s0"):
+        _module().merge_results([_results([0], 0.0), _results([0, 1], 0.1)])
+
+
+def test_merge_of_a_single_arm_or_a_broken_file_is_a_one_line_error(tmp_path) -> None:
+    only_single = _results([0], 0.0)
+    only_single["runs"] = [r for r in only_single["runs"] if r["arm"] == "single"]
+    (tmp_path / "single.json").write_text(json.dumps(only_single))
+    (tmp_path / "cut.json").write_text(json.dumps(_results([1], 0.0))[:100])
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    for name in ("single.json", "cut.json", "absent.json"):
+        proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "world_experiment.py"),
+                               "--merge", str(tmp_path / name), "--out", str(tmp_path / "m")],
+                              capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+        assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+        assert "merge" in proc.stderr or "no such results file" in proc.stderr

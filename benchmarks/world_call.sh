@@ -1,0 +1,52 @@
+#!/bin/bash
+# One device call of issue 15's experiment (world_experiment.py on the world-short base), made to
+# be chained: the runs live in $RUNS (/tmp on the device machine), so the same command on the
+# still-warm machine (next call within ~30 s) continues them from their checkpoints; the call
+# whose runs reach train.steps scores them (held-out, selection, cross-play) and writes
+# results.json. Only small files come back under $OUT (never checkpoints): progress.tgz
+# (every 30 s: call log, GPU/CPU load, each run's job record and metrics.jsonl, gate probe) and,
+# when finished, results.json (+ world_experiment.json/.png with both arms population and single).
+#
+# usage (device machine, repo root; D holds src, benchmarks, configs, models/world-short_bf16.tgz.part*
+# and optionally sets/ with heldout/select/seed_tasks*.jsonl and level_table.txt):
+#   OUT=$OUT D=.gpu/world9b bash .gpu/world9b/benchmarks/world_call.sh END_S [world_experiment.py args]
+#   e.g. ... world_call.sh 470 --arms single --seeds 0 1 2 --parallel 3          (the gate)
+#        ... world_call.sh 470 train.lr=3e-3 --arms single --seeds 0 --parallel 1  (overrides first)
+#        ... world_call.sh 470 --gpus 8 --parallel 21                            (the experiment)
+# END_S: seconds after the call began at which training checkpoints and stops (leave ~100 s of a
+# 600 s call for the scoring when the runs can finish in this call).
+set -u
+T0=$(date +%s)
+D=${D:?set D to the carried directory}
+END=${1:?END_S}; shift
+[ -n "${SKIP_PIP:-}" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD/$D/src
+M=${MODEL_DIR:-/tmp/m}
+[ -f $M/world-short/config.json ] || { mkdir -p $M && cat $D/models/world-short_bf16.tgz.part* | tar xzf - -C $M; }
+W=${RUNS:-/tmp/wx}
+mkdir -p $W $OUT; rm -f $W/stop
+[ -d $D/sets ] && cp -n $D/sets/* $W/
+[ -d $W/runs ] && echo "continuing: $(ls $W/runs | wc -l) runs on this machine" >> $W/call.log
+S="sampling.teacher_max_new_tokens=256 sampling.student_max_new_tokens=192 verify.workers=2 run.keep_last=1"
+DL=$(( END - ($(date +%s) - T0) ))
+echo "$(date -u +%T) setup $(( $(date +%s) - T0 )) s, deadline $DL s, args $*" >> $W/call.log
+pack() {  # small files only: no checkpoints, rollouts or adapters
+  ( cd $W && ls *.log gate_probe.json jobs/*.out.json runs/*/metrics.jsonl 2>/dev/null ) \
+    | tar czf $OUT/progress.tgz.tmp -C $W -T - 2>/dev/null && mv $OUT/progress.tgz.tmp $OUT/progress.tgz; }
+( while [ ! -f $W/stop ]; do
+    { date -u +%T; uptime; nvidia-smi --query-gpu=index,utilization.gpu,memory.used \
+        --format=csv,noheader 2>&1; } >> $W/load.log
+    pack; sleep 30
+  done ) &
+TP=$!
+python3 $D/benchmarks/world_experiment.py $S --model $M/world-short --out $W --deadline $DL \
+    --per-level 20 --workers 4 "$@" > $W/experiment.log 2>&1
+echo "$(date -u +%T) exit $? after $(( $(date +%s) - T0 )) s" >> $W/call.log
+touch $W/stop; kill $TP 2>/dev/null; wait $TP 2>/dev/null   # (not the loop's 30 s sleep)
+python3 $D/benchmarks/world_experiment.py --out $W --gate-probe > /dev/null 2>> $W/call.log
+pack
+for f in results.json world_experiment.json world_experiment.png; do
+  [ -f $W/$f ] && cp $W/$f $OUT/
+done
+tail -3 $W/experiment.log; cat $W/call.log
