@@ -229,7 +229,8 @@ def kernel_kinds(prof) -> dict[str, float]:
     return out
 
 
-def _sync() -> None:
+def sync_cuda() -> None:
+    """Wait for the GPU (a no-op on CPU)."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
 
@@ -265,7 +266,7 @@ class MicroBatchTrace:
         def run(*a, **kw):
             if torch.is_grad_enabled() and self.result is None:
                 if self.seen == self.first:
-                    _sync()
+                    sync_cuda()
                     self.prof = profiler.profile(activities=[profiler.ProfilerActivity.CPU,
                                                              profiler.ProfilerActivity.CUDA])
                     self.prof.__enter__()
@@ -280,7 +281,7 @@ class MicroBatchTrace:
     def stop(self) -> None:
         if self.prof is None or self.result is not None:
             return
-        _sync()
+        sync_cuda()
         wall_ms = (time.perf_counter() - self.t0) * 1e3
         self.prof.__exit__(None, None, None)
         kinds = kernel_kinds(self.prof)
@@ -302,8 +303,7 @@ def trace_generate(generate):
         timing = kw.setdefault("timing", {})
         t0 = time.perf_counter()
         out = generate(*a, **kw)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        sync_cuda()
         dt = time.perf_counter() - t0
         new = sum(len(g.token_ids) for g in out)
         GENERATE_CALLS.append({"rows": len(out), "new_tokens": new, "s": dt, **timing})
@@ -331,7 +331,6 @@ def measure(config: str, overrides: list[str], warmup: int, steps: int, run_dir:
 
     cfg = load_config(ROOT / config, overrides)
     cuda = torch.cuda.is_available()
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     counter = UpdateCount()
@@ -354,10 +353,10 @@ def measure(config: str, overrides: list[str], warmup: int, steps: int, run_dir:
         sp._policy_step = keep_args
     try:
         for i in range(warmup + steps):
-            sync()
+            sync_cuda()
             t0 = time.perf_counter()
             row = sp.step()
-            sync()
+            sync_cuda()
             row["wall_s"] = time.perf_counter() - t0
             if i >= warmup:
                 rows.append(row)
@@ -370,10 +369,10 @@ def measure(config: str, overrides: list[str], warmup: int, steps: int, run_dir:
         for kernel in update_ab or []:  # the last step's update again, one LoRA kernel each
             sp.parts.bank.kernel = kernel
             counter.reset()
-            sync()
+            sync_cuda()
             t0 = time.perf_counter()
             policy_step(*last)
-            sync()
+            sync_cuda()
             ab.append({"lora_kernel": kernel, "update_s": time.perf_counter() - t0,
                        "micro_batches": counter.micro_batches, "tokens": counter.real})
             print(f"update again, LoRA kernel {kernel}: {ab[-1]['update_s']:.1f}s", flush=True)
@@ -393,8 +392,8 @@ def measure(config: str, overrides: list[str], warmup: int, steps: int, run_dir:
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
-    if update_ab:
-        counter.real, counter.padded, counter.micro_batches, counter.checkpointed = timed
+    # the replays above counted their micro-batches too: report the timed steps'
+    counter.real, counter.padded, counter.micro_batches, counter.checkpointed = timed
     phases = {p: median(r["phase_s"].get(p, 0.0) for r in rows) for p in rows[0]["phase_s"]}
     update_s = sum(r["phase_s"].get("update", 0.0) for r in rows)
     name = torch.cuda.get_device_name() if cuda else ""

@@ -29,15 +29,17 @@ import torch
 from torch import profiler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from loop_step import ROOT, bench_overrides, flop_params, kernel_kinds, kernel_table  # noqa: E402
+from loop_step import (  # noqa: E402
+    ROOT,
+    bench_overrides,
+    flop_params,
+    kernel_kinds,
+    kernel_table,
+    sync_cuda,
+)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 SMOKE = ["model.name_or_path=tiny-random", f"model.device={DEV}", "model.dtype=bfloat16"]
-
-
-def _sync() -> None:
-    if DEV == "cuda":
-        torch.cuda.synchronize()
 
 
 def _rows(vocab: int, n: int, prompt: int, completion: int, share: int, slots: list[int],
@@ -82,7 +84,7 @@ def update_pass(parts, rows: tuple[list, list, list], share: bool, mode: bool | 
         loss, _ = policy_loss(lp.float(), adv[i], mask, groups=slots[i])
         loss.backward()
 
-    _sync()
+    sync_cuda()
     if DEV == "cuda":
         torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated() if DEV == "cuda" else 0  # the held copy counts
@@ -97,7 +99,7 @@ def update_pass(parts, rows: tuple[list, list, list], share: bool, mode: bool | 
         for idx, padded in groups:
             use_checkpointing(model, ckpt if keep is None else padded > keep)
             micro(idx)
-        _sync()
+        sync_cuda()
         dt = time.perf_counter() - t0
         peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if DEV == "cuda" else None
         tokens = sum(len(p) + len(c) for p, c in zip(prompts, comps, strict=True))
@@ -113,7 +115,7 @@ def update_pass(parts, rows: tuple[list, list, list], share: bool, mode: bool | 
                                               profiler.ProfilerActivity.CPU]) as prof:
                 t0 = time.perf_counter()
                 micro(groups[0][0])
-                _sync()
+                sync_cuda()
                 wall_ms = (time.perf_counter() - t0) * 1e3
             out["profiled_micro_batch_rows"] = len(groups[0][0])
             out["kernel_kinds_ms"] = kernel_kinds(prof)
@@ -256,17 +258,17 @@ def update_case(parts, prompt: int, completion: int, tokens: int, ckpt: bool, re
         loss, _ = policy_loss(lp.float(), adv, mask, groups=slots)
         loss.backward()
 
-    _sync()
+    sync_cuda()
     if DEV == "cuda":
         torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated() if DEV == "cuda" else 0
     try:
         once()  # warm-up
-        _sync()
+        sync_cuda()
         t0 = time.perf_counter()
         for _ in range(reps):
             once()
-        _sync()
+        sync_cuda()
     except torch.OutOfMemoryError:
         parts.opt.zero_grad()
         torch.cuda.empty_cache()
@@ -281,7 +283,7 @@ def update_case(parts, prompt: int, completion: int, tokens: int, ckpt: bool, re
     if profile:
         with profiler.profile(activities=[profiler.ProfilerActivity.CUDA, profiler.ProfilerActivity.CPU]) as prof:
             once()
-            _sync()
+            sync_cuda()
         out["kernels"] = kernel_table(prof)
     parts.opt.zero_grad()
     bank.zero_grad()
@@ -304,10 +306,10 @@ def decode_case(parts, rows: int, prompt: int, new: int, profile: bool) -> dict:
     def run(n_new: int) -> tuple[float, dict]:
         p = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=n_new, eos_token_ids=())
         timing: dict = {}
-        _sync()
+        sync_cuda()
         t0 = time.perf_counter()
         generate(model, bank, None, prompts, slots, p, seed=0, batch_size=rows, timing=timing)
-        _sync()
+        sync_cuda()
         return time.perf_counter() - t0, timing
 
     (short, _), (full, timing) = run(8), run(new)
@@ -322,7 +324,7 @@ def decode_case(parts, rows: int, prompt: int, new: int, profile: bool) -> dict:
                                               profiler.ProfilerActivity.CPU]) as prof:
                 generate(model, bank, None, prompts, slots, p, seed=0, batch_size=rows,
                          cuda_graph=False)
-                _sync()
+                sync_cuda()
             times: dict[str, float] = {}
             for k in kernel_table(prof, None):  # names cut at 120 characters may repeat
                 times[k["name"]] = times.get(k["name"], 0.0) + k["cuda_ms"]
