@@ -13,6 +13,8 @@
 #   e.g. ... world_call.sh 470 --arms single --seeds 0 1 2 --parallel 3          (the gate)
 #        ... world_call.sh 470 train.lr=3e-3 --arms single --seeds 0 --parallel 1  (overrides first)
 #        ... world_call.sh 470 --gpus 8 --parallel 21                            (the experiment)
+#        ... world_call.sh 330 --gpus 4 --parallel 21 --finish   (last call of a chain that cannot
+#            reach train.steps: every run is scored at the step it reached)
 # END_S: seconds after the call began at which training checkpoints and stops (leave ~100 s of a
 # 600 s call for the scoring when the runs can finish in this call).
 set -u

@@ -101,7 +101,8 @@ def train_one(job: dict) -> dict:
                 saved = sp.step_done
         if sp.step_done != saved:
             sp.save()
-        done = sp.step_done >= cfg.train.steps
+        # --finish: the chain's device time ends here, so score the run at the step it reached
+        done = sp.step_done >= cfg.train.steps or (job.get("finish", False) and sp.step_done > 0)
         rec: dict = {"name": job["name"], "arm": job["arm"], "seed": job["seed"],
                      "steps": sp.step_done, "done": done}  # fmt: skip
         if done:
@@ -112,7 +113,7 @@ def train_one(job: dict) -> dict:
                                     bank=p.bank, slots=slots, keep_grades=True)  # fmt: skip
                 rec[key] = {"grades": res["grades"],
                             "pass@1": {m: r["pass@1"] for m, r in res["members"].items()}}
-            recent = max(1, cfg.train.steps - job["recent_steps"])
+            recent = max(1, sp.step_done - job["recent_steps"])
             tasks = [t for b in p.buffers.values() for t in b if (t.step or 0) >= recent]
             random.Random(job["name"]).shuffle(tasks)
             save_jsonl(tasks[: job["recent_tasks"]], run_dir / "recent_tasks.jsonl")
@@ -381,6 +382,7 @@ def summarize(runs: list[dict], cross: dict, levels: list[int], seeds: list[int]
     else:
         verdict = "inconclusive"
     return {
+        "steps": {r["name"]: r["steps"] for r in runs},  # below train.steps after --finish
         "gate": gate,
         "criterion": {"C1_complexity": {"holds": c1, "slopes": slopes},
                       "C2_weakest_vs_single_levels_3_5": {**c2, "verdict": c2_verdict},
@@ -420,11 +422,14 @@ def _coverage_table(arm_curves: dict, seeds: list[int]) -> dict:
 
 
 def place(jobs: list[dict], gpus: int) -> None:
-    """Spread the runs over `gpus` GPUs (0: leave CUDA's default), round robin, the full runs
-    first: an independent agent (arm c) generates a quarter of what the others do per step."""
+    """Spread the runs over `gpus` GPUs (0: leave CUDA's default), each to the least loaded
+    (lowest index on ties), the full runs first: an independent agent (arm c) generates a
+    quarter of what the others do per step, and is counted as half a run."""
     if gpus > 0:
-        for i, job in enumerate(sorted(jobs, key=lambda j: j["arm"] == "independent")):
-            job["gpu"] = i % gpus
+        load = [0.0] * gpus
+        for job in sorted(jobs, key=lambda j: j["arm"] == "independent"):
+            job["gpu"] = min(range(gpus), key=lambda g: (load[g], g))
+            load[job["gpu"]] += 0.5 if job["arm"] == "independent" else 1.0
 
 
 def _subprocess(mode: str, job: dict, path: Path) -> dict:
@@ -508,7 +513,8 @@ def run_all(args: argparse.Namespace) -> None:
                 jobs.append({"name": name, "arm": arm, "seed": seed, "overrides": [*base, *ov],
                              "run_dir": str(out / "runs" / name), "heldout": paths["heldout"],
                              "select": paths["select"], "deadline_at": t0 + args.deadline,
-                             "recent_steps": args.recent_steps, "recent_tasks": args.recent_tasks})
+                             "recent_steps": args.recent_steps, "recent_tasks": args.recent_tasks,
+                             "finish": args.finish})
     place(jobs, args.gpus)
 
     def train(job: dict) -> dict:
@@ -676,6 +682,10 @@ def main() -> None:
     ap.add_argument("--deadline", type=float, default=540.0,
                     help="seconds after start at which runs checkpoint and stop; runs that finish "
                     "then score their students, so leave room for that in the last call")
+    ap.add_argument("--finish", action="store_true",
+                    help="score every run at the step it reached by --deadline, finished or not "
+                    "(the last call of a chain that cannot reach train.steps; results record "
+                    "each run's steps)")
     ap.add_argument("--per-level", type=int, default=20, help="held-out tasks per type and level")
     ap.add_argument("--recent-steps", type=int, default=30, help="cross-play: tasks of the last N steps")
     ap.add_argument("--recent-tasks", type=int, default=60, help="cross-play: tasks per run")

@@ -114,6 +114,42 @@ def test_a_finished_single_arm_reports_its_gate(tmp_path) -> None:
     assert len(run["curves"]["solve_rate"]) == 2 and res["runs"][0]["steps"] == 2
 
 
+@pytest.mark.slow
+def test_finish_scores_a_run_at_the_step_it_reached(tmp_path, monkeypatch) -> None:
+    """The last call of a chain that ran out of device time: --finish scores what is there."""
+    from lorapop.engine.model import TINY_DIR
+    from lorapop.loop import SelfPlay
+    from lorapop.tiny.heldout import load_jsonl
+    from lorapop.tiny.world import world_of
+
+    we = _module()
+    paths = we.prepare(tmp_path, 1, 1, world_of(TINY_DIR)["levels"])
+    small = ["model.name_or_path=tiny", f"tasks.seed_tasks={paths['seed_tasks']}",
+             "train.steps=50", "tasks.proposals_per_type=1", "tasks.answers_per_task=1",
+             "sampling.teacher_max_new_tokens=48", "sampling.student_max_new_tokens=32",
+             "verify.workers=1", "model.device=cpu"]  # fmt: skip
+    run_dir = tmp_path / "runs" / "single_s0"
+    job = {"name": "single_s0", "arm": "single", "seed": 0, "run_dir": str(run_dir),
+           "overrides": [*small, *we.arm_runs("single", 0, small)[0][1]], "heldout": paths["heldout"],
+           "select": paths["select"], "deadline_at": float("inf"), "recent_steps": 30,
+           "recent_tasks": 60, "finish": True}  # fmt: skip
+    step = SelfPlay.step
+
+    def two_steps_then_the_deadline(sp):
+        step(sp)
+        if sp.step_done == 2:
+            job["deadline_at"] = 0.0
+
+    monkeypatch.setattr(SelfPlay, "step", two_steps_then_the_deadline)
+    rec = we.train_one(job)
+    assert rec["done"] and rec["steps"] == 2  # scored at step 2 of 50
+    assert len(rec["heldout"]["grades"]["A0"]) == len(load_jsonl(paths["heldout"]))
+    assert (run_dir / "recent_tasks.jsonl").read_text()  # the last steps' tasks, for cross-play
+    job["finish"] = False  # without --finish the same run is left to a later call, unscored
+    assert we.train_one(job) == {"name": "single_s0", "arm": "single", "seed": 0, "steps": 2,
+                                 "done": False}
+
+
 def test_seed_levels_choose_the_buffers_start_and_reuse_the_sets(tmp_path) -> None:
     from lorapop.tiny.heldout import load_jsonl
 
@@ -133,6 +169,11 @@ def test_runs_are_spread_over_the_gpus_each_in_its_own_process(tmp_path, monkeyp
     jobs = [{"name": f"r{i}", "arm": a} for i, a in enumerate(arms)]
     we.place(jobs, 3)  # the three full runs on three GPUs, then the light ones
     assert [j["gpu"] for j in jobs] == [0, 1, 0, 1, 2, 0, 2]
+    big = [{"name": f"{a}{s}{i}", "arm": a} for s in range(3) for a in _module().ARMS
+           for i in range(4 if a == "independent" else 1)]  # the experiment: 21 runs
+    we.place(big, 4)  # 15 full-run equivalents: at most 4 on a GPU (round robin: 4.5)
+    per_gpu = [[j["arm"] for j in big if j["gpu"] == g] for g in range(4)]
+    assert [sum(0.5 if a == "independent" else 1 for a in arms) for arms in per_gpu] == [4, 4, 3.5, 3.5]
     seen = {}
 
     def fake_run(cmd, **kw):
