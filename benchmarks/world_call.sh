@@ -7,9 +7,9 @@
 # (every 30 s: call log, GPU/CPU load, each run's job record and metrics.jsonl, gate probe) and,
 # when finished, results.json (+ world_experiment.json/.png with both arms population and single).
 #
-# usage (device machine, repo root; D holds src, benchmarks, configs, models/world-short_bf16.tgz.part*
+# usage (device machine, repo root, whose src/ and benchmarks/ run; D holds models/world-short_bf16.tgz.part*
 # and optionally sets/ with heldout/select/seed_tasks*.jsonl and level_table.txt):
-#   OUT=$OUT D=.gpu/world9b bash .gpu/world9b/benchmarks/world_call.sh END_S [world_experiment.py args]
+#   OUT=$OUT D=.gpu/world bash benchmarks/world_call.sh END_S [world_experiment.py args]
 #   e.g. ... world_call.sh 470 --arms single --seeds 0 1 2 --parallel 3          (the gate)
 #        ... world_call.sh 470 train.lr=3e-3 --arms single --seeds 0 --parallel 1  (overrides first)
 #        ... world_call.sh 470 --gpus 8 --parallel 21                            (the experiment)
@@ -23,7 +23,7 @@ D=${D:?set D to the carried directory}
 END=${1:?END_S}; shift
 [ -n "${SKIP_PIP:-}" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
     --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD/$D/src
+export PYTHONPATH=/tmp/site:$PWD/src
 M=${MODEL_DIR:-/tmp/m}
 [ -f $M/world-short/config.json ] || { mkdir -p $M && cat $D/models/world-short_bf16.tgz.part* | tar xzf - -C $M; }
 W=${RUNS:-/tmp/wx}
@@ -42,11 +42,11 @@ pack() {  # small files only: no checkpoints, rollouts or adapters
     pack; sleep 30
   done ) &
 TP=$!
-python3 $D/benchmarks/world_experiment.py $S --model $M/world-short --out $W --deadline $DL \
+python3 benchmarks/world_experiment.py $S --model $M/world-short --out $W --deadline $DL \
     --per-level 20 --workers 4 "$@" > $W/experiment.log 2>&1
 echo "$(date -u +%T) exit $? after $(( $(date +%s) - T0 )) s" >> $W/call.log
 touch $W/stop; kill $TP 2>/dev/null; wait $TP 2>/dev/null   # (not the loop's 30 s sleep)
-python3 $D/benchmarks/world_experiment.py --out $W --gate-probe > /dev/null 2>> $W/call.log
+python3 benchmarks/world_experiment.py --out $W --gate-probe > /dev/null 2>> $W/call.log
 pack
 for f in results.json world_experiment.json world_experiment.png; do
   [ -f $W/$f ] && cp $W/$f $OUT/
