@@ -51,4 +51,4 @@ pack
 for f in results.json world_experiment.json world_experiment.png; do
   [ -f $W/$f ] && cp $W/$f $OUT/
 done
-tail -3 $W/experiment.log; cat $W/call.log
+tail -25 $W/experiment.log; cat $W/call.log; tail -4 $W/load.log
