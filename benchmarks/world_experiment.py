@@ -395,6 +395,74 @@ def summarize(runs: list[dict], cross: dict, levels: list[int], seeds: list[int]
     }
 
 
+def partial_summary(out: Path) -> dict:
+    """What a cut chain still shows: the gate and C1 from every run's `metrics.jsonl`, and the
+    held-out pass@1 of the arms whose runs were all scored (their `jobs/*.out.json`), from an
+    --out directory or an unpacked `progress.tgz`. Arms are compared over the steps every run
+    reached; the gate reads each single-agent run to its end, as the full summary does."""
+    from lorapop.report import read_metrics
+
+    recs = [json.loads(f.read_text()) for f in sorted((out / "jobs").glob("*.out.json"))]
+    rows = {r["name"]: read_metrics(out / "runs" / r["name"])
+            if (out / "runs" / r["name"] / "metrics.jsonl").is_file() else [] for r in recs}
+    recs = [r for r in recs if rows[r["name"]]]
+    if not recs:
+        raise SystemExit(f"{out}: no run with recorded steps (jobs/*.out.json, runs/*/metrics.jsonl)")
+    common = min(len(rows[r["name"]]) for r in recs)
+    seeds = sorted({r["seed"] for r in recs})
+    by: dict[tuple[str, int], list[dict]] = {}
+    for r in recs:
+        by.setdefault((r["arm"], r["seed"]), []).append(r)
+    arms = [a for a in ARMS if all((a, s) in by for s in seeds)]
+    full = {a: {s: _merge([curves(rows[r["name"]]) for r in by[(a, s)]]) for s in seeds} for a in arms}
+    cut = {a: {s: _merge([curves(rows[r["name"]][:common]) for r in by[(a, s)]]) for s in seeds}
+           for a in arms}  # fmt: skip
+    res: dict = {"steps": {r["name"]: len(rows[r["name"]]) for r in recs}, "common_steps": common,
+                 "seeds": seeds}  # fmt: skip
+    if "single" in arms:
+        gate = [{"seed": s, **collapse(full["single"][s])} for s in seeds]
+        need = math.ceil(2 * len(seeds) / 3)
+        res["gate"] = {"seeds": gate, "passed": sum(g["collapsed"] for g in gate) >= need,
+                       "at_common_steps": [{"seed": s, **collapse(cut["single"][s])} for s in seeds]}
+    slopes = {a: {s: slope(cut[a][s]["cyclomatic"]) for s in seeds} for a in arms}
+    res["complexity_slope_per_100_steps"] = {
+        a: {s: None if v is None else 100 * v for s, v in sl.items()} for a, sl in slopes.items()}
+    if {"population", "single"} <= set(arms):
+        majority = len(seeds) // 2 + 1
+        above = sum((slopes["population"][s] or 0) > (slopes["single"][s] or 0) for s in seeds)
+        rising = sum((slopes["population"][s] or 0) >= 0 for s in seeds)
+        res["C1_complexity"] = {"holds": above >= majority and rising >= majority,
+                                "population_above_single": above, "population_rising": rising}
+    firstlast = ("solve_rate", "cyclomatic", "loc", "entropy", "partial_share", "valid_rate")
+    res["first_last_10pct"] = {
+        a: {s: {k: [window(cut[a][s][k], False), window(cut[a][s][k], True)] for k in firstlast}
+            for s in seeds} for a in arms}  # fmt: skip
+    held = out / "heldout.jsonl"
+    levels = ([json.loads(x)["meta"].get("difficulty") for x in held.read_text().splitlines()]
+              if held.is_file() else None)  # fmt: skip
+    scored = [a for a in arms if all(r.get("heldout") for s in seeds for r in by[(a, s)])]
+    res["heldout_pass@1"] = {}
+    for a in scored:
+        vecs = [solver_vectors(by[(a, s)], "heldout") for s in seeds]
+        if levels and any(len(v["mean"]) != len(levels) for v in vecs):
+            raise SystemExit(f"{held} does not match the runs' held-out grades")
+        res["heldout_pass@1"][a] = {}
+        for stat in ("mean", "best", "weakest"):
+            by_level = {"all": [v[stat] for v in vecs]}
+            for lv in sorted(set(levels or [])):
+                by_level[f"level_{lv}"] = [[x for x, y in zip(v[stat], levels, strict=True) if y == lv]
+                                           for v in vecs]  # fmt: skip
+            res["heldout_pass@1"][a][stat] = {k: fmean(map(fmean, g)) for k, g in by_level.items()}
+    res["not_scored"] = [a for a in arms if a not in scored]
+    res["curves"] = {a: {str(s): c for s, c in cs.items()} for a, cs in full.items()}
+    res["coverage_at_valid"] = _coverage_table(cut, seeds)
+    verdict = ("not tested: the gate failed (the single agent did not collapse)"
+               if "gate" in res and not res["gate"]["passed"] else
+               "incomplete: " + ", ".join(res["not_scored"]) + " not scored")  # fmt: skip
+    res["criterion"] = {"verdict": verdict}
+    return res
+
+
 def _merge(cs: list[dict]) -> dict:
     """One arm-seed's curves from its runs (arm c has several): means, sums for counts."""
     if len(cs) == 1:
@@ -698,6 +766,10 @@ def main() -> None:
     ap.add_argument("--merge", type=Path, nargs="+", metavar="RESULTS",
                     help="merge calls' results.json (other arms or seeds) into --out's "
                     "world_experiment.json and figure, then stop")
+    ap.add_argument("--partial", action="store_true",
+                    help="summarize what the runs under --out recorded so far (a cut chain's "
+                    "progress.tgz unpacked will do): gate, complexity slopes over the steps all "
+                    "runs reached, held-out pass@1 of scored arms; writes world_experiment_partial.json")
     ap.add_argument("--gate-probe", action="store_true",
                     help="print the gate on the single-agent runs under --out so far (any steps)")
     ap.add_argument("--train-one", type=Path, help=argparse.SUPPRESS)
@@ -717,6 +789,10 @@ def main() -> None:
                           Path(args.out) / "world_experiment.json")  # fmt: skip
         except (ValueError, KeyError, TypeError) as e:  # (JSONDecodeError is a ValueError)
             raise SystemExit(f"--merge: not mergeable results ({type(e).__name__}: {e})") from None
+    elif args.partial:
+        path = Path(args.out) / "world_experiment_partial.json"
+        path.write_text(json.dumps(partial_summary(Path(args.out))) + "\n")
+        plot(path)
     elif args.gate_probe:
         print(json.dumps(gate_probe(Path(args.out)), indent=1))
     elif args.train_one or args.cross_one:

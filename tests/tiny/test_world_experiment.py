@@ -212,6 +212,53 @@ def _results(seeds: list[int], shift: float) -> dict:
                           "single": {"population": [0.25] * len(seeds)}}}  # fmt: skip
 
 
+def test_a_cut_chain_still_gives_the_gate_slopes_and_scored_end_points(tmp_path) -> None:
+    """--partial on what progress.tgz brings back: metrics of every run, out.json of each."""
+    for s in (0, 1, 2):
+        for arm, n, cyc in (("population", 20, lambda i: 1.0 + 0.01 * i),
+                            ("single", 30, lambda i: 2.0 - 0.02 * i)):  # fmt: skip
+            name = f"{arm}_s{s}"
+            d = tmp_path / "runs" / name
+            d.mkdir(parents=True)
+            solve = (lambda i: 0.5 + 0.02 * i) if s < 2 else (lambda i: 0.5)  # seed 2: no collapse
+            d.joinpath("metrics.jsonl").write_text(
+                "".join(json.dumps(_row(i, solve(i), cyc(i), 1.0)) + "\n" for i in range(1, n + 1)))
+            rec = {"name": name, "arm": arm, "seed": s, "steps": n, "done": arm == "single"}
+            if arm == "single":  # scored: 4 held-out tasks at levels 1, 3, 4, 5
+                g = {"A0": [1.0, 0.0, 1.0, 1.0]}
+                rec |= {"heldout": {"grades": g, "pass@1": {"A0": 0.75}},
+                        "select": {"grades": g, "pass@1": {"A0": 0.75}}}  # fmt: skip
+            (tmp_path / "jobs").mkdir(exist_ok=True)
+            (tmp_path / "jobs" / f"{name}.out.json").write_text(json.dumps(rec))
+    (tmp_path / "heldout.jsonl").write_text("".join(
+        json.dumps({"meta": {"difficulty": lv}}) + "\n" for lv in (1, 3, 4, 5)))
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "world_experiment.py"),
+                           "--out", str(tmp_path), "--partial"], capture_output=True, text=True,
+                          env=env, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads((tmp_path / "world_experiment_partial.json").read_text())
+    assert (tmp_path / "world_experiment_partial.png").is_file()
+    assert res["common_steps"] == 20 and res["steps"]["single_s0"] == 30
+    # the gate reads the single agent to its end (last 3 steps of 30: 1.06-1.1 >= 0.8)
+    assert [g["collapsed"] for g in res["gate"]["seeds"]] == [True, True, False]
+    assert res["gate"]["passed"]  # 2 of 3 seeds
+    slopes = res["complexity_slope_per_100_steps"]  # over the 20 steps both arms reached
+    assert abs(slopes["population"]["0"] - 1.0) < 1e-6 and abs(slopes["single"]["0"] + 2.0) < 1e-6
+    assert res["C1_complexity"] == {"holds": True, "population_above_single": 3,
+                                    "population_rising": 3}  # fmt: skip
+    assert res["heldout_pass@1"]["single"]["mean"] == {"all": 0.75, "level_1": 1.0, "level_3": 0.0,
+                                                       "level_4": 1.0, "level_5": 1.0}  # fmt: skip
+    assert res["not_scored"] == ["population"]
+    assert res["criterion"]["verdict"] == "incomplete: population not scored"
+    empty = tmp_path / "empty"
+    (empty / "jobs").mkdir(parents=True)
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "world_experiment.py"),
+                           "--out", str(empty), "--partial"], capture_output=True, text=True,
+                          env=env, timeout=300)  # fmt: skip
+    assert proc.returncode == 1 and "no run with recorded steps" in proc.stderr
+
+
 def test_calls_of_other_seeds_merge_into_one_verdict(tmp_path) -> None:
     """Each seed's runs in its own call (its own machine); --merge gives what one call would."""
     a, b = tmp_path / "a.json", tmp_path / "b.json"
