@@ -78,3 +78,13 @@ def test_load_refuses_other_members_and_old_layouts(cfg, tmp_path):
     finally:
         p.close()
         other.close()
+
+
+def test_cudnn_attention_follows_the_config(cfg):
+    """model.cudnn_attention=false keeps SDPA off cuDNN's kernel for the whole process."""
+    try:
+        for on in (False, True):
+            build(cfg.model_copy(update={"model": cfg.model.model_copy(update={"cudnn_attention": on})})).close()
+            assert torch.backends.cuda.cudnn_sdp_enabled() is on
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(True)

@@ -79,6 +79,7 @@ def build(cfg: Config) -> Parts:
     model = load_base_model(mc.name_or_path, tokenizer, mc.device, mc.dtype, cfg.seed,
                             mc.trust_remote_code, mc.random_init)
     use_checkpointing(model, mc.gradient_checkpointing is True)  # `auto`: at each update
+    torch.backends.cuda.enable_cudnn_sdp(mc.cudnn_attention)
     single = cfg.league.mode == "single"
     if single:
         teachers, students = ["A0"], ["A0"]
