@@ -29,17 +29,18 @@ def kendall_tau(a: list[float], b: list[float]) -> float:
 
 
 def simulate(seed: int, steps: int = 300, every: int = 10, offset: float = 0.0,
-             center: str = CFG.league.outcome_center):
+             center: str = CFG.league.outcome_center, skills: list[float] = SKILLS,
+             per_teacher: int = CFG.league.students_per_teacher):
     """Targets of every replacement, and the within-pool Kendall tau between the ratings
     and the hidden skills when the last replacement is decided (the order it acts on)."""
     rng = random.Random(seed)
     teachers, students = [f"T{i}" for i in range(4)], [f"S{i}" for i in range(4)]
     skill = {m: k for pool in (teachers, students)
-             for m, k in zip(pool, rng.sample(SKILLS, 4), strict=True)}
+             for m, k in zip(pool, rng.sample(skills, 4), strict=True)}
     ratings, ev = Ratings(teachers, students), CFG.evolve
     targets, taus = Counter(), []
     for step in range(1, steps + 1):
-        pairs = match(ratings, rng, CFG.league.students_per_teacher, CFG.league.pfsp)
+        pairs = match(ratings, rng, per_teacher, CFG.league.pfsp)
         rates = []
         for t, s in pairs:
             p = 1 / (1 + math.exp(-(skill[s] - skill[t] - offset)))
@@ -80,6 +81,19 @@ def test_replacement_spreads_over_the_weakest_and_ratings_recover_the_order():
             # ...and no slot but the weakest is hit at more than about half of them
             assert max(hits[1:]) <= events * 0.55, (seed, pool, hits)
     assert fmean(taus) >= 0.7, taus
+
+
+def test_members_of_equal_skill_are_not_one_slot_re_rolled():
+    """Equal skills (members that barely differ, as in the world runs) and 2 matches a step
+    per teacher, so protection lapses at the next event: a child, whose sigma is still wider
+    than its peers', is not culled for that alone (ranked by mu - 3 sigma one slot was the
+    target at 23-29 of 30 events in 3 of 8 pools)."""
+    for seed in range(4):
+        targets, events, _, _ = simulate(seed, skills=[0.6] * 4, per_teacher=2)
+        for pool in "TS":
+            hits = sorted((targets[f"{pool}{i}"] for i in range(4)), reverse=True)
+            assert sum(hits) >= events * 0.9 and hits[0] <= events * 0.6, (seed, pool, hits)
+            assert hits[1] >= events * 0.15, (seed, pool, hits)
 
 
 def test_relative_outcomes_rank_skill_where_most_answers_fail():
