@@ -15,6 +15,8 @@
 #        ... world_call.sh 470 --gpus 8 --parallel 21                            (the experiment)
 #        ... world_call.sh 330 --gpus 4 --parallel 21 --finish   (last call of a chain that cannot
 #            reach train.steps: every run is scored at the step it reached)
+# ROLLOUTS=N (env): progress.tgz also holds each run's last N steps' rollouts (what its proposals
+# and answers were; mind the size with many runs).
 # END_S: seconds after the call began at which training checkpoints and stops (leave ~100 s of a
 # 600 s call for the scoring when the runs can finish in this call).
 set -u
@@ -33,8 +35,10 @@ mkdir -p $W $OUT; rm -f $W/stop
 S="sampling.teacher_max_new_tokens=256 sampling.student_max_new_tokens=192 verify.workers=2 run.keep_last=1"
 DL=$(( END - ($(date +%s) - T0) ))
 echo "$(date -u +%T) setup $(( $(date +%s) - T0 )) s, deadline $DL s, args $*" >> $W/call.log
-pack() {  # small files only: no checkpoints, rollouts or adapters
-  ( cd $W && ls *.log gate_probe.json jobs/*.out.json runs/*/metrics.jsonl 2>/dev/null ) \
+pack() {  # small files only: no checkpoints or adapters; rollouts of the last $ROLLOUTS steps
+  ( cd $W && ls *.log gate_probe.json jobs/*.out.json runs/*/metrics.jsonl 2>/dev/null
+    [ "${ROLLOUTS:-0}" -gt 0 ] && for r in runs/*/rollouts; do
+      ls -v $r/step_*.jsonl.gz 2>/dev/null | tail -n $ROLLOUTS; done ) \
     | tar czf $OUT/progress.tgz.tmp -C $W -T - 2>/dev/null && mv $OUT/progress.tgz.tmp $OUT/progress.tgz; }
 ( while [ ! -f $W/stop ]; do
     { date -u +%T; uptime; nvidia-smi --query-gpu=index,utilization.gpu,memory.used \
