@@ -23,6 +23,8 @@ A call's small results (curves, per-task grades, cross-play) go to `results.json
 joins those of calls that ran other seeds or arms (runs cannot move between machines, their
 results can). `--gpus N` puts each run on one of N GPUs; `benchmarks/world_call.sh` is one
 device call of a chain on a warm machine (README: "Plan for the next session's device calls").
+A chain that cannot reach train.steps ends with `--finish` (runs scored where they are); one cut
+before that still gives `--partial` (gate, slopes and scored end points from what came back).
 """
 
 from __future__ import annotations
