@@ -35,6 +35,7 @@ import random
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from statistics import median
 
@@ -323,9 +324,17 @@ def flop_params(model) -> int:
     return sum(p.numel() for p in model.parameters()) - (0 if tied else emb.numel())
 
 
+def _save_so_far(save: Callable[[dict], None] | None, rows: list[dict], ab: list[dict]) -> None:
+    if save is not None:
+        save({"steps": [{k: r[k] for k in ("wall_s", "phase_s", "generated_tokens")} for r in rows],
+              "update_ab": ab})
+
+
 def measure(config: str, overrides: list[str], warmup: int, steps: int, run_dir: Path,
             skip_update: bool = False, update_ab: list[str] | None = None,
-            update_trace: bool = False) -> dict:
+            update_trace: bool = False, save: Callable[[dict], None] | None = None) -> dict:
+    """One run's timed steps (and the update replays); `save` gets what is measured so far
+    after every step and replay, so a call cut by its time limit still returns it."""
     from lorapop.config import load_config
     from lorapop.loop import SelfPlay
 
@@ -364,6 +373,7 @@ def measure(config: str, overrides: list[str], warmup: int, steps: int, run_dir:
                 counter.reset()
                 alloc = allocator_counts()  # counted from the first timed step on
             print(f"{config} step {i}: {row['wall_s']:.1f}s {row['phase_s']}", flush=True)
+            _save_so_far(save, rows, ab)
         timed = (counter.real, counter.padded, counter.micro_batches, counter.checkpointed)
         alloc = {k: v - alloc.get(k, 0) for k, v in allocator_counts().items()}
         for kernel in update_ab or []:  # the last step's update again, one LoRA kernel each
@@ -376,6 +386,7 @@ def measure(config: str, overrides: list[str], warmup: int, steps: int, run_dir:
             ab.append({"lora_kernel": kernel, "update_s": time.perf_counter() - t0,
                        "micro_batches": counter.micro_batches, "tokens": counter.real})
             print(f"update again, LoRA kernel {kernel}: {ab[-1]['update_s']:.1f}s", flush=True)
+            _save_so_far(save, rows, ab)
         if update_trace:  # the last step's update again, 4 micro-batches (from the 11th) profiled
             per_update = timed[2] // max(1, len(rows))  # micro-batches of one update
             tracer = MicroBatchTrace(min(10, per_update // 3), min(4, max(1, per_update // 3)))
@@ -494,9 +505,14 @@ def main() -> None:
     kernels = args.update_ab.split(",") if args.update_ab else None
     if kernels and not set(kernels) <= {"auto", *KERNELS}:
         ap.error(f"--update-ab: LoRA kernels are auto, {', '.join(KERNELS)}")
+    def so_far(rec: dict) -> None:  # replaced by the whole record when the run ends
+        tmp_out = out.with_name(out.name + ".tmp")  # a kill mid-write leaves the last whole one
+        tmp_out.write_text(json.dumps({**result, "population_so_far": rec}, indent=1))
+        tmp_out.replace(out)
+
     result["population"] = pop = measure(args.config, common, args.warmup, args.steps,
                                          tmp / "pop", args.skip_update, kernels,
-                                         args.update_trace)
+                                         args.update_trace, so_far)
     if args.paper:
         out.write_text(json.dumps(result, indent=1))
         print(json.dumps(pop, indent=1))
