@@ -16,7 +16,7 @@
 #        ... world_call.sh 330 --gpus 4 --parallel 21 --finish   (last call of a chain that cannot
 #            reach train.steps: every run is scored at the step it reached)
 # ROLLOUTS=N (env): progress.tgz also holds each run's last N steps' rollouts (what its proposals
-# and answers were; mind the size with many runs).
+# and answers were; progress.tgz must stay under the 16 MiB a returned file may have).
 # END_S: seconds after the call began at which training checkpoints and stops (leave ~100 s of a
 # 600 s call for the scoring when the runs can finish in this call).
 set -u
