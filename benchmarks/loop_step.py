@@ -505,6 +505,7 @@ def main() -> None:
     kernels = args.update_ab.split(",") if args.update_ab else None
     if kernels and not set(kernels) <= {"auto", *KERNELS}:
         ap.error(f"--update-ab: LoRA kernels are auto, {', '.join(KERNELS)}")
+
     def so_far(rec: dict) -> None:  # replaced by the whole record when the run ends
         tmp_out = out.with_name(out.name + ".tmp")  # a kill mid-write leaves the last whole one
         tmp_out.write_text(json.dumps({**result, "population_so_far": rec}, indent=1))

@@ -335,6 +335,25 @@ def gate_probe(out: Path) -> dict:
     return res
 
 
+def _gate(single: dict[int, dict], seeds: list[int]) -> dict:
+    """The pre-registered gate on the single arm's curves per seed."""
+    per_seed = [{"seed": s, **collapse(single[s])} for s in seeds]
+    need = math.ceil(2 * len(seeds) / 3)
+    return {"seeds": per_seed, "passed": sum(g["collapsed"] for g in per_seed) >= need,
+            "rule": f"single agent: last-10% own solve rate >= 0.8 and cyclomatic slope < 0 "
+                    f"in >= {need} of {len(seeds)} seeds"}  # fmt: skip
+
+
+def _c1(slopes: dict[str, dict[int, float | None]], seeds: list[int]) -> dict:
+    """C1: the population's complexity slope above the single agent's, and >= 0, in a
+    majority of seeds."""
+    majority = len(seeds) // 2 + 1
+    above = sum((slopes["population"][s] or 0) > (slopes["single"][s] or 0) for s in seeds)
+    rising = sum((slopes["population"][s] or 0) >= 0 for s in seeds)
+    return {"holds": above >= majority and rising >= majority,
+            "population_above_single": above, "population_rising": rising}
+
+
 def summarize(runs: list[dict], cross: dict, levels: list[int], seeds: list[int]) -> dict:
     """Curves per arm and seed, the gate, the criterion and the end points."""
     by: dict[tuple[str, int], list[dict]] = {}
@@ -344,15 +363,9 @@ def summarize(runs: list[dict], cross: dict, levels: list[int], seeds: list[int]
                   for arm in ARMS if all((arm, s) in by for s in seeds)}  # fmt: skip
     if not {"population", "single"} <= set(arm_curves):
         raise ValueError("the gate and the criterion need the population and single arms")
-    gate_seeds = [{"seed": s, **collapse(arm_curves["single"][s])} for s in seeds]
-    need = math.ceil(2 * len(seeds) / 3)
-    gate = {"seeds": gate_seeds, "passed": sum(g["collapsed"] for g in gate_seeds) >= need,
-            "rule": f"single agent: last-10% own solve rate >= 0.8 and cyclomatic slope < 0 "
-                    f"in >= {need} of {len(seeds)} seeds"}  # fmt: skip
+    gate = _gate(arm_curves["single"], seeds)
     slopes = {arm: {s: slope(c[s]["cyclomatic"]) for s in seeds} for arm, c in arm_curves.items()}
-    majority = len(seeds) // 2 + 1
-    c1 = (sum((slopes["population"][s] or 0) > (slopes["single"][s] or 0) for s in seeds)
-          >= majority and sum((slopes["population"][s] or 0) >= 0 for s in seeds) >= majority)
+    c1 = _c1(slopes, seeds)["holds"]
     vecs = {(arm, s): solver_vectors(by[(arm, s)], "heldout") for arm in arm_curves for s in seeds}
     task_levels = runs[0]["heldout_levels"]
     subsets = {"levels_1_5": [i for i, lv in enumerate(task_levels) if lv in levels],
@@ -416,25 +429,20 @@ def partial_summary(out: Path) -> dict:
     for r in recs:
         by.setdefault((r["arm"], r["seed"]), []).append(r)
     arms = [a for a in ARMS if all((a, s) in by for s in seeds)]
-    full = {a: {s: _merge([curves(rows[r["name"]]) for r in by[(a, s)]]) for s in seeds} for a in arms}
-    cut = {a: {s: _merge([curves(rows[r["name"]][:common]) for r in by[(a, s)]]) for s in seeds}
-           for a in arms}  # fmt: skip
+    run_curves = {name: curves(r) for name, r in rows.items() if r}  # entry i: rows 1..i only
+    full = {a: {s: _merge([run_curves[r["name"]] for r in by[(a, s)]]) for s in seeds} for a in arms}
+    cut = {a: {s: {k: v[:common] for k, v in c.items()} for s, c in cs.items()}
+           for a, cs in full.items()}  # fmt: skip
     res: dict = {"steps": {r["name"]: len(rows[r["name"]]) for r in recs}, "common_steps": common,
                  "seeds": seeds}  # fmt: skip
     if "single" in arms:
-        gate = [{"seed": s, **collapse(full["single"][s])} for s in seeds]
-        need = math.ceil(2 * len(seeds) / 3)
-        res["gate"] = {"seeds": gate, "passed": sum(g["collapsed"] for g in gate) >= need,
+        res["gate"] = {**_gate(full["single"], seeds),
                        "at_common_steps": [{"seed": s, **collapse(cut["single"][s])} for s in seeds]}
     slopes = {a: {s: slope(cut[a][s]["cyclomatic"]) for s in seeds} for a in arms}
     res["complexity_slope_per_100_steps"] = {
         a: {s: None if v is None else 100 * v for s, v in sl.items()} for a, sl in slopes.items()}
     if {"population", "single"} <= set(arms):
-        majority = len(seeds) // 2 + 1
-        above = sum((slopes["population"][s] or 0) > (slopes["single"][s] or 0) for s in seeds)
-        rising = sum((slopes["population"][s] or 0) >= 0 for s in seeds)
-        res["C1_complexity"] = {"holds": above >= majority and rising >= majority,
-                                "population_above_single": above, "population_rising": rising}
+        res["C1_complexity"] = _c1(slopes, seeds)
     firstlast = ("solve_rate", "cyclomatic", "loc", "entropy", "partial_share", "valid_rate")
     res["first_last_10pct"] = {
         a: {s: {k: [window(cut[a][s][k], False), window(cut[a][s][k], True)] for k in firstlast}

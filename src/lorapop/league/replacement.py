@@ -96,8 +96,7 @@ def plan_replacement(
     parents = ranked[:n_parents]
     eligible = [m for m in ranked[n_parents:] if ratings.played(m) >= protect_matches]
     # culled for being weak (mu), not for being unsure (sigma): see the module docstring
-    targets = sorted(eligible, key=lambda m: (ratings.get(m).mu, ratings.conservative(m)))
-    targets = targets[:n_targets]
+    targets = sorted(eligible, key=lambda m: (ratings.get(m).mu, ratings.conservative(m)))[:n_targets]
 
     mix = {op: w for op, w in operators.items() if w > 0}
     if n_parents < 2:
