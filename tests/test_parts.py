@@ -81,8 +81,12 @@ def test_load_refuses_other_members_and_old_layouts(cfg, tmp_path):
 
 
 def test_cudnn_attention_follows_the_config(cfg):
-    """model.cudnn_attention=false keeps SDPA off cuDNN's kernel for the whole process."""
+    """model.cudnn_attention keeps SDPA off cuDNN's kernel for the whole process unless set;
+    the default is off (its per-shape plans cost more than its kernel saves in the loop)."""
     try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        build(cfg).close()
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
         for on in (False, True):
             build(cfg.model_copy(update={"model": cfg.model.model_copy(update={"cudnn_attention": on})})).close()
             assert torch.backends.cuda.cudnn_sdp_enabled() is on
