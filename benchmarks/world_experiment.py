@@ -531,6 +531,15 @@ def ensure_model(args: argparse.Namespace) -> str:
     return args.model
 
 
+def domain_overrides(table: str) -> list[str]:
+    """`tasks.input_domain` of a level table with bounded inputs (`grammar.TABLE_DOMAINS`): the
+    loop's proposals must stay where the base's corpus and the sets drew their inputs."""
+    from lorapop.tiny.grammar import TABLE_DOMAINS
+
+    d = TABLE_DOMAINS.get(table)
+    return [f"tasks.input_domain={json.dumps(dataclasses.asdict(d))}"] if d else []
+
+
 def prepare(out: Path, per_level: int, workers: int, table: str,
             seed_levels: tuple[int, ...] = (1, 2, 3)) -> dict[str, str]:  # fmt: skip
     """Held-out and selection sets at the levels of level table `table`, and the buffers' seed
@@ -583,7 +592,7 @@ def run_all(args: argparse.Namespace) -> None:
     paths = prepare(out, args.per_level, args.workers, table, tuple(sorted(set(args.seed_levels))))
     base = [f"model.name_or_path={Path(model).resolve() if Path(model).exists() else model}",
             f"tasks.seed_tasks={Path(paths['seed_tasks']).resolve()}",
-            f"tasks.references={world['references']}", *args.overrides]
+            f"tasks.references={world['references']}", *domain_overrides(table), *args.overrides]
     jobs = []
     for arm in args.arms:
         for seed in args.seeds:

@@ -12,6 +12,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from lorapop.tasks.domain import InputDomain
+
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -127,6 +129,9 @@ class TasksConfig(Section):
     fill_from_buffer: bool = False
     """Top each teacher's valid tasks up from the buffer, so solving always runs at full size
     (for benchmarks and random-weight models; filled tasks give the teacher no reward)."""
+    input_domain: InputDomain | None = None
+    """Bounds on the values of a proposal's inputs (int_min, int_max, str_chars, items); one
+    outside them is invalid. A world's rule (the tiny world's `narrow` table), None: any input."""
 
 
 class VerifyConfig(Section):

@@ -11,6 +11,7 @@ from lorapop.tiny.corpus import generate_corpus, generate_variants_fast
 from lorapop.tiny.grammar import (
     LEVELS,
     SHORT_LEVELS,
+    TABLE_DOMAINS,
     WORLD_LEVELS,
     Knobs,
     Level,
@@ -102,3 +103,19 @@ def test_short_table_keeps_every_level_short_and_complexity_rising() -> None:
     assert not any("def g(" in t.program or "dict(" in t.program for t in corpus)
     with pytest.raises(ValueError, match="no level 6"):
         table_level(6, "short")
+
+
+def test_narrow_table_draws_every_input_inside_its_domain(tiny_sandbox) -> None:
+    """`narrow` is `short`'s programs on bounded inputs: corpus and held-out tasks lie inside the
+    domain the loop enforces, and the world-narrow recipe differs from world-short by it alone."""
+    domain = TABLE_DOMAINS["narrow"]
+    assert SIZES["world-narrow"].__dict__ == SIZES["world-short"].__dict__ | {"levels": "narrow"}
+    assert table_levels("narrow") == [Level(lv, SHORT_LEVELS[lv], domain) for lv in LEVELS]
+    corpus = generate_corpus(30, "narrow/0", levels=table_levels("narrow"), workers=1)
+    held = build_heldout(2, sandbox=tiny_sandbox, table="narrow")
+    for t in corpus + held:
+        assert all(domain.problem(x) is None for x in t.inputs), (t.program, t.inputs)
+    short = generate_corpus(30, "narrow/0", levels=table_levels("short"), workers=1)
+    outside = [x for t in short for x in t.inputs if domain.problem(x)]
+    assert len(outside) > len(short)  # the short table's inputs often leave it
+    assert {t.meta["difficulty"] for t in corpus} == set(LEVELS)

@@ -298,3 +298,18 @@ def test_merge_of_a_single_arm_or_a_broken_file_is_a_one_line_error(tmp_path) ->
                               capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
         assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
         assert "merge" in proc.stderr or "no such results file" in proc.stderr
+
+
+def test_a_bounded_world_sets_its_input_domain_and_seeds_inside_it(tmp_path) -> None:
+    """On the narrow table the runs get tasks.input_domain, and the seed tasks lie inside it."""
+    from lorapop.config import load_config
+    from lorapop.tiny.grammar import TABLE_DOMAINS
+    from lorapop.tiny.heldout import load_jsonl
+
+    we = _module()
+    assert we.domain_overrides("short") == []
+    cfg = load_config(None, we.domain_overrides("narrow"))
+    assert cfg.tasks.input_domain == TABLE_DOMAINS["narrow"]
+    paths = we.prepare(tmp_path, 1, 1, "narrow", (1, 3))
+    seeds = load_jsonl(paths["seed_tasks"])
+    assert seeds and all(cfg.tasks.input_domain.problem(x) is None for t in seeds for x in t.inputs)

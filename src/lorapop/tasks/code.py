@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 
 from lorapop.tasks import prompts
 from lorapop.tasks.compare import MATCH, judge
+from lorapop.tasks.domain import InputDomain
 from lorapop.tasks.family import Runner
 from lorapop.tasks.parsing import (
     MAX_TEXT_CHARS,
@@ -36,12 +37,13 @@ class CodeFamily:
     needs_base = False
 
     def __init__(self, template: str = "azr", caps: Caps | None = None,
-                 chat: ChatFormat | None = None) -> None:
+                 chat: ChatFormat | None = None, domain: InputDomain | None = None) -> None:
         self.template = check_template(template)
         if template == "chat" and chat is None:
             raise ValueError("template 'chat' needs chat=prompts.chat_format(tokenizer)")
         self.caps = caps or Caps()
         self.chat = chat
+        self.domain = domain  # a proposal's inputs must lie in it (None: any input)
 
     # -- helpers shared by the subclasses --------------------------------------------------
 
@@ -69,7 +71,8 @@ class CodeFamily:
 
     def _shown_problem(self, p: Draft) -> str | None:
         """Why a proposal cannot become a task a student is shown whole, or None: every part
-        must fit the caps (prompts never truncate a student's own task)."""
+        must fit the caps (prompts never truncate a student's own task), every input the
+        world's input domain."""
         if len(p.program) > self.caps.program_chars:
             return f"program longer than {self.caps.program_chars} chars"
         if len(p.message) > self.caps.shown_chars:
@@ -77,6 +80,8 @@ class CodeFamily:
         for k, x in enumerate(p.inputs):
             if len(x) > self.caps.shown_chars:
                 return f"input {k} longer than {self.caps.shown_chars} chars"
+            if self.domain and (why := self.domain.problem(x)):
+                return f"input {k} outside the world's input domain: {why}"
         return None
 
     def _gold_problem(self, output: str) -> str | None:

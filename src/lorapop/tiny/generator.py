@@ -95,9 +95,10 @@ def candidate(
     program = generate_program(rng, difficulty)
     if program_split(program.source) != split:
         return None
+    domain = difficulty.domain if isinstance(difficulty, Level) else None
     inputs: list[str] = []
     for _ in range(4 * n_inputs):
-        text = generate_input(rng, program)
+        text = generate_input(rng, program, domain)
         if text not in inputs:
             inputs.append(text)
         if len(inputs) == n_inputs:

@@ -24,6 +24,8 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from lorapop.tasks.domain import InputDomain
+
 INT, STR, LIST, DICT = "int", "str", "list", "dict"
 TYPES = (INT, STR, LIST, DICT)
 
@@ -119,28 +121,41 @@ SHORT_LEVELS: dict[int, Knobs] = {
     5: Knobs(statements=5, depth=2, params=2, types=(INT, STR, LIST), loops=True,
              conditionals=True, helpers=0, expr_depth=2),
 }  # fmt: skip
-#: Level tables by name (`Recipe.levels`, `tiny_world.py --level-table`).
+#: Level tables by name (`Recipe.levels`, `tiny_world.py --level-table`). `narrow` is `short`'s
+#: programs on bounded inputs (`TABLE_DOMAINS`).
 LEVEL_TABLES: dict[str, dict[int, Knobs]] = {"standard": LEVELS, "world": WORLD_LEVELS,
-                                             "short": SHORT_LEVELS}  # fmt: skip
+                                             "short": SHORT_LEVELS, "narrow": SHORT_LEVELS}  # fmt: skip
+#: The input domain of a level table whose inputs are bounded: its corpus, held-out and seed
+#: tasks draw inputs inside it, and the loop makes proposals outside it invalid
+#: (`tasks.input_domain`). The single agent on `short` found its difficulty in the values
+#: (two-digit products, counts over 7-letter strings) once its programs were one line long;
+#: `narrow` keeps values where a short program on them is easy to execute.
+TABLE_DOMAINS: dict[str, InputDomain] = {
+    "narrow": InputDomain(int_min=-5, int_max=9, str_chars=4, items=4),
+}
 
 
 @dataclass(frozen=True)
 class Level:
-    """Level `number` of a table other than `LEVELS`: generated with `knobs`, labelled `number`."""
+    """Level `number` of a table other than `LEVELS`: generated with `knobs`, labelled `number`,
+    its inputs drawn inside `domain` (None: the grammar's own ranges)."""
 
     number: int
     knobs: Knobs
+    domain: InputDomain | None = None
 
 
 def table_level(number: int, table: str = "standard") -> int | Level:
     """How to ask the generators for level `number` of a level table: the plain number where
-    the table's knobs are `LEVELS`' (so the same programs come out), else a `Level`."""
+    the table's knobs are `LEVELS`' and its inputs unbounded (so the same programs come out),
+    else a `Level`."""
     if table not in LEVEL_TABLES:
         raise ValueError(f"unknown level table {table!r}; known: {', '.join(LEVEL_TABLES)}")
     knobs = LEVEL_TABLES[table].get(number)
     if knobs is None:
         raise ValueError(f"level table {table!r} has no level {number!r}")
-    return number if LEVELS.get(number) == knobs else Level(number, knobs)
+    domain = TABLE_DOMAINS.get(table)
+    return number if LEVELS.get(number) == knobs and not domain else Level(number, knobs, domain)
 
 
 def table_levels(
@@ -729,8 +744,10 @@ def _param_names(rng: random.Random, types: list[str]) -> list[tuple[str, str]]:
     return out
 
 
-def generate_value(rng: random.Random, t: str) -> object:
-    """A small random argument value of type `t`."""
+def generate_value(rng: random.Random, t: str, domain: InputDomain | None = None) -> object:
+    """A small random argument value of type `t` (inside `domain` when one is given)."""
+    if domain is not None:
+        return _domain_value(rng, t, domain)
     if t == INT:
         return rng.randint(0, 20) if rng.random() < 0.8 else rng.randint(-9, -1)
     if t == STR:
@@ -745,9 +762,32 @@ def generate_value(rng: random.Random, t: str) -> object:
     raise ValueError(f"unknown type {t!r}")
 
 
-def generate_input(rng: random.Random, program: Program) -> str:
+def _domain_value(rng: random.Random, t: str, d: InputDomain) -> object:
+    """`generate_value`'s shapes inside `d`: ints mostly non-negative, a third of the strings
+    words."""
+
+    def num() -> int:
+        neg = d.int_min < 0 and (d.int_max < 0 or rng.random() < 0.2)
+        return rng.randint(d.int_min, min(d.int_max, -1)) if neg else rng.randint(max(d.int_min, 0), d.int_max)
+
+    if t == INT:
+        return num()
+    if t == STR:
+        words = [w for w in _WORDS if len(w) <= d.str_chars]
+        if words and rng.random() < 0.3:
+            return rng.choice(words)
+        return "".join(rng.choice(ALPHABET) for _ in range(rng.randint(0, d.str_chars)))
+    if t == LIST:
+        return [num() for _ in range(rng.randint(0, d.items))]
+    if t == DICT:
+        keys = rng.sample(ALPHABET[:6], rng.randint(0, min(4, d.items))) if d.str_chars else []
+        return {k: num() for k in keys}
+    raise ValueError(f"unknown type {t!r}")
+
+
+def generate_input(rng: random.Random, program: Program, domain: InputDomain | None = None) -> str:
     """Argument text for `f(<input>)`: the reprs of one random value per parameter."""
-    return ", ".join(repr(generate_value(rng, t)) for _, t in program.params)
+    return ", ".join(repr(generate_value(rng, t, domain)) for _, t in program.params)
 
 
 def describe(program: Program) -> str:

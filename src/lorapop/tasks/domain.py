@@ -1,0 +1,98 @@
+"""A world's input domain: the values a teacher's task inputs may take.
+
+A teacher free to pick any input finds difficulty in the values rather than in the program:
+the tiny world's single agent, its programs down to one line, kept half its tasks unsolved with
+two-digit products and character counts over 7-letter strings (benchmarks/README.md, session
+11). Where a world bounds its inputs, a proposal whose input leaves the bounds is invalid, so
+difficulty has to come from the program. The check reads the input's syntax tree: only stated
+values are inside (`'ab' * 9` computes, so it is outside), and nothing runs.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+from dataclasses import dataclass
+
+OUTSIDE_COMPUTED = "input computes a value instead of stating it"
+
+
+@dataclass(frozen=True)
+class InputDomain:
+    """Inputs inside: numbers in [int_min, int_max], strings of at most `str_chars` characters,
+    containers of at most `items` items, nested alike; True, False and None."""
+
+    int_min: int
+    int_max: int
+    str_chars: int
+    items: int
+
+    def __post_init__(self) -> None:
+        if self.int_min > self.int_max or self.str_chars < 0 or self.items < 0:
+            raise ValueError("input domain: need int_min <= int_max, str_chars >= 0, items >= 0")
+
+    def problem(self, args: str) -> str | None:
+        """Why the argument list `args` (the text inside `f(...)`) leaves the domain, or None."""
+        try:
+            call = ast.parse(f"f({args})", mode="eval").body
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            return "input is not an argument list"
+        if not isinstance(call, ast.Call):
+            return "input is not an argument list"
+        values = [*call.args, *(k.value for k in call.keywords)]
+        if any(isinstance(v, ast.Starred) for v in call.args) or any(
+            k.arg is None for k in call.keywords
+        ):
+            return OUTSIDE_COMPUTED
+        try:
+            for v in values:
+                if why := self._value_problem(v):
+                    return why
+        except RecursionError:
+            return "input nests too deeply"
+        return None
+
+    def _value_problem(self, node: ast.expr) -> str | None:
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+            inner = node.operand
+            if isinstance(inner, ast.Constant) and _is_number(inner.value):
+                sign = -1 if isinstance(node.op, ast.USub) else 1
+                return self._number_problem(sign * inner.value)
+            return OUTSIDE_COMPUTED
+        if isinstance(node, ast.Constant):
+            v = node.value
+            if v is None or isinstance(v, bool):
+                return None
+            if _is_number(v):
+                return self._number_problem(v)
+            if isinstance(v, (str, bytes)):
+                if len(v) > self.str_chars:
+                    return f"a string of {len(v)} characters (at most {self.str_chars})"
+                return None
+            return f"a value of type {type(v).__name__}"
+        if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
+            return self._items_problem(node.elts)
+        if isinstance(node, ast.Dict):
+            if any(k is None for k in node.keys):
+                return OUTSIDE_COMPUTED
+            return self._items_problem(node.keys, [k for k in node.keys if k] + node.values)
+        return OUTSIDE_COMPUTED
+
+    def _number_problem(self, v: int | float) -> str | None:
+        if isinstance(v, float) and not math.isfinite(v):
+            return "a number that is not finite"
+        if not self.int_min <= v <= self.int_max:
+            return f"the number {v} (outside {self.int_min}..{self.int_max})"
+        return None
+
+    def _items_problem(self, items: list, nested: list | None = None) -> str | None:
+        if len(items) > self.items:
+            return f"a container of {len(items)} items (at most {self.items})"
+        for x in items if nested is None else nested:
+            if why := self._value_problem(x):
+                return why
+        return None
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)

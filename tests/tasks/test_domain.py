@@ -1,0 +1,64 @@
+"""A world's input domain: the values a proposal's inputs may take, checked without running them."""
+
+import pytest
+
+from lorapop.config import Config
+from lorapop.tasks import get_family
+from lorapop.tasks.domain import InputDomain
+
+NARROW = InputDomain(int_min=-5, int_max=9, str_chars=4, items=4)
+
+
+@pytest.mark.parametrize("args", [
+    "3", "-5", "9", "+2", "'abcd'", "''", "b'ab'", "[1, 2, -3, 9]", "(1, 'ab')", "{'a': 1, 'b': 9}",
+    "{1, 2}", "True, None", "[[1], [2, 3]]", "x=4", "2.5", "'ab', [1], {'c': -1}",
+])  # fmt: skip
+def test_stated_values_inside_the_bounds_are_inside(args):
+    assert NARROW.problem(args) is None
+
+
+@pytest.mark.parametrize("args, why", [
+    ("14", "the number 14"), ("-6", "the number -6"), ("'abcde'", "5 characters"),
+    ("[1, 2, 3, 4, 5]", "5 items"), ("{'a': 1, 'b': 2, 'c': 3, 'd': 4, 'e': 5}", "5 items"),
+    ("[[1, 2], [3, 40]]", "the number 40"), ("{'abcdef': 1}", "6 characters"), ("{1: 99}", "99"),
+    ("3, 'zzzzzzz'", "7 characters"), ("x=100", "the number 100"), ("1e9", "1000000000.0"),
+    ("float('inf')", "computes"), ("'ab' * 9", "computes"), ("2 + 3", "computes"),
+    ("-(30)", "number -30"), ("-x", "computes"), ("*[1, 2]", "computes"), ("**{'a': 1}", "computes"),
+    ("{**{'a': 1}}", "computes"), ("[i for i in range(3)]", "computes"), ("1j", "complex"),
+    ("'a'.upper()", "computes"), ("1), (2", "argument list"), ("(", "not an argument list"),
+    ("[" * 300 + "]" * 300, "argument list|nests"),
+])  # fmt: skip
+def test_values_outside_or_computed_are_outside_with_a_reason(args, why):
+    problem = NARROW.problem(args)
+    assert problem is not None
+    assert any(w in problem for w in why.split("|")), problem
+
+
+def test_bounds_are_checked_when_made():
+    with pytest.raises(ValueError, match="int_min <= int_max"):
+        InputDomain(int_min=3, int_max=2, str_chars=4, items=4)
+    cfg = Config.model_validate({"tasks": {"input_domain": {"int_min": -5, "int_max": 9,
+                                                              "str_chars": 4, "items": 4}}})
+    assert cfg.tasks.input_domain == NARROW
+    with pytest.raises(ValueError, match="int_min <= int_max"):
+        Config.model_validate({"tasks": {"input_domain": {"int_min": 9, "int_max": -5,
+                                                            "str_chars": 4, "items": 4}}})
+
+
+def test_a_proposal_outside_the_domain_is_invalid_not_a_format_error(sandbox):
+    """Each family refuses it before it runs; the same proposals are valid without a domain."""
+    prog = "def f(s):\n    return len(s)"
+    texts = [f"{prog}</f><i>'abc'</i>", f"{prog}</f><i>'abcdefg'</i>", f"{prog}</f><i>'ab' * 9</i>"]
+    for kind in ("code_o", "code_i"):
+        bounded = get_family(kind, template="compact", domain=NARROW).verify(texts, sandbox)
+        assert [v.valid for v in bounded] == [True, False, False]
+        assert not any(v.format_error for v in bounded)
+        assert "outside the world's input domain: a string of 7 characters" in bounded[1].reason
+        free = get_family(kind, template="compact").verify(texts, sandbox)
+        assert [v.valid for v in free] == [True, True, True]
+    base = bounded[0].task
+    code_f = get_family("code_f", template="compact", n_inputs=4, domain=NARROW)
+    inside = "<i>'a'</i><i>'ab'</i><i>'abc'</i><i>''</i><m>length</m>"
+    outside = "<i>'a'</i><i>'ab'</i><i>'abcde'</i><i>''</i><m>length</m>"
+    v = code_f.verify([inside, outside], sandbox, bases=[base, base])
+    assert [x.valid for x in v] == [True, False] and "input 2 outside" in v[1].reason
