@@ -7,8 +7,9 @@
 # (every 30 s: call log, GPU/CPU load, each run's job record and metrics.jsonl, gate probe) and,
 # when finished, results.json (+ world_experiment.json/.png with both arms population and single).
 #
-# usage (device machine, repo root, whose src/ and benchmarks/ run; D holds models/world-short_bf16.tgz.part*
-# and optionally sets/ with heldout/select/seed_tasks*.jsonl and level_table.txt):
+# usage (device machine, repo root, whose src/ and benchmarks/ run; D holds models/$BASE_bf16.tgz.part*
+# unless MODEL_DIR/$BASE is a model already (BASE: world-short unless set), and optionally sets/
+# with heldout/select/seed_tasks*.jsonl and level_table.txt of the base's level table):
 #   OUT=$OUT D=.gpu/world bash benchmarks/world_call.sh END_S [world_experiment.py args]
 #   e.g. ... world_call.sh 470 --arms single --seeds 0 1 2 --parallel 3          (the gate)
 #        ... world_call.sh 470 train.lr=3e-3 --arms single --seeds 0 --parallel 1  (overrides first)
@@ -27,7 +28,8 @@ END=${1:?END_S}; shift
     --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD/src
 M=${MODEL_DIR:-/tmp/m}
-[ -f $M/world-short/config.json ] || { mkdir -p $M && cat $D/models/world-short_bf16.tgz.part* | tar xzf - -C $M; }
+B=${BASE:-world-short}
+[ -f $M/$B/config.json ] || { mkdir -p $M && cat $D/models/${B}_bf16.tgz.part* | tar xzf - -C $M; } || exit 1
 W=${RUNS:-/tmp/wx}
 mkdir -p $W $OUT; rm -f $W/stop
 [ -d $D/sets ] && cp -n $D/sets/* $W/
@@ -46,7 +48,7 @@ pack() {  # small files only: no checkpoints or adapters; rollouts of the last $
     pack; sleep 30
   done ) &
 TP=$!
-python3 benchmarks/world_experiment.py $S --model $M/world-short --out $W --deadline $DL \
+python3 benchmarks/world_experiment.py $S --model $M/$B --out $W --deadline $DL \
     --per-level 20 --workers 4 "$@" > $W/experiment.log 2>&1
 echo "$(date -u +%T) exit $? after $(( $(date +%s) - T0 )) s" >> $W/call.log
 touch $W/stop; kill $TP 2>/dev/null; wait $TP 2>/dev/null   # (not the loop's 30 s sleep)

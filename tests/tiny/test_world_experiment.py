@@ -313,3 +313,32 @@ def test_a_bounded_world_sets_its_input_domain_and_seeds_inside_it(tmp_path) -> 
     paths = we.prepare(tmp_path, 1, 1, "narrow", (1, 3))
     seeds = load_jsonl(paths["seed_tasks"])
     assert seeds and all(cfg.tasks.input_domain.problem(x) is None for t in seeds for x in t.inputs)
+
+
+def test_world_rollouts_tells_unsolved_tasks_and_domain_apart(tmp_path) -> None:
+    """benchmarks/world_rollouts.py on rollouts of two code_o tasks: one solved by every answer
+    inside the narrow domain, one never solved (one answer repeated) outside it."""
+    spec = importlib.util.spec_from_file_location("world_rollouts",
+                                                  ROOT / "benchmarks" / "world_rollouts.py")  # fmt: skip
+    wr = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(wr)
+    run = tmp_path / "runs" / "single_s0" / "rollouts"
+    run.mkdir(parents=True)
+    easy = "solve code_o\n<f>def f(n: int):\n    return n * 2</f><i>3</i>\n<o>"
+    hard = "solve code_o\n<f>def f(n: int):\n    return n * 3</f><i>14</i>\n<o>"
+    rows = [{"role": "teacher", "type": "code_o", "prompt": "p"}]
+    rows += [{"role": "student", "type": "code_o", "prompt": easy, "verdict": "correct",
+              "parsed": "6"} for _ in range(4)]  # fmt: skip
+    rows += [{"role": "student", "type": "code_o", "prompt": hard, "verdict": "wrong",
+              "parsed": "48"} for _ in range(4)]  # fmt: skip
+    with gzip.open(run / "step_7.jsonl.gz", "wt") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
+    s = wr.summarize(run.parent, "narrow")["code_o"]
+    assert (s["tasks"], s["solve"], s["all_solved"], s["unsolved"], s["unanimous_wrong"]) == (2, 0.5, 0.5, 0.5, 0.5)
+    assert s["inside_domain"] == {"tasks": 1, "solve": 1.0}
+    assert s["outside_domain"] == {"tasks": 1, "solve": 0.0}
+    assert s["examples_unsolved"][0]["answers"] == ["48"] * 4
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "world_rollouts.py"),
+                           str(tmp_path / "nothing")], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")})  # fmt: skip
+    assert done.returncode == 2 and "does not exist" in done.stderr
