@@ -129,7 +129,7 @@ LEVEL_TABLES: dict[str, dict[int, Knobs]] = {"standard": LEVELS, "world": WORLD_
 #: tasks draw inputs inside it, and the loop makes proposals outside it invalid
 #: (`tasks.input_domain`). The single agent on `short` found its difficulty in the values
 #: (two-digit products, counts over 7-letter strings) once its programs were one line long;
-#: `narrow` keeps values where a short program on them is easy to execute.
+#: `narrow` keeps the values small, so that difficulty has to come from the program.
 TABLE_DOMAINS: dict[str, InputDomain] = {
     "narrow": InputDomain(int_min=-5, int_max=9, str_chars=4, items=4),
 }
