@@ -16,7 +16,6 @@ DIR: a world_experiment `--out` directory, or a progress.tgz (unpacked to a temp
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import random
 import re
@@ -27,26 +26,27 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from statistics import fmean
 
+from lorapop import rollouts
 from lorapop.tiny.grammar import TABLE_DOMAINS
 
 OPS = ("count", "len", "find", "replace", "upper", "sorted", "sum", "max", "min", "join", "split",
        "*", "+=", "%", "//", "[", "for", "while", "if")  # fmt: skip
 
 
-def _tasks(run: Path) -> dict[str, list[dict]]:
-    """Per task type, each task a student solved in the stored steps: its prompt, verdicts,
-    answers and inputs."""
+def _tasks(run: Path) -> tuple[list[int], dict[str, list[dict]]]:
+    """The steps stored, and per task type each task a student solved in them: its prompt,
+    verdicts, answers, inputs and the operations its program uses."""
     by: dict[tuple[str, str], dict] = {}
+    steps = set()
     for f in sorted(run.glob("rollouts/step_*.jsonl.gz")):
-        with gzip.open(f, "rt") as fh:
-            for line in fh:
-                r = json.loads(line)
-                if r.get("role") != "student":
-                    continue
-                t = by.setdefault((r["type"], r["prompt"]), {"prompt": r["prompt"], "ok": [],
-                                                             "answers": []})  # fmt: skip
-                t["ok"].append(r["verdict"] == "correct")
-                t["answers"].append(str(r.get("parsed")))
+        for r in rollouts.read(f):
+            if r.get("role") != "student" or "type" not in r or "prompt" not in r:
+                continue
+            steps.add(r.get("step"))
+            t = by.setdefault((r["type"], r["prompt"]), {"prompt": r["prompt"], "ok": [],
+                                                         "answers": []})  # fmt: skip
+            t["ok"].append(r.get("verdict") == "correct")
+            t["answers"].append(str(r.get("parsed")))
     out: dict[str, list[dict]] = defaultdict(list)
     for (kind, prompt), t in by.items():
         t["solve"] = sum(t["ok"]) / len(t["ok"])
@@ -54,45 +54,47 @@ def _tasks(run: Path) -> dict[str, list[dict]]:
         body = prompt.split("<f>", 1)[1].split("</f>", 1)[0] if "<f>" in prompt else ""
         t["ops"] = [o for o in OPS if o in body]
         out[kind].append(t)
-    return out
+    return sorted(x for x in steps if isinstance(x, int)), out
 
 
 def _share(xs: list[dict], pred) -> float:
     return round(sum(map(pred, xs)) / len(xs), 3) if xs else 0.0
 
 
+def _ops(ts: list[dict]) -> dict[str, float]:
+    """The share of `ts` whose program uses each of the 8 most used operations."""
+    return {o: round(n / len(ts), 2) for o, n in Counter(o for t in ts for o in t["ops"]).most_common(8)}
+
+
+def _solved(ts: list[dict]) -> dict:
+    return {"tasks": len(ts), "solve": round(fmean(t["solve"] for t in ts), 3) if ts else None}
+
+
 def summarize(run: Path, table: str | None, examples: int = 4) -> dict:
+    """One run's steps and, per task type, what its tasks' solve rates look like."""
     domain = TABLE_DOMAINS.get(table or "")
     rng = random.Random(0)
-    res: dict = {}
-    for kind, ts in sorted(_tasks(run).items()):
+    steps, tasks = _tasks(run)
+    res: dict = {"steps": [steps[0], steps[-1]] if steps else []}
+    for kind, ts in sorted(tasks.items()):
         none = [t for t in ts if t["solve"] == 0]
-        every = [t for t in ts if t["solve"] == 1]
         row = {
             "tasks": len(ts), "solve": round(fmean(t["solve"] for t in ts), 3),
             "all_solved": _share(ts, lambda t: t["solve"] == 1),
             "partial": _share(ts, lambda t: 0 < t["solve"] < 1),
             "unsolved": _share(ts, lambda t: t["solve"] == 0),
             "unanimous_wrong": _share(ts, lambda t: t["solve"] == 0 and len(set(t["answers"])) == 1),
-            "ops_unsolved": {o: round(n / len(none), 2) for o, n in
-                             Counter(o for t in none for o in t["ops"]).most_common(8)} if none else {},
-            "ops_all_solved": {o: round(n / len(every), 2) for o, n in
-                               Counter(o for t in every for o in t["ops"]).most_common(8)} if every else {},
+            "ops_unsolved": _ops(none),
+            "ops_all_solved": _ops([t for t in ts if t["solve"] == 1]),
             "examples_unsolved": [{"task": t["prompt"].split("\n", 1)[-1][:300],
                                    "answers": t["answers"][:4]}
                                   for t in rng.sample(none, min(examples, len(none)))],
         }  # fmt: skip
         if domain is not None and kind != "code_i":  # code_i's prompt shows no input
-            inside = [t for t in ts if t["inputs"] and not any(map(domain.problem, t["inputs"]))]
-            outside = [t for t in ts if t not in inside]
-            row["inside_domain"] = {
-                "tasks": len(inside),
-                "solve": round(fmean(t["solve"] for t in inside), 3) if inside else None,
-            }
-            row["outside_domain"] = {
-                "tasks": len(outside),
-                "solve": round(fmean(t["solve"] for t in outside), 3) if outside else None,
-            }
+            side: dict[bool, list[dict]] = {True: [], False: []}
+            for t in ts:
+                side[bool(t["inputs"]) and not any(map(domain.problem, t["inputs"]))].append(t)
+            row["inside_domain"], row["outside_domain"] = _solved(side[True]), _solved(side[False])
         res[kind] = row
     return res
 
@@ -125,11 +127,8 @@ def main() -> None:
             ap.error(
                 f"{a.dir}: no runs with rollouts (world_call.sh brings them back with ROLLOUTS=N)"
             )
-        steps = {r.name: sorted(int(f.name[5:-9]) for f in r.glob("rollouts/step_*.jsonl.gz"))
-                 for r in runs}  # fmt: skip
         out = {"source": a.dir, "command": " ".join(sys.argv), "table": a.table,
-               "runs": {r.name: {"steps": [steps[r.name][0], steps[r.name][-1]],
-                                 **summarize(r, a.table)} for r in runs}}  # fmt: skip
+               "runs": {r.name: summarize(r, a.table) for r in runs}}
     text = json.dumps(out, indent=1)
     if a.out:
         Path(a.out).write_text(text + "\n")

@@ -39,18 +39,14 @@ class InputDomain:
             return "input is not an argument list"
         if not isinstance(call, ast.Call):
             return "input is not an argument list"
-        values = [*call.args, *(k.value for k in call.keywords)]
         if any(isinstance(v, ast.Starred) for v in call.args) or any(
             k.arg is None for k in call.keywords
         ):
             return OUTSIDE_COMPUTED
         try:
-            for v in values:
-                if why := self._value_problem(v):
-                    return why
+            return self._all_problem([*call.args, *(k.value for k in call.keywords)])
         except RecursionError:
             return "input nests too deeply"
-        return None
 
     def _value_problem(self, node: ast.expr) -> str | None:
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
@@ -71,11 +67,11 @@ class InputDomain:
                 return None
             return f"a value of type {type(v).__name__}"
         if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
-            return self._items_problem(node.elts)
+            return self._items_problem(len(node.elts)) or self._all_problem(node.elts)
         if isinstance(node, ast.Dict):
-            if any(k is None for k in node.keys):
+            if any(k is None for k in node.keys):  # {**other}
                 return OUTSIDE_COMPUTED
-            return self._items_problem(node.keys, [k for k in node.keys if k] + node.values)
+            return self._items_problem(len(node.keys)) or self._all_problem([*node.keys, *node.values])
         return OUTSIDE_COMPUTED
 
     def _number_problem(self, v: int | float) -> str | None:
@@ -85,13 +81,12 @@ class InputDomain:
             return f"the number {v} (outside {self.int_min}..{self.int_max})"
         return None
 
-    def _items_problem(self, items: list, nested: list | None = None) -> str | None:
-        if len(items) > self.items:
-            return f"a container of {len(items)} items (at most {self.items})"
-        for x in items if nested is None else nested:
-            if why := self._value_problem(x):
-                return why
-        return None
+    def _items_problem(self, n: int) -> str | None:
+        return f"a container of {n} items (at most {self.items})" if n > self.items else None
+
+    def _all_problem(self, nodes: list) -> str | None:
+        """The first problem among `nodes`, or None."""
+        return next((why for x in nodes if (why := self._value_problem(x))), None)
 
 
 def _is_number(v: object) -> bool:
