@@ -25,7 +25,7 @@ import transformers
 
 from lorapop.engine.model import TINY_DIR, load_base_model, load_tokenizer, resolve_device
 from lorapop.tiny.evaluate import evaluate_tiny
-from lorapop.tiny.grammar import LEVEL_TABLES, TABLE_DOMAINS
+from lorapop.tiny.grammar import LEVEL_TABLES, TABLE_RULES
 from lorapop.tiny.heldout import build_heldout, fingerprint
 from lorapop.tiny.world import measure_world, regime_checks, world_of, world_pools
 from lorapop.verify import Sandbox
@@ -71,7 +71,7 @@ def main() -> None:
         m = measure_world(model, tok, sb, pools, proposals=a.proposals, answers=a.answers,
                           references=references, teacher_max_new_tokens=a.teacher_max_new_tokens,
                           batch_size=a.batch_size, seed=a.seed,
-                          domain=TABLE_DOMAINS.get(table))  # fmt: skip
+                          rules=TABLE_RULES.get(table))  # fmt: skip
         m["settings"]["level_table"] = table
         t2 = time.perf_counter()
         heldout = None

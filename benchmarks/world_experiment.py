@@ -531,13 +531,17 @@ def ensure_model(args: argparse.Namespace) -> str:
     return args.model
 
 
-def domain_overrides(table: str) -> list[str]:
-    """`tasks.input_domain` of a level table with bounded inputs (`grammar.TABLE_DOMAINS`): the
-    loop's proposals must stay where the base's corpus and the sets drew their inputs."""
-    from lorapop.tiny.grammar import TABLE_DOMAINS
+def rule_overrides(table: str) -> list[str]:
+    """The world rules of a level table (`grammar.TABLE_RULES`) as config overrides: the loop's
+    proposals must stay where the base's corpus and the sets drew their inputs, and so on."""
+    from lorapop.tiny.grammar import TABLE_RULES
 
-    d = TABLE_DOMAINS.get(table)
-    return [f"tasks.input_domain={json.dumps(dataclasses.asdict(d))}"] if d else []
+    r = TABLE_RULES.get(table)
+    if r is None:
+        return []
+    out = [f"tasks.{key}={json.dumps(dataclasses.asdict(d))}"
+           for key, d in (("input_domain", r.inputs), ("output_domain", r.outputs)) if d]
+    return out + (["tasks.live_code=true"] if r.live_code else [])
 
 
 def prepare(out: Path, per_level: int, workers: int, table: str,
@@ -592,7 +596,7 @@ def run_all(args: argparse.Namespace) -> None:
     paths = prepare(out, args.per_level, args.workers, table, tuple(sorted(set(args.seed_levels))))
     base = [f"model.name_or_path={Path(model).resolve() if Path(model).exists() else model}",
             f"tasks.seed_tasks={Path(paths['seed_tasks']).resolve()}",
-            f"tasks.references={world['references']}", *domain_overrides(table), *args.overrides]
+            f"tasks.references={world['references']}", *rule_overrides(table), *args.overrides]
     jobs = []
     for arm in args.arms:
         for seed in args.seeds:

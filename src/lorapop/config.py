@@ -12,7 +12,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from lorapop.tasks.domain import InputDomain
+from lorapop.tasks.domain import InputDomain, WorldRules
 
 
 class Section(BaseModel):
@@ -132,6 +132,15 @@ class TasksConfig(Section):
     input_domain: InputDomain | None = None
     """Bounds on the values of a proposal's inputs (int_min, int_max, str_chars, items); one
     outside them is invalid. A world's rule (the tiny world's `narrow` table), None: any input."""
+    output_domain: InputDomain | None = None
+    """The same bounds on the outputs a proposal's program gives (code_o/code_i's gold, code_f's
+    examples); None: any output."""
+    live_code: bool = False
+    """A code_o/code_i program with a dead statement (a no-op, a value stored and never read;
+    `lorapop.tasks.liveness`) is invalid."""
+
+    def world_rules(self) -> WorldRules:
+        return WorldRules(self.input_domain, self.output_domain, self.live_code)
 
 
 class VerifyConfig(Section):

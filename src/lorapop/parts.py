@@ -96,7 +96,7 @@ def build(cfg: Config) -> Parts:
                         max_grad_norm=tc.max_grad_norm)
     chat = chat_format(tokenizer) if cfg.tasks.template == "chat" else None
     families = {
-        t: get_family(t, template=cfg.tasks.template, chat=chat, domain=cfg.tasks.input_domain,
+        t: get_family(t, template=cfg.tasks.template, chat=chat, rules=cfg.tasks.world_rules(),
                       **({"n_inputs": cfg.tasks.code_f_inputs} if t == "code_f" else {}))
         for t in cfg.tasks.types
     }

@@ -4,7 +4,7 @@ import pytest
 
 from lorapop.config import Config
 from lorapop.tasks import get_family
-from lorapop.tasks.domain import InputDomain
+from lorapop.tasks.domain import InputDomain, WorldRules
 
 NARROW = InputDomain(int_min=-5, int_max=9, str_chars=4, items=4)
 
@@ -50,14 +50,14 @@ def test_a_proposal_outside_the_domain_is_invalid_not_a_format_error(sandbox):
     prog = "def f(s):\n    return len(s)"
     texts = [f"{prog}</f><i>'abc'</i>", f"{prog}</f><i>'abcdefg'</i>", f"{prog}</f><i>'ab' * 9</i>"]
     for kind in ("code_o", "code_i"):
-        bounded = get_family(kind, template="compact", domain=NARROW).verify(texts, sandbox)
+        bounded = get_family(kind, template="compact", rules=WorldRules(inputs=NARROW)).verify(texts, sandbox)
         assert [v.valid for v in bounded] == [True, False, False]
         assert not any(v.format_error for v in bounded)
         assert "outside the world's input domain: a string of 7 characters" in bounded[1].reason
         free = get_family(kind, template="compact").verify(texts, sandbox)
         assert [v.valid for v in free] == [True, True, True]
     base = bounded[0].task
-    code_f = get_family("code_f", template="compact", n_inputs=4, domain=NARROW)
+    code_f = get_family("code_f", template="compact", n_inputs=4, rules=WorldRules(inputs=NARROW))
     inside = "<i>'a'</i><i>'ab'</i><i>'abc'</i><i>''</i><m>length</m>"
     outside = "<i>'a'</i><i>'ab'</i><i>'abcde'</i><i>''</i><m>length</m>"
     v = code_f.verify([inside, outside], sandbox, bases=[base, base])

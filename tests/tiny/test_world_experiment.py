@@ -300,16 +300,18 @@ def test_merge_of_a_single_arm_or_a_broken_file_is_a_one_line_error(tmp_path) ->
         assert "merge" in proc.stderr or "no such results file" in proc.stderr
 
 
-def test_a_bounded_world_sets_its_input_domain_and_seeds_inside_it(tmp_path) -> None:
-    """On the narrow table the runs get tasks.input_domain, and the seed tasks lie inside it."""
+def test_a_bounded_world_sets_its_rules_and_seeds_inside_them(tmp_path) -> None:
+    """On the narrow and live tables the runs get the table's rules, and the seed tasks lie
+    inside the input domain."""
     from lorapop.config import load_config
-    from lorapop.tiny.grammar import TABLE_DOMAINS
+    from lorapop.tiny.grammar import TABLE_RULES
     from lorapop.tiny.heldout import load_jsonl
 
     we = _module()
-    assert we.domain_overrides("short") == []
-    cfg = load_config(None, we.domain_overrides("narrow"))
-    assert cfg.tasks.input_domain == TABLE_DOMAINS["narrow"]
+    assert we.rule_overrides("short") == []
+    assert load_config(None, we.rule_overrides("live")).tasks.world_rules() == TABLE_RULES["live"]
+    cfg = load_config(None, we.rule_overrides("narrow"))
+    assert cfg.tasks.world_rules() == TABLE_RULES["narrow"]
     paths = we.prepare(tmp_path, 1, 1, "narrow", (1, 3))
     seeds = load_jsonl(paths["seed_tasks"])
     assert seeds and all(cfg.tasks.input_domain.problem(x) is None for t in seeds for x in t.inputs)

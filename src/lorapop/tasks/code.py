@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 
 from lorapop.tasks import prompts
 from lorapop.tasks.compare import MATCH, judge
-from lorapop.tasks.domain import InputDomain
+from lorapop.tasks.domain import WorldRules
 from lorapop.tasks.family import Runner
 from lorapop.tasks.parsing import (
     MAX_TEXT_CHARS,
@@ -37,13 +37,13 @@ class CodeFamily:
     needs_base = False
 
     def __init__(self, template: str = "azr", caps: Caps | None = None,
-                 chat: ChatFormat | None = None, domain: InputDomain | None = None) -> None:
+                 chat: ChatFormat | None = None, rules: WorldRules | None = None) -> None:
         self.template = check_template(template)
         if template == "chat" and chat is None:
             raise ValueError("template 'chat' needs chat=prompts.chat_format(tokenizer)")
         self.caps = caps or Caps()
         self.chat = chat
-        self.domain = domain  # a proposal's inputs must lie in it (None: any input)
+        self.rules = rules or WorldRules()
 
     # -- helpers shared by the subclasses --------------------------------------------------
 
@@ -80,8 +80,8 @@ class CodeFamily:
         for k, x in enumerate(p.inputs):
             if len(x) > self.caps.shown_chars:
                 return f"input {k} longer than {self.caps.shown_chars} chars"
-            if self.domain and (why := self.domain.problem(x)):
-                return f"input {k} outside the world's input domain: {why}"
+            if why := self.rules.input_problem(k, x):
+                return why
         return None
 
     def _gold_problem(self, output: str) -> str | None:
@@ -90,7 +90,7 @@ class CodeFamily:
             return f"output longer than {self.caps.shown_chars} chars"
         if python_expr(output) is None:
             return "output is not a Python expression"
-        return None
+        return self.rules.output_problem(output)
 
     def _run_checks(
         self,
@@ -228,7 +228,8 @@ class ProgramInputFamily(CodeFamily):
         early = {
             i: Validity(False, problem)
             for i, p in enumerate(parsed)
-            if isinstance(p, Draft) and (problem := self._shown_problem(p))
+            if isinstance(p, Draft)
+            and (problem := self._shown_problem(p) or self.rules.program_problem(p.program))
         }
         idx = [i for i, p in enumerate(parsed) if isinstance(p, Draft) and i not in early]
         jobs = []

@@ -25,7 +25,7 @@ from lorapop.tasks.code import (
     unique,
 )
 from lorapop.tasks.compare import MATCH, judge, tuple_items
-from lorapop.tasks.domain import InputDomain
+from lorapop.tasks.domain import WorldRules
 from lorapop.tasks.family import Runner
 from lorapop.tasks.parsing import (
     answer_span,
@@ -53,8 +53,8 @@ class CodeF(CodeFamily):
     needs_base = True
 
     def __init__(self, template: str = "azr", caps: Caps | None = None, n_inputs: int = 10,
-                 chat: prompts.ChatFormat | None = None, domain: InputDomain | None = None):
-        super().__init__(template, caps, chat, domain)
+                 chat: prompts.ChatFormat | None = None, rules: WorldRules | None = None):
+        super().__init__(template, caps, chat, rules)
         if n_inputs < 2:
             raise ValueError("code_f needs n_inputs >= 2 (half are shown, half check)")
         self.n_inputs = n_inputs

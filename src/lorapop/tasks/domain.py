@@ -1,11 +1,13 @@
-"""A world's input domain: the values a teacher's task inputs may take.
+"""A world's rules on proposals: the values a task's inputs and outputs may take, live code.
 
 A teacher free to pick any input finds difficulty in the values rather than in the program:
 the tiny world's single agent, its programs down to one line, kept half its tasks unsolved with
 two-digit products and character counts over 7-letter strings (benchmarks/README.md, session
 11). Where a world bounds its inputs, a proposal whose input leaves the bounds is invalid, so
 difficulty has to come from the program. The check reads the input's syntax tree: only stated
-values are inside (`'ab' * 9` computes, so it is outside), and nothing runs.
+values are inside (`'ab' * 9` computes, so it is outside), and nothing runs. The same bounds
+can hold the outputs (products of small inputs grow past what a small student computes), and a
+world can ask for live code (`lorapop.tasks.liveness`).
 """
 
 from __future__ import annotations
@@ -14,13 +16,16 @@ import ast
 import math
 from dataclasses import dataclass
 
+from lorapop.tasks.liveness import dead_statement
+
 OUTSIDE_COMPUTED = "input computes a value instead of stating it"
 
 
 @dataclass(frozen=True)
 class InputDomain:
-    """Inputs inside: numbers in [int_min, int_max], strings of at most `str_chars` characters,
-    containers of at most `items` items, nested alike; True, False and None."""
+    """Values inside: numbers in [int_min, int_max], strings of at most `str_chars` characters,
+    containers of at most `items` items, nested alike; True, False and None. (Named for its
+    first use; `WorldRules.outputs` bounds outputs with it too.)"""
 
     int_min: int
     int_max: int
@@ -32,7 +37,8 @@ class InputDomain:
             raise ValueError("input domain: need int_min <= int_max, str_chars >= 0, items >= 0")
 
     def problem(self, args: str) -> str | None:
-        """Why the argument list `args` (the text inside `f(...)`) leaves the domain, or None."""
+        """Why the argument list `args` (the text inside `f(...)`, or one value's repr) leaves
+        the domain, or None."""
         try:
             call = ast.parse(f"f({args})", mode="eval").body
         except (SyntaxError, ValueError, RecursionError, MemoryError):
@@ -91,3 +97,29 @@ class InputDomain:
 
 def _is_number(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class WorldRules:
+    """What a world asks of a proposal beyond running: its inputs and its outputs inside
+    bounds (None: any), its program free of dead statements. Each broken rule makes the
+    proposal invalid with the reason, never a format error."""
+
+    inputs: InputDomain | None = None
+    outputs: InputDomain | None = None
+    live_code: bool = False
+
+    def input_problem(self, k: int, args: str) -> str | None:
+        if self.inputs and (why := self.inputs.problem(args)):
+            return f"input {k} outside the world's input domain: {why}"
+        return None
+
+    def output_problem(self, output: str) -> str | None:
+        if self.outputs and (why := self.outputs.problem(output)):
+            return f"output outside the world's output domain: {why}"
+        return None
+
+    def program_problem(self, program: str) -> str | None:
+        if self.live_code and (why := dead_statement(program)):
+            return f"dead code: {why}"
+        return None

@@ -102,7 +102,7 @@ def _corpus_chunk(
         if cand is None:
             continue
         vs = runner.run([Job(cand.program.source, f"f({x})") for x in cand.inputs])
-        if acceptable(vs, max_output_chars):
+        if acceptable(vs, max_output_chars, level):
             task = make_task("code_f", cand, [v.output or "" for v in vs], seed, "train")
             out.append((normalize(task.program), task))
     return out

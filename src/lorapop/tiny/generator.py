@@ -174,18 +174,23 @@ def generate_tasks(
             verdicts = iter(sb.run(jobs))
             for cand in chunk:
                 outputs = [next(verdicts) for _ in cand.inputs]
-                if len(out) < n and acceptable(outputs, max_output_chars):
+                if len(out) < n and acceptable(outputs, max_output_chars, difficulty):
                     texts = [v.output or "" for v in outputs]
                     out.append(make_task(kind, cand, texts, seed, split))
     return out
 
 
-def acceptable(verdicts: Sequence[Verdict], max_output_chars: int) -> bool:
-    """A program's runs make a task: all ok, outputs short and not all equal."""
+def acceptable(
+    verdicts: Sequence[Verdict], max_output_chars: int, difficulty: int | Knobs | Level = 1
+) -> bool:
+    """A program's runs make a task: all ok, outputs short, not all equal, and inside the
+    level's output domain if it has one."""
     if not all(v.ok and v.output is not None for v in verdicts):
         return False
-    outputs = [v.output for v in verdicts]
-    return max(len(o) for o in outputs) <= max_output_chars and len(set(outputs)) > 1
+    outputs = [v.output or "" for v in verdicts]
+    bounds = difficulty.outputs if isinstance(difficulty, Level) else None
+    return (max(len(o) for o in outputs) <= max_output_chars and len(set(outputs)) > 1
+            and not (bounds and any(bounds.problem(o) for o in outputs)))  # fmt: skip
 
 
 def make_task(kind: str, cand: Candidate, outputs: list[str], seed: int | str, split: str) -> Task:
@@ -231,7 +236,7 @@ def generate_variants(
     variant of anchor `i` is drawn from `random.Random(f"variant/{seed}/{offset + i}")`, so a
     slice of the anchors with its `offset` gives that slice of the variants.
     """
-    cands: list[tuple[Task, Program]] = []
+    cands: list[tuple[Task, Program, int | Level]] = []
     for i, a in enumerate(anchors):
         level = a.meta.get("difficulty")
         kind = type(_literal(a.outputs[0])) if a.outputs else None
@@ -244,13 +249,13 @@ def generate_variants(
         except ValueError:
             continue
         if program_split(prog.source) == "train":
-            cands.append((a, prog))
-    jobs = [Job(p.source, f"f({x})", deterministic=True) for a, p in cands for x in a.inputs]
+            cands.append((a, prog, up))
+    jobs = [Job(p.source, f"f({x})", deterministic=True) for a, p, _ in cands for x in a.inputs]
     verdicts = iter(sandbox.run(jobs))
     out = []
-    for a, prog in cands:
+    for a, prog, up in cands:
         vs = [next(verdicts) for _ in a.inputs]
-        if acceptable(vs, max_output_chars):
+        if acceptable(vs, max_output_chars, up):
             level = min(5, a.meta["difficulty"] + level_up)
             cand = Candidate(prog, a.inputs, level)
             variant = make_task("code_f", cand, [v.output or "" for v in vs], seed, "train")

@@ -19,12 +19,14 @@ Everything draws from one `random.Random`; the same seed gives the same program.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import random
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from lorapop.tasks.domain import InputDomain
+from lorapop.tasks.domain import InputDomain, WorldRules
+from lorapop.tasks.liveness import drop_dead
 
 INT, STR, LIST, DICT = "int", "str", "list", "dict"
 TYPES = (INT, STR, LIST, DICT)
@@ -66,6 +68,7 @@ class Knobs:
     conditionals: bool = True
     helpers: int = 0  # helper functions defined before f and called by it
     expr_depth: int = 2  # deepest nesting of an expression
+    live: bool = False  # drop the statements that cannot change the result (tasks.liveness)
 
     def __post_init__(self) -> None:
         if self.statements < 0 or self.depth < 0 or self.expr_depth < 1:
@@ -122,27 +125,39 @@ SHORT_LEVELS: dict[int, Knobs] = {
              conditionals=True, helpers=0, expr_depth=2),
 }  # fmt: skip
 #: Level tables by name (`Recipe.levels`, `tiny_world.py --level-table`). `narrow` is `short`'s
-#: programs on bounded inputs (`TABLE_DOMAINS`).
-LEVEL_TABLES: dict[str, dict[int, Knobs]] = {"standard": LEVELS, "world": WORLD_LEVELS,
-                                             "short": SHORT_LEVELS, "narrow": SHORT_LEVELS}  # fmt: skip
-#: The input domain of a level table whose inputs are bounded: its corpus, held-out and seed
-#: tasks draw inputs inside it, and the loop makes proposals outside it invalid
-#: (`tasks.input_domain`). The single agent on `short` found its difficulty in the values
-#: (two-digit products, counts over 7-letter strings) once its programs were one line long;
-#: `narrow` keeps the values small, so that difficulty has to come from the program.
-TABLE_DOMAINS: dict[str, InputDomain] = {
-    "narrow": InputDomain(int_min=-5, int_max=9, str_chars=4, items=4),
+#: programs on bounded inputs, `live` those programs without their dead statements (`TABLE_RULES`).
+LEVEL_TABLES: dict[str, dict[int, Knobs]] = {
+    "standard": LEVELS, "world": WORLD_LEVELS, "short": SHORT_LEVELS, "narrow": SHORT_LEVELS,
+    "live": {lv: dataclasses.replace(k, live=True) for lv, k in SHORT_LEVELS.items()},
+}  # fmt: skip
+_SMALL = InputDomain(int_min=-5, int_max=9, str_chars=4, items=4)
+#: The rules of a level table's world (`tasks.input_domain`, `tasks.output_domain`,
+#: `tasks.live_code`): its corpus, held-out and seed tasks draw inputs inside `inputs`, and the
+#: loop makes a proposal that breaks a rule invalid. Each closes a way the single agent found to
+#: make tasks hard without making programs complex (benchmarks/README.md). On `short` it used
+#: the values (two-digit products, counts over 7-letter strings), so `narrow` keeps inputs small.
+#: On `narrow` it padded one-line programs with `x = x` chains and values never read, and
+#: multiplied small inputs into large outputs, so `live` also drops dead statements from its
+#: programs (so does its corpus), asks for live code and bounds outputs (95% of its programs'
+#: outputs fall inside: ints -9..19, 8 characters, 8 items).
+TABLE_RULES: dict[str, WorldRules] = {
+    "narrow": WorldRules(inputs=_SMALL),
+    "live": WorldRules(inputs=_SMALL, outputs=InputDomain(-9, 19, 8, 8), live_code=True),
 }
+#: The input domain of each level table whose inputs are bounded.
+TABLE_DOMAINS: dict[str, InputDomain] = {t: r.inputs for t, r in TABLE_RULES.items() if r.inputs}
 
 
 @dataclass(frozen=True)
 class Level:
     """Level `number` of a table other than `LEVELS`: generated with `knobs`, labelled `number`,
-    its inputs drawn inside `domain` (None: the grammar's own ranges)."""
+    its inputs drawn inside `domain` (None: the grammar's own ranges), its tasks' outputs
+    inside `outputs` (None: any)."""
 
     number: int
     knobs: Knobs
     domain: InputDomain | None = None
+    outputs: InputDomain | None = None
 
 
 def table_level(number: int, table: str = "standard") -> int | Level:
@@ -154,8 +169,10 @@ def table_level(number: int, table: str = "standard") -> int | Level:
     knobs = LEVEL_TABLES[table].get(number)
     if knobs is None:
         raise ValueError(f"level table {table!r} has no level {number!r}")
-    domain = TABLE_DOMAINS.get(table)
-    return number if LEVELS.get(number) == knobs and not domain else Level(number, knobs, domain)
+    rules = TABLE_RULES.get(table)
+    if rules is None:
+        return number if LEVELS.get(number) == knobs else Level(number, knobs)
+    return Level(number, knobs, rules.inputs, rules.outputs)
 
 
 def table_levels(
@@ -691,8 +708,9 @@ def generate_program(rng: random.Random, difficulty: int | Knobs | Level) -> Pro
     params = _param_names(rng, ptypes)
     body, ret, features = _function(rng, knobs, "f", params, helpers, is_helper=False)
     lines += body
+    source = "\n".join(lines) + "\n"
     return Program(
-        source="\n".join(lines) + "\n",
+        source=drop_dead(source) if knobs.live else source,
         params=tuple(params),
         returns=ret,
         features=tuple(sorted(features)),
@@ -721,13 +739,14 @@ def extend_program(
     types = tuple(t for t in TYPES if t in used or t in knobs.types)
     body_knobs = Knobs(statements=knobs.statements, depth=knobs.depth, params=len(params),
                        types=types, loops=knobs.loops, conditionals=knobs.conditionals,
-                       helpers=0, expr_depth=knobs.expr_depth)  # fmt: skip
+                       helpers=0, expr_depth=knobs.expr_depth, live=knobs.live)  # fmt: skip
     helper = _Helper(_HELPER_NAMES[0], tuple(t for _, t in params), returns)
     lines, ret, features = _function(rng, body_knobs, "f", params, [helper], is_helper=False)
     inner = source.strip().splitlines()
     inner[0] = inner[0].replace("def f(", f"def {helper.name}(", 1)
+    source = "\n".join([*inner, "", *lines]) + "\n"
     return Program(
-        source="\n".join([*inner, "", *lines]) + "\n",
+        source=drop_dead(source) if knobs.live else source,
         params=tuple(params),
         returns=ret,
         features=tuple(sorted(features | {"helper"})),

@@ -195,6 +195,10 @@ SIZES |= {
 # half unsolved through their values (two-digit products, counts over 7-letter strings), so
 # its teacher found difficulty without complexity (benchmarks/README.md, session 11)
 SIZES["world-narrow"] = Recipe(**SIZES["world-short"].__dict__ | {"levels": "narrow"})
+# `world-narrow` without dead statements (`grammar.TABLE_RULES["live"]`): on `world-narrow` the
+# single agent padded its one-line programs with `x = x` chains and values never read and its
+# own solve rate fell (benchmarks/README.md, session 12); this base never sees dead code
+SIZES["world-live"] = Recipe(**SIZES["world-short"].__dict__ | {"levels": "live"})
 
 
 # -- the corpus and its examples --------------------------------------------------------------

@@ -42,7 +42,7 @@ from typing import Any
 from lorapop.engine.generate import SamplingParams, generate
 from lorapop.rl import RewardScheme, teacher_reward
 from lorapop.tasks import Outcome, Runner, Task, get_family, program_metrics
-from lorapop.tasks.domain import InputDomain
+from lorapop.tasks.domain import WorldRules
 from lorapop.tiny.evaluate import MAX_NEW
 from lorapop.tiny.generator import KINDS, generate_tasks, normalize
 from lorapop.tiny.grammar import LEVEL_TABLES, LEVELS, table_level
@@ -114,14 +114,14 @@ def measure_world(
     slot: int = 0,
     batch_size: int | None = 256,
     seed: int = 0,
-    domain: InputDomain | None = None,
+    rules: WorldRules | None = None,
 ) -> dict:
-    """The regime measurements (module doc) of one model; a JSON-able dict. `domain`: the
-    world's input domain, outside which a proposal is invalid (as in the loop)."""
+    """The regime measurements (module doc) of one model; a JSON-able dict. `rules`: the
+    world's rules (`grammar.TABLE_RULES`), under which a proposal is valid (as in the loop)."""
     if proposals < 1 or answers < 1 or references < 1:
         raise ValueError("proposals, answers and references must be >= 1")
     rng = random.Random(f"world/{seed}")
-    fams = {k: get_family(k, template="compact", domain=domain,
+    fams = {k: get_family(k, template="compact", rules=rules,
                           **({"n_inputs": code_f_inputs} if k == "code_f" else {}))
             for k in KINDS}  # fmt: skip
     asks: list[_Ask] = []
