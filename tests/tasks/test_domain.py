@@ -62,3 +62,31 @@ def test_a_proposal_outside_the_domain_is_invalid_not_a_format_error(sandbox):
     outside = "<i>'a'</i><i>'ab'</i><i>'abcde'</i><i>''</i><m>length</m>"
     v = code_f.verify([inside, outside], sandbox, bases=[base, base])
     assert [x.valid for x in v] == [True, False] and "input 2 outside" in v[1].reason
+
+
+def test_outputs_outside_the_output_domain_and_dead_code_are_invalid(sandbox):
+    """The other world rules: code_o/code_i refuse a program with a dead statement or an output
+    outside the bounds, code_f an example output outside them; code_f's base program is the
+    buffer's, not the teacher's, so its dead code is not held against the teacher."""
+    rules = WorldRules(inputs=NARROW, outputs=NARROW, live_code=True)
+    texts = ["def f(n):\n    return n * 2</f><i>3</i>", "def f(n):\n    return n * 3</f><i>4</i>",
+             "def f(n):\n    m = n + 1\n    return n * 2</f><i>3</i>"]
+    for kind in ("code_o", "code_i"):
+        v = get_family(kind, template="compact", rules=rules).verify(texts, sandbox)
+        assert [x.valid for x in v] == [True, False, False] and not any(x.format_error for x in v)
+        assert "output outside the world's output domain: the number 12" in v[1].reason
+        assert "dead code: line 2: `m = n + 1` stores a value never read" in v[2].reason
+        free = get_family(kind, template="compact").verify(texts, sandbox)
+        assert all(x.valid for x in free)
+    base = get_family("code_o", template="compact").verify(texts[2:], sandbox)[0].task
+    code_f = get_family("code_f", template="compact", n_inputs=4, rules=rules)
+    small, large = "<i>1</i><i>2</i><i>3</i><i>4</i><m>double</m>", "<i>1</i><i>2</i><i>3</i><i>5</i><m>d</m>"
+    v = code_f.verify([small, large], sandbox, bases=[base, base])
+    assert [x.valid for x in v] == [True, False] and "input 3: output outside" in v[1].reason
+
+
+def test_config_bundles_the_world_rules():
+    cfg = Config.model_validate({"tasks": {
+        "output_domain": {"int_min": -5, "int_max": 9, "str_chars": 4, "items": 4}, "live_code": True}})
+    assert cfg.tasks.world_rules() == WorldRules(inputs=None, outputs=NARROW, live_code=True)
+    assert Config().tasks.world_rules() == WorldRules()

@@ -7,11 +7,13 @@ import statistics
 import pytest
 
 from lorapop.tasks import program_metrics
+from lorapop.tasks.liveness import dead_statement
 from lorapop.tiny.corpus import generate_corpus, generate_variants_fast
 from lorapop.tiny.grammar import (
     LEVELS,
     SHORT_LEVELS,
     TABLE_DOMAINS,
+    TABLE_RULES,
     WORLD_LEVELS,
     Knobs,
     Level,
@@ -119,3 +121,23 @@ def test_narrow_table_draws_every_input_inside_its_domain(tiny_sandbox) -> None:
     outside = [x for t in short for x in t.inputs if domain.problem(x)]
     assert len(outside) > len(short)  # the short table's inputs often leave it
     assert {t.meta["difficulty"] for t in corpus} == set(LEVELS)
+
+
+def test_live_table_has_no_dead_code_and_keeps_outputs_inside_its_bounds(tiny_sandbox) -> None:
+    """`live` is `narrow` without dead statements: its corpus, variants and held-out tasks keep
+    the world's rules (`TABLE_RULES["live"]`) that the loop enforces on proposals, and its
+    levels still differ in complexity."""
+    rules = TABLE_RULES["live"]
+    assert rules.live_code and rules.inputs == TABLE_DOMAINS["narrow"] and rules.outputs
+    assert SIZES["world-live"].__dict__ == SIZES["world-short"].__dict__ | {"levels": "live"}
+    corpus = generate_corpus(30, "live/0", levels=table_levels("live"), workers=1)
+    variants = [v for _, v in generate_variants_fast(corpus, "live/0", workers=1, table="live")]
+    held = build_heldout(2, sandbox=tiny_sandbox, table="live")
+    assert variants and {t.meta["difficulty"] for t in corpus} == set(LEVELS)
+    for t in corpus + variants + held:
+        assert dead_statement(t.program) is None, t.program
+        assert not any(rules.input_problem(k, x) for k, x in enumerate(t.inputs)), t.inputs
+        assert not any(rules.output_problem(y) for y in t.outputs), (t.program, t.outputs)
+    cyclo = {lv: statistics.mean(program_metrics(t.program).cyclomatic for t in corpus
+                                 if t.meta["difficulty"] == lv) for lv in LEVELS}  # fmt: skip
+    assert cyclo[1] < cyclo[3] < cyclo[5]
