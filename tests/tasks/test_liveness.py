@@ -65,3 +65,17 @@ def test_dropping_dead_statements_keeps_every_result() -> None:
     assert changed > 50  # the grammar writes plenty of dead code
     src = "def f(n):\n    if n > 1:\n        m = n\n    else:\n        return 0\n    return n\n"
     assert drop_dead(src) == "def f(n):\n    if n > 1:\n        pass\n    else:\n        return 0\n    return n\n"
+
+
+def test_deeply_nested_loops_are_not_judged_rather_than_judged_slowly() -> None:
+    """Each nested loop's fixed point multiplies the work: a hostile program of 19 nested loops
+    (CPython allows 20 blocks) would take hours; past the visit budget it is not judged."""
+
+    def nested(depth: int) -> str:
+        lines = ["def f(n):", "    a0 = 0", "    z = 1"]
+        for i in range(depth):
+            lines += ["    " * (i + 1) + f"for i{i} in range(n):", "    " * (i + 2) + f"a{i + 1} = a{i} + i{i}"]
+        return "\n".join([*lines, "    " * (depth + 1) + f"a0 = a{depth}", "    return a0"])
+
+    assert dead_statement(nested(4)) == "line 3: `z = 1` stores a value never read"
+    assert dead_statement(nested(19)) is None

@@ -12,7 +12,8 @@ to be read (a loop's body to a fixed point, since it runs again after itself). I
 what it can judge without running anything, and errs towards calling a statement live: stores
 into items or attributes, statements that may change something else (a call of a mutating
 method such as `append`, of a function not among the pure builtins, an `:=`), `while` loops
-and blocks with `break`/`continue` always count.
+and blocks with `break`/`continue` always count. Deeply nested loops make the fixed points cost
+exponentially more: past `MAX_VISITS` statement visits a program is not judged at all.
 """
 
 from __future__ import annotations
@@ -33,7 +34,14 @@ MUTATORS = frozenset([
     "symmetric_difference_update", "update",
 ])  # fmt: skip
 
+#: Statement visits one program may cost (the grammar's level-5 programs take at most ~50).
+MAX_VISITS = 5_000
+
 Dead = list[tuple[ast.stmt, str]]
+
+
+class _TooCostly(Exception):
+    pass
 
 
 def dead_statement(program: str) -> str | None:
@@ -79,14 +87,22 @@ def _parse(program: str) -> ast.Module | None:
 
 def _dead_statements(tree: ast.Module | None) -> Dead:
     found: Dead = []
-    for fn in tree.body if tree else []:
-        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and not _declares_scope(fn):
-            found += _dead_in(fn.body, set())[1]
+    visits = [MAX_VISITS]
+    try:
+        for fn in tree.body if tree else []:
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and not _declares_scope(fn):
+                found += _dead_in(fn.body, set(), visits)[1]
+    except (_TooCostly, RecursionError):
+        return []
     return sorted(found, key=lambda x: x[0].lineno)
 
 
-def _dead_in(body: list[ast.stmt], live_out: set[str]) -> tuple[set[str], Dead]:
-    """The names live before `body` and its dead statements, given the names live after it."""
+def _dead_in(body: list[ast.stmt], live_out: set[str], visits: list[int]) -> tuple[set[str], Dead]:
+    """The names live before `body` and its dead statements, given the names live after it.
+    `visits[0]`: the statement visits left (`_TooCostly` when none)."""
+    visits[0] -= len(body)
+    if visits[0] < 0:
+        raise _TooCostly
     live = set(live_out)
     dead: Dead = []
     for k, stmt in reversed(list(enumerate(body))):
@@ -111,7 +127,7 @@ def _dead_in(body: list[ast.stmt], live_out: set[str]) -> tuple[set[str], Dead]:
             else:
                 live |= _loads(stmt.value) | {stmt.target.id}
         elif isinstance(stmt, (ast.If, ast.For, ast.While)) and not _jumps(stmt):
-            before, inner = _dead_in_block(stmt, live)
+            before, inner = _dead_in_block(stmt, live, visits)
             if _all_dead(stmt, inner):
                 head = _text(stmt).splitlines()[0]
                 dead.append((stmt, f"the block `{head}` changes nothing read after it"))
@@ -122,20 +138,22 @@ def _dead_in(body: list[ast.stmt], live_out: set[str]) -> tuple[set[str], Dead]:
     return live, dead
 
 
-def _dead_in_block(stmt: ast.If | ast.For | ast.While, live: set[str]) -> tuple[set[str], Dead]:
+def _dead_in_block(
+    stmt: ast.If | ast.For | ast.While, live: set[str], visits: list[int]
+) -> tuple[set[str], Dead]:
     """`_dead_in` of an `if` or a loop. After a loop's body come the loop's next test and pass:
     the names live there are those live after the loop and those the next pass reads."""
     if isinstance(stmt, ast.If):
-        b_in, b_dead = _dead_in(stmt.body, live)
-        o_in, o_dead = _dead_in(stmt.orelse, live)
+        b_in, b_dead = _dead_in(stmt.body, live, visits)
+        o_in, o_dead = _dead_in(stmt.orelse, live, visits)
         return b_in | o_in | _loads(stmt.test), b_dead + o_dead
     test = stmt.test if isinstance(stmt, ast.While) else stmt.iter
     targets = _stores(stmt.target) if isinstance(stmt, ast.For) else set()
     head = live | (_loads(test) if isinstance(stmt, ast.While) else set())
     while True:
-        b_in, b_dead = _dead_in(stmt.body, head)
+        b_in, b_dead = _dead_in(stmt.body, head, visits)
         if (new := head | (b_in - targets)) == head:
-            o_in, o_dead = _dead_in(stmt.orelse, live)
+            o_in, o_dead = _dead_in(stmt.orelse, live, visits)
             return head | o_in | _loads(test), b_dead + o_dead
         head = new
 
