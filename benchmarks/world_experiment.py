@@ -260,8 +260,8 @@ def _bins(ys: list[float | None], n: int) -> list[float | None]:
 
 def rollout_counts(run_dir: Path) -> dict[int, dict[str, list[int]]]:
     """Per step and task type, [right, answers] of the student's answers, from the run's saved
-    rollouts (steps without a readable file are left out)."""
-    import gzip
+    rollouts (steps without a readable student record are left out)."""
+    from lorapop import rollouts
 
     out: dict[int, dict[str, list[int]]] = {}
     for f in (run_dir / "rollouts").glob("step_*.jsonl.gz"):
@@ -269,17 +269,13 @@ def rollout_counts(run_dir: Path) -> dict[int, dict[str, list[int]]]:
         if not stem.isdigit() or int(stem) < 1:  # steps count from 1
             continue
         counts: dict[str, list[int]] = {}
-        try:
-            with gzip.open(f, "rt") as fh:
-                for line in fh:
-                    r = json.loads(line)
-                    if r.get("role") == "student":
-                        c = counts.setdefault(r["type"], [0, 0])
-                        c[0] += r.get("verdict") == "correct"
-                        c[1] += 1
-        except (OSError, EOFError, ValueError, KeyError):
-            continue  # a file still being written, or not a rollouts file
-        out[int(stem)] = counts
+        for r in rollouts.read(f):  # a file still being written gives what parses
+            if r.get("role") == "student" and isinstance(r.get("type"), str):
+                c = counts.setdefault(r["type"], [0, 0])
+                c[0] += r.get("verdict") == "correct"
+                c[1] += 1
+        if counts:
+            out[int(stem)] = counts
     return out
 
 
