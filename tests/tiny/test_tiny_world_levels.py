@@ -1,6 +1,7 @@
 """The regime world's own level table: used alike by its corpus, variants, held-out sets and
 measurement, while the shared `LEVELS` (shipped model, held-out benchmark) stays as it was."""
 
+import hashlib
 import json
 import statistics
 
@@ -9,6 +10,7 @@ import pytest
 from lorapop.tasks import program_metrics
 from lorapop.tasks.liveness import dead_statement
 from lorapop.tiny.corpus import generate_corpus, generate_variants_fast
+from lorapop.tiny.generator import candidate
 from lorapop.tiny.grammar import (
     LEVELS,
     SHORT_LEVELS,
@@ -112,7 +114,7 @@ def test_narrow_table_draws_every_input_inside_its_domain(tiny_sandbox) -> None:
     domain the loop enforces, and the world-narrow recipe differs from world-short by it alone."""
     domain = TABLE_DOMAINS["narrow"]
     assert SIZES["world-narrow"].__dict__ == SIZES["world-short"].__dict__ | {"levels": "narrow"}
-    assert table_levels("narrow") == [Level(lv, SHORT_LEVELS[lv], domain) for lv in LEVELS]
+    assert table_levels("narrow") == [Level(lv, SHORT_LEVELS[lv], TABLE_RULES["narrow"]) for lv in LEVELS]
     corpus = generate_corpus(30, "narrow/0", levels=table_levels("narrow"), workers=1)
     held = build_heldout(2, sandbox=tiny_sandbox, table="narrow")
     for t in corpus + held:
@@ -141,3 +143,17 @@ def test_live_table_has_no_dead_code_and_keeps_outputs_inside_its_bounds(tiny_sa
     cyclo = {lv: statistics.mean(program_metrics(t.program).cyclomatic for t in corpus
                                  if t.meta["difficulty"] == lv) for lv in LEVELS}  # fmt: skip
     assert cyclo[1] < cyclo[3] < cyclo[5]
+
+
+@pytest.mark.parametrize("table, digest", [
+    ("short", "5b4bc5c5"), ("narrow", "35ddd125"), ("live", "1f7e1f61"),
+])  # fmt: skip
+def test_a_tables_program_stream_stays_what_its_base_was_built_on(table, digest) -> None:
+    """Bases are rebuilt from a seed: the candidates a level table yields must not move when
+    the code around them changes (a field added to `Knobs` once moved every stream)."""
+    h = hashlib.sha256()
+    for lv in LEVELS:
+        for i in range(12):
+            c = candidate(table_level(lv, table), "pretrain/0", "train", 6, i)
+            h.update(repr(None if c is None else (c.program.source, c.inputs)).encode())
+    assert h.hexdigest()[:8] == digest

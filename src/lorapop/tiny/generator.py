@@ -33,6 +33,7 @@ from lorapop.tiny.grammar import (
     generate_program,
     knobs_for,
     level_number,
+    level_rules,
     table_level,
 )
 from lorapop.verify import Job, Sandbox, Verdict
@@ -82,7 +83,10 @@ def _sandbox(sandbox: Sandbox | None) -> Iterator[Sandbox]:
 
 def _level_key(difficulty: int | Knobs | Level) -> str:
     if isinstance(difficulty, Level):
-        return f"{difficulty.number}/{difficulty.knobs!r}"
+        knobs = repr(difficulty.knobs)
+        if level_rules(difficulty).live_code:  # as the knobs' repr read when world-live was built
+            knobs = knobs[:-1] + ", live=True)"
+        return f"{difficulty.number}/{knobs}"
     return str(difficulty) if isinstance(difficulty, int) else repr(difficulty)
 
 
@@ -95,7 +99,7 @@ def candidate(
     program = generate_program(rng, difficulty)
     if program_split(program.source) != split:
         return None
-    domain = difficulty.domain if isinstance(difficulty, Level) else None
+    domain = level_rules(difficulty).inputs
     inputs: list[str] = []
     for _ in range(4 * n_inputs):
         text = generate_input(rng, program, domain)
@@ -188,9 +192,9 @@ def acceptable(
     if not all(v.ok and v.output is not None for v in verdicts):
         return False
     outputs = [v.output or "" for v in verdicts]
-    bounds = difficulty.outputs if isinstance(difficulty, Level) else None
+    rules = level_rules(difficulty)
     return (max(len(o) for o in outputs) <= max_output_chars and len(set(outputs)) > 1
-            and not (bounds and any(bounds.problem(o) for o in outputs)))  # fmt: skip
+            and not any(map(rules.output_problem, outputs)))  # fmt: skip
 
 
 def make_task(kind: str, cand: Candidate, outputs: list[str], seed: int | str, split: str) -> Task:

@@ -19,7 +19,6 @@ Everything draws from one `random.Random`; the same seed gives the same program.
 from __future__ import annotations
 
 import ast
-import dataclasses
 import random
 import re
 from collections.abc import Callable, Iterable
@@ -68,7 +67,6 @@ class Knobs:
     conditionals: bool = True
     helpers: int = 0  # helper functions defined before f and called by it
     expr_depth: int = 2  # deepest nesting of an expression
-    live: bool = False  # drop the statements that cannot change the result (tasks.liveness)
 
     def __post_init__(self) -> None:
         if self.statements < 0 or self.depth < 0 or self.expr_depth < 1:
@@ -125,10 +123,11 @@ SHORT_LEVELS: dict[int, Knobs] = {
              conditionals=True, helpers=0, expr_depth=2),
 }  # fmt: skip
 #: Level tables by name (`Recipe.levels`, `tiny_world.py --level-table`). `narrow` is `short`'s
-#: programs on bounded inputs, `live` those programs without their dead statements (`TABLE_RULES`).
+#: programs on bounded inputs, `live` those programs without their dead statements: the tables
+#: differ in their world rules (`TABLE_RULES`), which the generators keep.
 LEVEL_TABLES: dict[str, dict[int, Knobs]] = {
     "standard": LEVELS, "world": WORLD_LEVELS, "short": SHORT_LEVELS, "narrow": SHORT_LEVELS,
-    "live": {lv: dataclasses.replace(k, live=True) for lv, k in SHORT_LEVELS.items()},
+    "live": SHORT_LEVELS,
 }  # fmt: skip
 _SMALL = InputDomain(int_min=-5, int_max=9, str_chars=4, items=4)
 #: The rules of a level table's world (`tasks.input_domain`, `tasks.output_domain`,
@@ -151,13 +150,12 @@ TABLE_DOMAINS: dict[str, InputDomain] = {t: r.inputs for t, r in TABLE_RULES.ite
 @dataclass(frozen=True)
 class Level:
     """Level `number` of a table other than `LEVELS`: generated with `knobs`, labelled `number`,
-    its inputs drawn inside `domain` (None: the grammar's own ranges), its tasks' outputs
-    inside `outputs` (None: any)."""
+    its tasks kept to the table's world `rules` (inputs drawn inside its input domain, outputs
+    inside its output domain; None: the grammar's own ranges, any output)."""
 
     number: int
     knobs: Knobs
-    domain: InputDomain | None = None
-    outputs: InputDomain | None = None
+    rules: WorldRules | None = None
 
 
 def table_level(number: int, table: str = "standard") -> int | Level:
@@ -170,9 +168,12 @@ def table_level(number: int, table: str = "standard") -> int | Level:
     if knobs is None:
         raise ValueError(f"level table {table!r} has no level {number!r}")
     rules = TABLE_RULES.get(table)
-    if rules is None:
-        return number if LEVELS.get(number) == knobs else Level(number, knobs)
-    return Level(number, knobs, rules.inputs, rules.outputs)
+    return number if LEVELS.get(number) == knobs and not rules else Level(number, knobs, rules)
+
+
+def level_rules(difficulty: int | Knobs | Level) -> WorldRules:
+    """The world rules a level's tasks keep (none for plain levels and bare knobs)."""
+    return (difficulty.rules if isinstance(difficulty, Level) else None) or WorldRules()
 
 
 def table_levels(
@@ -710,7 +711,7 @@ def generate_program(rng: random.Random, difficulty: int | Knobs | Level) -> Pro
     lines += body
     source = "\n".join(lines) + "\n"
     return Program(
-        source=drop_dead(source) if knobs.live else source,
+        source=drop_dead(source) if level_rules(difficulty).live_code else source,
         params=tuple(params),
         returns=ret,
         features=tuple(sorted(features)),
@@ -739,14 +740,14 @@ def extend_program(
     types = tuple(t for t in TYPES if t in used or t in knobs.types)
     body_knobs = Knobs(statements=knobs.statements, depth=knobs.depth, params=len(params),
                        types=types, loops=knobs.loops, conditionals=knobs.conditionals,
-                       helpers=0, expr_depth=knobs.expr_depth, live=knobs.live)  # fmt: skip
+                       helpers=0, expr_depth=knobs.expr_depth)  # fmt: skip
     helper = _Helper(_HELPER_NAMES[0], tuple(t for _, t in params), returns)
     lines, ret, features = _function(rng, body_knobs, "f", params, [helper], is_helper=False)
     inner = source.strip().splitlines()
     inner[0] = inner[0].replace("def f(", f"def {helper.name}(", 1)
     source = "\n".join([*inner, "", *lines]) + "\n"
     return Program(
-        source=drop_dead(source) if knobs.live else source,
+        source=drop_dead(source) if level_rules(difficulty).live_code else source,
         params=tuple(params),
         returns=ret,
         features=tuple(sorted(features | {"helper"})),
