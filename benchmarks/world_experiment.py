@@ -588,7 +588,10 @@ def run_all(args: argparse.Namespace) -> None:
         world = world_of(TINY_DIR if model == "tiny" else model)  # what the base was made for
     except ValueError as e:
         raise SystemExit(str(e)) from None
-    table = world["levels"]
+    table = args.levels or world["levels"]
+    if table != world["levels"]:
+        print(f"playing a base of level table {world['levels']!r} in the world of {table!r}",
+              flush=True)
     paths = prepare(out, args.per_level, args.workers, table, tuple(sorted(set(args.seed_levels))))
     base = [f"model.name_or_path={Path(model).resolve() if Path(model).exists() else model}",
             f"tasks.seed_tasks={Path(paths['seed_tasks']).resolve()}",
@@ -753,6 +756,8 @@ def plot(path: Path) -> None:
 
 
 def main() -> None:
+    from lorapop.tiny.grammar import LEVEL_TABLES
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n", 2)[2])  # fmt: skip
@@ -781,6 +786,10 @@ def main() -> None:
                     choices=[1, 2, 3, 4, 5], metavar="LEVEL",
                     help="levels of the grammar tasks the buffers start with (8 per type and "
                     "level): where the teachers' references, so their proposals, begin")
+    ap.add_argument("--levels", choices=list(LEVEL_TABLES), metavar="TABLE",
+                    help="play the base in another level table's world: its rules, held-out, "
+                    "selection and seed tasks (default: the table the base was pretrained on); "
+                    "a cheap test of a world's rules before a base is built for it")
     ap.add_argument("--plot", type=Path, help="plot a finished world_experiment.json")
     ap.add_argument("--merge", type=Path, nargs="+", metavar="RESULTS",
                     help="merge calls' results.json (other arms or seeds) into --out's "

@@ -125,16 +125,18 @@ def test_narrow_table_draws_every_input_inside_its_domain(tiny_sandbox) -> None:
     assert {t.meta["difficulty"] for t in corpus} == set(LEVELS)
 
 
-def test_live_table_has_no_dead_code_and_keeps_outputs_inside_its_bounds(tiny_sandbox) -> None:
-    """`live` is `narrow` without dead statements: its corpus, variants and held-out tasks keep
-    the world's rules (`TABLE_RULES["live"]`) that the loop enforces on proposals, and its
-    levels still differ in complexity."""
-    rules = TABLE_RULES["live"]
-    assert rules.live_code and rules.inputs == TABLE_DOMAINS["narrow"] and rules.outputs
-    assert SIZES["world-live"].__dict__ == SIZES["world-short"].__dict__ | {"levels": "live"}
-    corpus = generate_corpus(30, "live/0", levels=table_levels("live"), workers=1)
-    variants = [v for _, v in generate_variants_fast(corpus, "live/0", workers=1, table="live")]
-    held = build_heldout(2, sandbox=tiny_sandbox, table="live")
+@pytest.mark.parametrize("table", ["live", "natural"])
+def test_live_tables_have_no_dead_code_and_keep_outputs_inside_their_bounds(table, tiny_sandbox) -> None:
+    """`live` is `narrow` without dead statements, `natural` that on non-negative values: their
+    corpus, variants and held-out tasks keep the world's rules (`TABLE_RULES`) that the loop
+    enforces on proposals, and their levels still differ in complexity."""
+    rules = TABLE_RULES[table]
+    assert rules.live_code and rules.outputs
+    assert table != "live" or rules.inputs == TABLE_DOMAINS["narrow"]
+    assert SIZES[f"world-{table}"].__dict__ == SIZES["world-short"].__dict__ | {"levels": table}
+    corpus = generate_corpus(30, f"{table}/0", levels=table_levels(table), workers=1)
+    variants = [v for _, v in generate_variants_fast(corpus, f"{table}/0", workers=1, table=table)]
+    held = build_heldout(2, sandbox=tiny_sandbox, table=table)
     assert variants and {t.meta["difficulty"] for t in corpus} == set(LEVELS)
     for t in corpus + variants + held:
         assert dead_statement(t.program) is None, t.program
@@ -146,7 +148,7 @@ def test_live_table_has_no_dead_code_and_keeps_outputs_inside_its_bounds(tiny_sa
 
 
 @pytest.mark.parametrize("table, digest", [
-    ("short", "5b4bc5c5"), ("narrow", "35ddd125"), ("live", "1f7e1f61"),
+    ("short", "5b4bc5c5"), ("narrow", "35ddd125"), ("live", "1f7e1f61"), ("natural", "fe314e46"),
 ])  # fmt: skip
 def test_a_tables_program_stream_stays_what_its_base_was_built_on(table, digest) -> None:
     """Bases are rebuilt from a seed: the candidates a level table yields must not move when

@@ -95,7 +95,8 @@ def test_type_solve_rate_pools_the_types_asked_for() -> None:
 
 @pytest.mark.slow
 def test_a_finished_single_arm_reports_its_gate(tmp_path) -> None:
-    """`--arms single` to the end (the gate probe's runs): the gate, not the criterion's error."""
+    """`--arms single` to the end (the gate probe's runs): the gate, not the criterion's error;
+    `--levels` plays the base in another table's world (its rules and sets)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     small = ["train.steps=2", "tasks.proposals_per_type=1", "tasks.answers_per_task=1",
              "league.teachers=1", "league.students=1", "league.students_per_teacher=1",
@@ -104,11 +105,14 @@ def test_a_finished_single_arm_reports_its_gate(tmp_path) -> None:
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "world_experiment.py"),
                            "--model", "tiny", "--arms", "single", "--out", str(tmp_path),
                            "--seeds", "0", "--parallel", "1", "--per-level", "1", "--workers",
-                           "1", *small], capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+                           "1", "--levels", "natural", *small], capture_output=True, text=True,
+                          env=env, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     probe = json.loads(proc.stdout[proc.stdout.index("{"):])["gate_probe"]
     assert probe["single_s0"]["steps"] == 2 and probe["single_s0"]["collapsed"] is False
     res = json.loads((tmp_path / "results.json").read_text())  # what a call brings back
+    assert res["level_table"] == "natural" and "tasks.live_code=true" in res["base_overrides"]
+    assert (tmp_path / "level_table.txt").read_text() == "natural\n"
     (run,) = res["runs"]
     assert run["done"] and len(run["heldout"]["grades"]["A0"]) == len(run["heldout_levels"]) == 15
     assert len(run["curves"]["solve_rate"]) == 2 and res["runs"][0]["steps"] == 2
@@ -301,8 +305,8 @@ def test_merge_of_a_single_arm_or_a_broken_file_is_a_one_line_error(tmp_path) ->
 
 
 def test_a_bounded_world_sets_its_rules_and_seeds_inside_them(tmp_path) -> None:
-    """On the narrow and live tables the runs get the table's rules, and the seed tasks lie
-    inside the input domain."""
+    """On the narrow, live and natural tables the runs get the table's rules, and the seed
+    tasks lie inside them."""
     from lorapop.config import load_config
     from lorapop.tiny.grammar import TABLE_RULES
     from lorapop.tiny.heldout import load_jsonl
@@ -315,6 +319,11 @@ def test_a_bounded_world_sets_its_rules_and_seeds_inside_them(tmp_path) -> None:
     paths = we.prepare(tmp_path, 1, 1, "narrow", (1, 3))
     seeds = load_jsonl(paths["seed_tasks"])
     assert seeds and all(cfg.tasks.input_domain.problem(x) is None for t in seeds for x in t.inputs)
+    rules = load_config(None, we.rule_overrides("natural")).tasks.world_rules()
+    assert rules == TABLE_RULES["natural"] and rules.inputs.int_min == rules.outputs.int_min == 0
+    seeds = load_jsonl(we.prepare(tmp_path / "natural", 1, 1, "natural", (1, 3))["seed_tasks"])
+    assert seeds and not any(rules.input_problem(k, x) for t in seeds for k, x in enumerate(t.inputs))
+    assert not any(rules.output_problem(y) for t in seeds for y in t.outputs)
 
 
 def test_world_rollouts_tells_unsolved_tasks_and_domain_apart(tmp_path) -> None:

@@ -123,11 +123,12 @@ SHORT_LEVELS: dict[int, Knobs] = {
              conditionals=True, helpers=0, expr_depth=2),
 }  # fmt: skip
 #: Level tables by name (`Recipe.levels`, `tiny_world.py --level-table`). `narrow` is `short`'s
-#: programs on bounded inputs, `live` those programs without their dead statements: the tables
-#: differ in their world rules (`TABLE_RULES`), which the generators keep.
+#: programs on bounded inputs, `live` those programs without their dead statements, `natural`
+#: those on non-negative values: the tables differ in their world rules (`TABLE_RULES`), which
+#: the generators keep.
 LEVEL_TABLES: dict[str, dict[int, Knobs]] = {
     "standard": LEVELS, "world": WORLD_LEVELS, "short": SHORT_LEVELS, "narrow": SHORT_LEVELS,
-    "live": SHORT_LEVELS,
+    "live": SHORT_LEVELS, "natural": SHORT_LEVELS,
 }  # fmt: skip
 _SMALL = InputDomain(int_min=-5, int_max=9, str_chars=4, items=4)
 #: The rules of a level table's world (`tasks.input_domain`, `tasks.output_domain`,
@@ -138,10 +139,14 @@ _SMALL = InputDomain(int_min=-5, int_max=9, str_chars=4, items=4)
 #: On `narrow` it padded one-line programs with `x = x` chains and values never read, and
 #: multiplied small inputs into large outputs, so `live` also drops dead statements from its
 #: programs (so does its corpus), asks for live code and bounds outputs (95% of its programs'
-#: outputs fall inside: ints -9..19, 8 characters, 8 items).
+#: outputs fall inside: ints -9..19, 8 characters, 8 items). On `live` it turned to signed
+#: arithmetic its students never learnt (floor division of negative values, `x - 6` on -2), so
+#: `natural` keeps inputs and outputs non-negative (its programs are `live`'s: same stream).
 TABLE_RULES: dict[str, WorldRules] = {
     "narrow": WorldRules(inputs=_SMALL),
     "live": WorldRules(inputs=_SMALL, outputs=InputDomain(-9, 19, 8, 8), live_code=True),
+    "natural": WorldRules(inputs=InputDomain(0, 9, 4, 4), outputs=InputDomain(0, 19, 8, 8),
+                          live_code=True),
 }
 #: The input domain of each level table whose inputs are bounded.
 TABLE_DOMAINS: dict[str, InputDomain] = {t: r.inputs for t, r in TABLE_RULES.items() if r.inputs}
