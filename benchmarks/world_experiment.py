@@ -195,9 +195,11 @@ def slope(ys: list[float | None]) -> float | None:
 
 
 def window(ys: list[float | None], last: bool, frac: float = 0.1) -> float | None:
-    vals = [y for y in ys if y is not None]
-    n = max(1, int(len(vals) * frac))
-    vals = vals[-n:] if last else vals[:n]
+    """Mean over the first or last `frac` of the steps (steps without a value left out, so a
+    curve known only at its last steps, like the per-type rates from saved rollouts, is
+    averaged over those, not reduced to its last value)."""
+    n = max(1, int(len(ys) * frac))
+    vals = [y for y in (ys[-n:] if last else ys[:n]) if y is not None]
     return fmean(vals) if vals else None
 
 
