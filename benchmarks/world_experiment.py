@@ -560,7 +560,7 @@ def prepare(out: Path, per_level: int, workers: int, table: str,
     if have_sets:
         have = made.read_text().strip() if made.is_file() else "standard"  # (older sets)
         if have != table:
-            raise SystemExit(f"{out} holds sets of level table {have!r}, the model's is "
+            raise SystemExit(f"{out} holds sets of level table {have!r}, this run's is "
                              f"{table!r}: use another --out")  # fmt: skip
         if Path(paths["seed_tasks"]).is_file():
             return paths
