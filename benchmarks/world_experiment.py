@@ -670,9 +670,15 @@ def run_all(args: argparse.Namespace) -> None:
     write_summary([results], out / "world_experiment.json")
 
 
+def _settings(overrides: list[str]) -> list[str]:
+    """A call's config overrides less the paths of its machine (the base model, the seed tasks)."""
+    return [o for o in overrides if o.split("=", 1)[0] not in ("model.name_or_path", "tasks.seed_tasks")]
+
+
 def merge_results(parts: list[dict]) -> dict:
-    """One call's results from several calls' `results.json` (runs of other arms or seeds):
-    runs concatenated, cross-play lists joined (cross-play only pairs arms of one call)."""
+    """One call's results from several calls' `results.json` (runs of other arms or seeds, the
+    same level table and settings): runs concatenated, cross-play lists joined (cross-play only
+    pairs arms of one call)."""
     if not parts:
         raise SystemExit("--merge needs at least one results.json")
     names = [r["name"] for p in parts for r in p["runs"]]
@@ -680,6 +686,10 @@ def merge_results(parts: list[dict]) -> dict:
         raise SystemExit(f"--merge: runs in more than one results.json: {', '.join(dup)}")
     if len({p["level_table"] for p in parts}) > 1:
         raise SystemExit("--merge: results of different level tables")
+    settings = [sorted(_settings(p.get("base_overrides", []))) for p in parts]
+    if any(x != settings[0] for x in settings):
+        diff = sorted(set().union(*map(set, settings)) - set.intersection(*map(set, settings)))
+        raise SystemExit(f"--merge: results of different settings: {', '.join(diff)}")
     cross: dict[str, dict[str, list[float]]] = {}
     for p in parts:
         for arm, row in p["crossplay"].items():

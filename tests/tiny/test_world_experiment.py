@@ -285,9 +285,17 @@ def test_calls_of_other_seeds_merge_into_one_verdict(tmp_path) -> None:
     assert _module().merge_results([_results([0], 0.0), _results([1, 2], 0.0)])["runs"] == whole["runs"]
 
 
-def test_merge_refuses_a_run_given_twice(tmp_path) -> None:
+def test_merge_refuses_a_run_given_twice_or_other_settings(tmp_path) -> None:
+    we = _module()
     with pytest.raises(SystemExit, match="population_s0, single_s0"):
-        _module().merge_results([_results([0], 0.0), _results([0, 1], 0.1)])
+        we.merge_results([_results([0], 0.0), _results([0, 1], 0.1)])
+    a, b = _results([0], 0.0), _results([1], 0.0)
+    a["base_overrides"] = ["model.name_or_path=/tmp/m/b", "train.lr=0.001", "tasks.references=1"]
+    b["base_overrides"] = ["model.name_or_path=/x/b", "train.lr=0.003", "tasks.references=1"]
+    with pytest.raises(SystemExit, match="different settings: train.lr=0.001, train.lr=0.003"):
+        we.merge_results([a, b])
+    b["base_overrides"][1] = "train.lr=0.001"  # another machine's paths are the same settings
+    assert len(we.merge_results([a, b])["runs"]) == 4
 
 
 def test_merge_of_a_single_arm_or_a_broken_file_is_a_one_line_error(tmp_path) -> None:
