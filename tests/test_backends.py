@@ -19,6 +19,7 @@ ROW = {
     "programs": {"code_o": {"ast_depth": 4.0, "coverage": 7}},
     "phase_s": {"proposal": 1.5},
     "tokens_per_s": 120.0,
+    "generation": {"proposal": {"prefill_s": 0.25, "capture_s": 0.5, "decode_s": 0.75, "steps": 12}},
     "replacements": [{"target": "T0"}],
 }
 CONFIG = {"seed": 0, "lora": {"rank": 8, "target_modules": ["q_proj"]}, "tasks": {"seed_tasks": None}}
@@ -31,6 +32,7 @@ def test_flat_metrics_numbers_only():
     assert flat["programs/code_o/coverage"] == 7.0
     assert flat["matchup/T0-S0/solve_rate"] == 0.25
     assert flat["phase/proposal"] == 1.5 and flat["replacements"] == 1.0
+    assert flat["generation/proposal/capture_s"] == 0.5 and flat["generation/proposal/steps"] == 12
     assert not any(k.endswith(("/slot", "/role", "/individual", "/grad_norm")) for k in flat)
 
 

@@ -27,7 +27,7 @@ FAST = [
     "train.micro_batch_size=64", "evolve.every=2", "evolve.protect_matches=0", "run.save_every=2",
     "verify.timeout_s=5",
 ]
-TIMING = ("phase_s", "tokens_per_s")
+TIMING = ("phase_s", "tokens_per_s", "generation")
 
 
 def _cfg(*extra):
@@ -104,8 +104,22 @@ def test_replacement_writes_children_into_slots(tmp_path):
         sp.close()
 
 
-def test_single_agent_baseline_three_steps(tmp_path):
-    rows = _run(_cfg("league.mode=single"), tmp_path, 3)
+def test_single_agent_baseline_three_steps(tmp_path, monkeypatch):
+    """... with eager decode steps when asked (`sampling.cuda_graph`), and where each
+    generation phase's time went in the metrics."""
+    import lorapop.loop
+
+    graphs, real = [], lorapop.loop.generate
+    monkeypatch.setattr(lorapop.loop, "generate",
+                        lambda *a, **k: graphs.append(k["cuda_graph"]) or real(*a, **k))
+    rows = _run(_cfg("league.mode=single", "sampling.cuda_graph=false"), tmp_path, 3)
+    assert graphs and not any(graphs)
+    timing = [json.loads(x)["generation"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    for t in timing:  # (no solving phase's generation in a step without valid tasks)
+        assert "proposal" in t and set(t) <= {"proposal", "solving"}
+        for p in t.values():
+            assert set(p) == {"prefill_s", "capture_s", "decode_s", "steps"}
+            assert p["steps"] > 0 and p["capture_s"] == 0 and min(p.values()) >= 0  # CPU: no graphs
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert set(rows[0]["members"]) == {"A0"}
     assert rows[0]["matchups"][0] == {**rows[0]["matchups"][0], "teacher": "A0", "student": "A0"}

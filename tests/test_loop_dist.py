@@ -26,7 +26,7 @@ FAST = [
     "verify.timeout_s=5",
 ]
 STEPS = 2  # replacement runs at step 2
-PER_RANK = ("phase_s", "tokens_per_s", "ranks", "allreduce_s")
+PER_RANK = ("phase_s", "tokens_per_s", "generation", "ranks", "allreduce_s")
 
 
 def _launch(ranks: int, args: list[str]) -> list[str]:

@@ -41,6 +41,8 @@ def flat_metrics(row: Mapping[str, Any]) -> dict[str, float]:
         if _number(m.get("solve_rate")):
             out[f"matchup/{m['teacher']}-{m['student']}/solve_rate"] = float(m["solve_rate"])
     out.update({f"phase/{k}": float(v) for k, v in row.get("phase_s", {}).items()})
+    for ph, t in row.get("generation", {}).items():
+        out.update({f"generation/{ph}/{k}": float(v) for k, v in t.items() if _number(v)})
     for k in ("tokens_per_s", "generated_tokens"):
         if _number(row.get(k)):
             out[k] = float(row[k])

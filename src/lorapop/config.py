@@ -170,6 +170,10 @@ class SamplingConfig(Section):
     """On CUDA, torch.compile the decode step: ~1.25x faster decode steps, but ~45 s of
     compilation per new batch/length bucket and padding to buckets; in the 7B 4v4 step it was
     slower overall and peaked 22 GB higher (benchmarks/README.md). Never used on CPU."""
+    cuda_graph: bool = True
+    """On CUDA, replay the decode step from CUDA graphs (captured per batch rows and attention
+    width at each generation). Off: eager steps, for small models whose generations are
+    shorter than their captures take (`generation` in metrics.jsonl shows capture_s)."""
 
 
 class TrainConfig(Section):

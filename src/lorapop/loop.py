@@ -143,7 +143,8 @@ class SelfPlay:
         if self.cfg.run.check_every and s % self.cfg.run.check_every == 0:
             self.check_ranks(f"after step {s}")
         rec = StepRecord(s, pairs, proposals, verification, attempts, update, replacements,
-                         clock.phase_s, clock.generated_tokens, clock.generation_s)
+                         clock.phase_s, clock.generated_tokens, clock.generation_s,
+                         clock.generation)
         row = step_metrics(rec, self.league_summary())
         if self.world.distributed:
             row.update(ranks=self.world.size, allreduce_s=round(self.allreduce_s, 4))
@@ -354,12 +355,16 @@ class SelfPlay:
         slots = [p.slot[m] for m in members]
 
         def run(idx: list[int]) -> list[Generation]:
-            t0 = time.perf_counter()
+            t0, timing = time.perf_counter(), {}
             out = generate(p.model, p.bank, p.tokenizer, [ids[i] for i in idx],
                            [slots[i] for i in idx], params, seed=seed, batch_size=sp.batch_size,
                            compile=None if sp.compile else False, row_keys=idx,
-                           prefill_tokens=sp.prefill_tokens)
+                           prefill_tokens=sp.prefill_tokens, cuda_graph=sp.cuda_graph,
+                           timing=timing)
             clock.generation_s += time.perf_counter() - t0
+            acc = clock.generation.setdefault(clock.current, {})
+            for k in ("prefill_s", "capture_s", "decode_s", "steps"):
+                acc[k] = acc.get(k, 0) + timing.get(k, 0)
             return out
 
         gens = dist.sharded([len(x) + max_new for x in ids], run, self.world,
@@ -505,10 +510,13 @@ class _Clock:
     phase_s: dict[str, float] = field(default_factory=dict)
     generated_tokens: int = 0
     generation_s: float = 0.0
+    generation: dict[str, dict[str, float]] = field(default_factory=dict)  # phase -> timing
+    current: str = ""  # the phase running
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
         t0 = time.perf_counter()
+        self.current = name
         yield
         if torch.cuda.is_available():
             torch.cuda.synchronize()

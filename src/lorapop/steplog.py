@@ -89,6 +89,9 @@ class StepRecord:
     phase_s: dict[str, float]
     generated_tokens: int
     generation_s: float
+    # per phase, where this rank's generation time went (`generate(timing=...)`: prefill_s,
+    # capture_s, decode_s, steps): a small model's steps can be mostly graph captures
+    generation: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -178,6 +181,7 @@ def step_metrics(rec: StepRecord, league: dict[str, MemberInfo]) -> dict[str, An
         "phase_s": {k: round(v, 4) for k, v in rec.phase_s.items()},
         "tokens_per_s": rec.generated_tokens / rec.generation_s if rec.generation_s else 0.0,
         "generated_tokens": rec.generated_tokens,
+        "generation": {ph: {k: round(v, 4) for k, v in t.items()} for ph, t in rec.generation.items()},
     }
 
 
