@@ -139,8 +139,8 @@ _SMALL = InputDomain(int_min=-5, int_max=9, str_chars=4, items=4)
 #: On `narrow` it padded one-line programs with `x = x` chains and values never read, and
 #: multiplied small inputs into large outputs, so `live` also drops dead statements from its
 #: programs (so does its corpus), asks for live code and bounds outputs (95% of its programs'
-#: outputs fall inside: ints -9..19, 8 characters, 8 items). On `live` it turned to signed
-#: arithmetic its students never learnt (floor division of negative values, `x - 6` on -2), so
+#: outputs fall inside: ints -9..19, 8 characters, 8 items). On `live` many of its unsolved
+#: tasks did arithmetic through negative values (`(n - 3) // 3` on -4, `x - 6` on -2), so
 #: `natural` keeps inputs and outputs non-negative (its programs are `live`'s: same stream).
 TABLE_RULES: dict[str, WorldRules] = {
     "narrow": WorldRules(inputs=_SMALL),

@@ -199,9 +199,8 @@ SIZES["world-narrow"] = Recipe(**SIZES["world-short"].__dict__ | {"levels": "nar
 # single agent padded its one-line programs with `x = x` chains and values never read and its
 # own solve rate fell (benchmarks/README.md, session 12); this base never sees dead code
 SIZES["world-live"] = Recipe(**SIZES["world-short"].__dict__ | {"levels": "live"})
-# `world-live` on non-negative values (`grammar.TABLE_RULES["natural"]`): on `world-live` the
-# single agent's unsolved tasks were signed arithmetic, floor division of negative values above
-# all (benchmarks/README.md, session 13)
+# `world-live` on non-negative values (`grammar.TABLE_RULES["natural"]`): on `world-live` many
+# of the single agent's unsolved tasks did arithmetic through negative values (README, session 13)
 SIZES["world-natural"] = Recipe(**SIZES["world-short"].__dict__ | {"levels": "natural"})
 
 
