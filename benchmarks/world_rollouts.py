@@ -27,7 +27,7 @@ from pathlib import Path
 from statistics import fmean
 
 from lorapop import rollouts
-from lorapop.tiny.grammar import TABLE_DOMAINS
+from lorapop.tiny.grammar import TABLE_RULES
 
 OPS = ("count", "len", "find", "replace", "upper", "sorted", "sum", "max", "min", "join", "split",
        "*", "+=", "%", "//", "[", "for", "while", "if")  # fmt: skip
@@ -72,7 +72,7 @@ def _solved(ts: list[dict]) -> dict:
 
 def summarize(run: Path, table: str | None, examples: int = 4) -> dict:
     """One run's steps and, per task type, what its tasks' solve rates look like."""
-    domain = TABLE_DOMAINS.get(table or "")
+    domain = TABLE_RULES[table].inputs if table else None
     rng = random.Random(0)
     steps, tasks = _tasks(run)
     res: dict = {"steps": [steps[0], steps[-1]] if steps else []}
@@ -104,7 +104,7 @@ def main() -> None:
     ap.add_argument("dir", help="world_experiment --out directory, or a progress.tgz")
     ap.add_argument(
         "--table",
-        choices=sorted(TABLE_DOMAINS),
+        choices=sorted(t for t, r in TABLE_RULES.items() if r.inputs),
         help="also split the tasks by this level table's input domain",
     )
     ap.add_argument("--out", help="write the summary here (JSON); default: print it")

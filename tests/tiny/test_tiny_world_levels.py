@@ -14,7 +14,6 @@ from lorapop.tiny.generator import candidate
 from lorapop.tiny.grammar import (
     LEVELS,
     SHORT_LEVELS,
-    TABLE_DOMAINS,
     TABLE_RULES,
     WORLD_LEVELS,
     Knobs,
@@ -112,7 +111,7 @@ def test_short_table_keeps_every_level_short_and_complexity_rising() -> None:
 def test_narrow_table_draws_every_input_inside_its_domain(tiny_sandbox) -> None:
     """`narrow` is `short`'s programs on bounded inputs: corpus and held-out tasks lie inside the
     domain the loop enforces, and the world-narrow recipe differs from world-short by it alone."""
-    domain = TABLE_DOMAINS["narrow"]
+    domain = TABLE_RULES["narrow"].inputs
     assert SIZES["world-narrow"].__dict__ == SIZES["world-short"].__dict__ | {"levels": "narrow"}
     assert table_levels("narrow") == [Level(lv, SHORT_LEVELS[lv], TABLE_RULES["narrow"]) for lv in LEVELS]
     corpus = generate_corpus(30, "narrow/0", levels=table_levels("narrow"), workers=1)
@@ -132,7 +131,7 @@ def test_live_tables_have_no_dead_code_and_keep_outputs_inside_their_bounds(tabl
     enforces on proposals, and their levels still differ in complexity."""
     rules = TABLE_RULES[table]
     assert rules.live_code and rules.outputs
-    assert table != "live" or rules.inputs == TABLE_DOMAINS["narrow"]
+    assert table != "live" or rules.inputs == TABLE_RULES["narrow"].inputs
     assert SIZES[f"world-{table}"].__dict__ == SIZES["world-short"].__dict__ | {"levels": table}
     corpus = generate_corpus(30, f"{table}/0", levels=table_levels(table), workers=1)
     variants = [v for _, v in generate_variants_fast(corpus, f"{table}/0", workers=1, table=table)]

@@ -148,8 +148,6 @@ TABLE_RULES: dict[str, WorldRules] = {
     "natural": WorldRules(inputs=InputDomain(0, 9, 4, 4), outputs=InputDomain(0, 19, 8, 8),
                           live_code=True),
 }
-#: The input domain of each level table whose inputs are bounded.
-TABLE_DOMAINS: dict[str, InputDomain] = {t: r.inputs for t, r in TABLE_RULES.items() if r.inputs}
 
 
 @dataclass(frozen=True)
@@ -179,6 +177,12 @@ def table_level(number: int, table: str = "standard") -> int | Level:
 def level_rules(difficulty: int | Knobs | Level) -> WorldRules:
     """The world rules a level's tasks keep (none for plain levels and bare knobs)."""
     return (difficulty.rules if isinstance(difficulty, Level) else None) or WorldRules()
+
+
+def _kept(source: str, difficulty: int | Knobs | Level) -> str:
+    """`source` as the level's world keeps it: without dead statements where it asks for live
+    code."""
+    return drop_dead(source) if level_rules(difficulty).live_code else source
 
 
 def table_levels(
@@ -714,9 +718,8 @@ def generate_program(rng: random.Random, difficulty: int | Knobs | Level) -> Pro
     params = _param_names(rng, ptypes)
     body, ret, features = _function(rng, knobs, "f", params, helpers, is_helper=False)
     lines += body
-    source = "\n".join(lines) + "\n"
     return Program(
-        source=drop_dead(source) if level_rules(difficulty).live_code else source,
+        source=_kept("\n".join(lines) + "\n", difficulty),
         params=tuple(params),
         returns=ret,
         features=tuple(sorted(features)),
@@ -750,9 +753,8 @@ def extend_program(
     lines, ret, features = _function(rng, body_knobs, "f", params, [helper], is_helper=False)
     inner = source.strip().splitlines()
     inner[0] = inner[0].replace("def f(", f"def {helper.name}(", 1)
-    source = "\n".join([*inner, "", *lines]) + "\n"
     return Program(
-        source=drop_dead(source) if level_rules(difficulty).live_code else source,
+        source=_kept("\n".join([*inner, "", *lines]) + "\n", difficulty),
         params=tuple(params),
         returns=ret,
         features=tuple(sorted(features | {"helper"})),

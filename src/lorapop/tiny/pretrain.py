@@ -190,7 +190,7 @@ SIZES |= {
     "world-short": Recipe(**SIZES["world-steps"].__dict__ | {
         "levels": "short", "steps": 2000, "batch_tokens": 81_920, "lr": 1.5e-3}),
 }  # fmt: skip
-# `world-short` on bounded inputs (`grammar.TABLE_DOMAINS["narrow"]`: ints -5..9, strings of
+# `world-short` on bounded inputs (`grammar.TABLE_RULES["narrow"]`: ints -5..9, strings of
 # <= 4 characters, <= 4 items): on `world-short` the single agent's one-line programs stayed
 # half unsolved through their values (two-digit products, counts over 7-letter strings), so
 # its teacher found difficulty without complexity (benchmarks/README.md, session 11)
