@@ -8,8 +8,10 @@
 # when finished, results.json (+ world_experiment.json/.png with both arms population and single).
 #
 # usage (device machine, repo root, whose src/ and benchmarks/ run; D holds models/$BASE_bf16.tgz.part*
-# unless MODEL_DIR/$BASE is a model already (BASE: world-short unless set), and optionally sets/
-# with heldout/select/seed_tasks*.jsonl and level_table.txt of the base's level table):
+# unless MODEL_DIR/$BASE is a model already (BASE: world-short unless set); with neither, the
+# call first rebuilds BASE from its seed (`lorapop pretrain-tiny --size $BASE`, its log in
+# $OUT/build.log), which END_S counts; D optionally holds sets/ with heldout/select/
+# seed_tasks*.jsonl and level_table.txt of the base's level table):
 #   OUT=$OUT D=.gpu/world bash benchmarks/world_call.sh END_S [world_experiment.py args]
 #   e.g. ... world_call.sh 470 --arms single --seeds 0 1 2 --parallel 3          (the gate)
 #        ... world_call.sh 470 train.lr=3e-3 --arms single --seeds 0 --parallel 1  (overrides first)
@@ -29,12 +31,25 @@ END=${1:?END_S}; shift
 export PYTHONPATH=/tmp/site:$PWD/src
 M=${MODEL_DIR:-/tmp/m}
 B=${BASE:-world-short}
-[ -f $M/$B/config.json ] || { mkdir -p $M && cat $D/models/${B}_bf16.tgz.part* | tar xzf - -C $M; } || exit 1
+mkdir -p $M $OUT
+if [ ! -f $M/$B/config.json ]; then
+  if ls $D/models/${B}_bf16.tgz.part* > /dev/null 2>&1; then
+    cat $D/models/${B}_bf16.tgz.part* | tar xzf - -C $M || exit 1
+  else  # no parts: rebuild the base from its seed (BASE a pretrain-tiny size; ~380 s on an H100)
+    echo "$(date -u +%T) building $B" >&2
+    python3 -m lorapop pretrain-tiny --size $B --out $M/$B --device auto \
+        --workers $(( $(nproc) - 1 )) > $OUT/build.log 2>&1 || { tail -5 $OUT/build.log; exit 1; }
+  fi
+fi
 W=${RUNS:-/tmp/wx}
 mkdir -p $W $OUT; rm -f $W/stop
 [ -d $D/sets ] && cp -n $D/sets/* $W/
 [ -d $W/runs ] && echo "continuing: $(ls $W/runs | wc -l) runs on this machine" >> $W/call.log
-S="sampling.teacher_max_new_tokens=256 sampling.student_max_new_tokens=192 verify.workers=2 run.keep_last=1"
+# each run's sandbox gets its share of the cores (at least 2; session 14's gate, 3 runs with 2
+# each on 16 cores, spent ~0.7 s of its 2.4 s steps grading answers at a load of ~4.5)
+P=21; prev=""; for a in "$@"; do [ "$prev" = "--parallel" ] && P=$a; prev=$a; done
+VW=${VERIFY_WORKERS:-$(( ($(nproc) - P) / P ))}; [ "$VW" -ge 2 ] || VW=2
+S="sampling.teacher_max_new_tokens=256 sampling.student_max_new_tokens=192 verify.workers=$VW run.keep_last=1"
 DL=$(( END - ($(date +%s) - T0) ))
 echo "$(date -u +%T) setup $(( $(date +%s) - T0 )) s, deadline $DL s, args $*" >> $W/call.log
 pack() {  # small files only: no checkpoints or adapters; rollouts of the last $ROLLOUTS steps

@@ -56,12 +56,31 @@ SMOKE_MEASURE = ["--proposals", "2", "--answers", "2", "--pool-per-level", "4",
                  "--teacher-max-new-tokens", "48", "--batch-size", "64"]  # fmt: skip
 
 
+def _top_level_split(spec: str) -> list[str]:
+    """`spec` split at the commas outside brackets and quotes, so a value may be a dict or a
+    tuple of several items."""
+    parts, depth, quote, start = [], 0, "", 0
+    for i, ch in enumerate(spec):
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(spec[start:i])
+            start = i + 1
+    return [*parts, spec[start:]]
+
+
 def parse_variant(spec: str) -> tuple[str, dict]:
     """`SIZE,key=value,...` -> (size, overrides); keys must be recipe fields."""
     from lorapop.tiny.grammar import table_levels
     from lorapop.tiny.pretrain import SIZES, Recipe
 
-    size, *pairs = spec.split(",")
+    size, *pairs = _top_level_split(spec)
     if size not in SIZES:
         raise ValueError(f"{spec!r}: unknown size {size!r}; known: {', '.join(SIZES)}")
     fields = {f.name for f in dataclasses.fields(Recipe)}

@@ -375,7 +375,9 @@ def pretrain_tiny(
     size: str = typer.Option(
         "tiny", help="tiny (the shipped 3.5M model), small (~26M, the regime world; GPU), or "
         "world, world-exec, world-refs, world-steps (small on the world's level table, "
-        "token-budgeted mixes), world-short (world-steps on the short level table)."
+        "token-budgeted mixes), world-short (world-steps on the short level table), "
+        "world-narrow, world-live, world-natural, world-direct (world-short on those level "
+        "tables and their world rules)."
     ),
     seed: int = typer.Option(0, help="Seed for the corpus, tokenizer and training."),
     steps: int = typer.Option(None, help="Optimizer steps (default: the size's)."),

@@ -3,6 +3,7 @@ measurement, while the shared `LEVELS` (shipped model, held-out benchmark) stays
 
 import hashlib
 import json
+import re
 import statistics
 
 import pytest
@@ -124,11 +125,12 @@ def test_narrow_table_draws_every_input_inside_its_domain(tiny_sandbox) -> None:
     assert {t.meta["difficulty"] for t in corpus} == set(LEVELS)
 
 
-@pytest.mark.parametrize("table", ["live", "natural"])
+@pytest.mark.parametrize("table", ["live", "natural", "direct"])
 def test_live_tables_have_no_dead_code_and_keep_outputs_inside_their_bounds(table, tiny_sandbox) -> None:
-    """`live` is `narrow` without dead statements, `natural` that on non-negative values: their
-    corpus, variants and held-out tasks keep the world's rules (`TABLE_RULES`) that the loop
-    enforces on proposals, and their levels still differ in complexity."""
+    """`live` is `narrow` without dead statements, `natural` that on non-negative values,
+    `direct` those rules with a level 1 of one-liners: their corpus, variants and held-out
+    tasks keep the world's rules (`TABLE_RULES`) that the loop enforces on proposals, and their
+    levels still differ in complexity."""
     rules = TABLE_RULES[table]
     assert rules.live_code and rules.outputs
     assert table != "live" or rules.inputs == TABLE_RULES["narrow"].inputs
@@ -148,6 +150,7 @@ def test_live_tables_have_no_dead_code_and_keep_outputs_inside_their_bounds(tabl
 
 @pytest.mark.parametrize("table, digest", [
     ("short", "5b4bc5c5"), ("narrow", "35ddd125"), ("live", "1f7e1f61"), ("natural", "fe314e46"),
+    ("direct", "125c0084"),
 ])  # fmt: skip
 def test_a_tables_program_stream_stays_what_its_base_was_built_on(table, digest) -> None:
     """Bases are rebuilt from a seed: the candidates a level table yields must not move when
@@ -158,3 +161,17 @@ def test_a_tables_program_stream_stays_what_its_base_was_built_on(table, digest)
             c = candidate(table_level(lv, table), "pretrain/0", "train", 6, i)
             h.update(repr(None if c is None else (c.program.source, c.inputs)).encode())
     assert h.hexdigest()[:8] == digest
+
+
+def test_the_direct_tables_level_1_is_one_return_expression_and_its_other_levels_are_shorts() -> None:
+    """The programs the single agent's teacher settled on in the natural world (`return n + 7`)
+    are the direct table's whole level 1, on natural's rules; levels 2-5 are short's 1-4."""
+    assert TABLE_RULES["direct"] == TABLE_RULES["natural"]
+    assert [lv.knobs for lv in table_levels("direct")[1:]] == [SHORT_LEVELS[lv] for lv in (1, 2, 3, 4)]
+    corpus = generate_corpus(40, "direct/0", levels=table_levels("direct")[:1], workers=1)
+    assert len(corpus) == 40
+    for t in corpus:
+        lines = t.program.strip().splitlines()
+        assert len(lines) == 2 and lines[1].lstrip().startswith("return "), t.program
+    assert any(re.fullmatch(r"def f\((\w+): int\):\n    return \1 [-+*%] \d+", t.program.strip())
+               for t in corpus)

@@ -64,3 +64,13 @@ def test_a_bad_variant_is_a_one_line_error(tmp_path) -> None:
         proc = _driver("--out", str(tmp_path), spec)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
         assert spec in proc.stderr.splitlines()[-1]
+
+
+def test_a_variant_may_override_a_field_with_a_dict_of_several_items() -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from world_recipes import parse_variant
+
+    levels = {"teacher": {1: 1, 2: 1}, "student": {1: 6, 2: 4, 3: 2}}
+    size, ov = parse_variant(f"world-natural,steps=2600,token_levels={levels!r},levels='natural'")
+    assert size == "world-natural"
+    assert ov == {"steps": 2600, "token_levels": levels, "levels": "natural"}

@@ -122,13 +122,23 @@ SHORT_LEVELS: dict[int, Knobs] = {
     5: Knobs(statements=5, depth=2, params=2, types=(INT, STR, LIST), loops=True,
              conditionals=True, helpers=0, expr_depth=2),
 }  # fmt: skip
+#: Level 1 of single `return` expressions (`return n + 7`, `return s[1:]`), then `short`'s
+#: levels 1-4 one level up (session 14). On `natural` the single agent's teacher settled on
+#: such one-liners, which were ~1% of its base's level-1 programs (`return n + 7` on 3 was
+#: answered 11 and 12; seed 0's student got 51% of 1,952 such answers right after 250 steps);
+#: here they are a fifth of the corpus, so the base's student learns them before self-play.
+DIRECT_LEVELS: dict[int, Knobs] = {
+    1: Knobs(statements=0, depth=0, params=1, types=(INT, STR), loops=False,
+             conditionals=False, helpers=0, expr_depth=1),
+    **{lv + 1: SHORT_LEVELS[lv] for lv in (1, 2, 3, 4)},
+}  # fmt: skip
 #: Level tables by name (`Recipe.levels`, `tiny_world.py --level-table`). `narrow` is `short`'s
 #: programs on bounded inputs, `live` those programs without their dead statements, `natural`
-#: those on non-negative values: the tables differ in their world rules (`TABLE_RULES`), which
-#: the generators keep.
+#: those on non-negative values, `direct` `natural`'s rules on `DIRECT_LEVELS`: the tables
+#: differ in their world rules (`TABLE_RULES`), which the generators keep.
 LEVEL_TABLES: dict[str, dict[int, Knobs]] = {
     "standard": LEVELS, "world": WORLD_LEVELS, "short": SHORT_LEVELS, "narrow": SHORT_LEVELS,
-    "live": SHORT_LEVELS, "natural": SHORT_LEVELS,
+    "live": SHORT_LEVELS, "natural": SHORT_LEVELS, "direct": DIRECT_LEVELS,
 }  # fmt: skip
 _SMALL = InputDomain(int_min=-5, int_max=9, str_chars=4, items=4)
 #: The rules of a level table's world (`tasks.input_domain`, `tasks.output_domain`,
@@ -148,6 +158,7 @@ TABLE_RULES: dict[str, WorldRules] = {
     "natural": WorldRules(inputs=InputDomain(0, 9, 4, 4), outputs=InputDomain(0, 19, 8, 8),
                           live_code=True),
 }
+TABLE_RULES["direct"] = TABLE_RULES["natural"]
 
 
 @dataclass(frozen=True)

@@ -202,6 +202,10 @@ SIZES["world-live"] = Recipe(**SIZES["world-short"].__dict__ | {"levels": "live"
 # `world-live` on non-negative values (`grammar.TABLE_RULES["natural"]`): on `world-live` many
 # of the single agent's unsolved tasks did arithmetic through negative values (README, session 13)
 SIZES["world-natural"] = Recipe(**SIZES["world-short"].__dict__ | {"levels": "natural"})
+# `world-natural` on `grammar.DIRECT_LEVELS` (level 1: one `return` expression): on
+# `world-natural` the single agent's student stayed at ~50% on such one-liners, rare in its base's
+# corpus, and its teacher kept proposing them (benchmarks/README.md, session 14)
+SIZES["world-direct"] = Recipe(**SIZES["world-short"].__dict__ | {"levels": "direct"})
 
 
 # -- the corpus and its examples --------------------------------------------------------------
