@@ -42,7 +42,7 @@ if [ ! -f $M/$B/config.json ]; then
   fi
 fi
 W=${RUNS:-/tmp/wx}
-mkdir -p $W $OUT; rm -f $W/stop
+mkdir -p $W; rm -f $W/stop
 [ -d $D/sets ] && cp -n $D/sets/* $W/
 [ -d $W/runs ] && echo "continuing: $(ls $W/runs | wc -l) runs on this machine" >> $W/call.log
 # each run's sandbox gets its share of the cores (at least 2; session 14's gate, 3 runs with 2
