@@ -3,11 +3,14 @@
     PYTHONPATH=src python benchmarks/tiny_execution.py --level 1 --steps 1500 \\
         --out benchmarks/results/tiny_execution_level1.json
     PYTHONPATH=src python benchmarks/tiny_execution.py --model DIR --level 1   # a base, no training
+    PYTHONPATH=src python benchmarks/tiny_execution.py --table natural --eval-table direct \
+        --out benchmarks/results/tiny_execution_natural_on_direct.json     # another table's level
 
 The regime world's students barely execute (README, "A world in the paper's regime"). This
 trains a fresh model of `--size`'s shape (the world tokenizer: string characters unmerged) on
 student code_o examples of one level only, drawn from a fresh corpus (`lorapop.tiny.corpus`),
-and reports greedy and T=1 accuracy on unseen programs of that level, by output type; with
+and reports greedy and T=1 accuracy on unseen programs of that level (of `--eval-table`'s, so a
+table's level 1 can be scored on another's), by output type and for one-line programs; with
 `--model` it scores an existing base on the same tasks instead. How many examples a model
 needs for a level says how a pretraining budget should be split between roles.
 """
@@ -32,6 +35,7 @@ from lorapop.engine.model import load_base_model, load_tokenizer, resolve_device
 from lorapop.tasks import Outcome, get_family
 from lorapop.tiny.corpus import generate_corpus
 from lorapop.tiny.generator import generate_tasks
+from lorapop.tiny.grammar import LEVEL_TABLES, table_level
 from lorapop.tiny.pretrain import (
     SIZES,
     STRING_CHARS,
@@ -54,12 +58,18 @@ def accuracy(model, tok, tasks, sb, temperature: float) -> dict:
         ok = g.outcome == Outcome.CORRECT
         by["all"].append(ok)
         by[type(ast.literal_eval(t.output)).__name__].append(ok)
+        if len(t.program.strip().splitlines()) == 2:  # `def f(...):` and one `return`
+            by["one_line"].append(ok)
     return {k: round(sum(v) / len(v), 3) for k, v in sorted(by.items())}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--level", type=int, default=1)
+    ap.add_argument("--table", default="standard", choices=sorted(LEVEL_TABLES),
+                    help="level table of the training programs")
+    ap.add_argument("--eval-table", choices=sorted(LEVEL_TABLES),
+                    help="level table of the scored programs (default: --table)")
     ap.add_argument("--model", help="score this base instead of training one")
     ap.add_argument("--size", default="tiny", help="model shape of a pretrain-tiny size")
     ap.add_argument("--programs", type=int, default=20_000, help="training programs")
@@ -73,18 +83,21 @@ def main() -> None:
     a = ap.parse_args()
     dev = resolve_device(a.device)
     t0 = time.perf_counter()
-    record: dict = {"benchmark": "tiny_execution", "level": a.level,
+    train_level = table_level(a.level, a.table)
+    eval_level = table_level(a.level, a.eval_table or a.table)
+    record: dict = {"benchmark": "tiny_execution", "level": a.level, "table": a.table,
+                    "eval_table": a.eval_table or a.table,
                     "command": "PYTHONPATH=src python " + " ".join(sys.argv),
                     "machine": {"device": str(dev), "cpus": os.cpu_count(),
                                 "platform": platform.platform(), "torch": torch.__version__}}  # fmt: skip
     with Sandbox(workers=a.workers, timeout_s=2.0) as sb:
-        tasks = generate_tasks("code_o", a.eval, a.level, "probe-exec", sandbox=sb)
+        tasks = generate_tasks("code_o", a.eval, eval_level, "probe-exec", sandbox=sb)
         if a.model:
             tok = load_tokenizer(a.model)
             model = load_base_model(a.model, tok, str(dev), "float32", 0).eval()
             record["model"] = a.model
         else:
-            corpus = generate_corpus(a.programs, "exec/0", levels=(a.level,), workers=a.workers)
+            corpus = generate_corpus(a.programs, "exec/0", levels=(train_level,), workers=a.workers)
             texts = corpus_texts([as_type(t, "code_o") for t in corpus[:5000]])
             tok = train_tokenizer(texts, vocab_size=1024, single_chars=STRING_CHARS)
             model = build_model(tok, SIZES[a.size].size, 0)

@@ -122,14 +122,16 @@ SHORT_LEVELS: dict[int, Knobs] = {
     5: Knobs(statements=5, depth=2, params=2, types=(INT, STR, LIST), loops=True,
              conditionals=True, helpers=0, expr_depth=2),
 }  # fmt: skip
-#: Level 1 of single `return` expressions (`return n + 7`, `return s[1:]`), then `short`'s
-#: levels 1-4 one level up (session 14). On `natural` the single agent's teacher settled on
-#: such one-liners, which were ~1% of its base's level-1 programs (`return n + 7` on 3 was
-#: answered 11 and 12; seed 0's student got 51% of 1,952 such answers right after 250 steps);
-#: here they are a fifth of the corpus, so the base's student learns them before self-play.
+#: Level 1 of single `return` expressions (`return n + 7`, `return len(s) + 5`, `return
+#: s[1:].upper()`), then `short`'s levels 1-4 one level up (session 14). On `natural` the single
+#: agent's teacher settled on such one-liners, which were ~1% of its base's level-1 programs
+#: (`return n + 7` on 3 was answered 11 and 12; seed 0's student got 51% of 1,952 such answers
+#: right after 250 steps); here they are a fifth of the corpus, so the base's student learns them
+#: before self-play. Expressions nest two deep: one deep has only ~3.5k distinct programs (after
+#: renaming), too few for a 24k-program level.
 DIRECT_LEVELS: dict[int, Knobs] = {
     1: Knobs(statements=0, depth=0, params=1, types=(INT, STR), loops=False,
-             conditionals=False, helpers=0, expr_depth=1),
+             conditionals=False, helpers=0, expr_depth=2),
     **{lv + 1: SHORT_LEVELS[lv] for lv in (1, 2, 3, 4)},
 }  # fmt: skip
 #: Level tables by name (`Recipe.levels`, `tiny_world.py --level-table`). `narrow` is `short`'s
