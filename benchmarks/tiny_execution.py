@@ -81,12 +81,13 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--out", default="benchmarks/results/tiny_execution.json")
     a = ap.parse_args()
+    a.eval_table = a.eval_table or a.table
     dev = resolve_device(a.device)
     t0 = time.perf_counter()
     train_level = table_level(a.level, a.table)
-    eval_level = table_level(a.level, a.eval_table or a.table)
+    eval_level = table_level(a.level, a.eval_table)
     record: dict = {"benchmark": "tiny_execution", "level": a.level, "table": a.table,
-                    "eval_table": a.eval_table or a.table,
+                    "eval_table": a.eval_table,
                     "command": "PYTHONPATH=src python " + " ".join(sys.argv),
                     "machine": {"device": str(dev), "cpus": os.cpu_count(),
                                 "platform": platform.platform(), "torch": torch.__version__}}  # fmt: skip

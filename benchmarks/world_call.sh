@@ -45,11 +45,7 @@ W=${RUNS:-/tmp/wx}
 mkdir -p $W; rm -f $W/stop
 [ -d $D/sets ] && cp -n $D/sets/* $W/
 [ -d $W/runs ] && echo "continuing: $(ls $W/runs | wc -l) runs on this machine" >> $W/call.log
-# each run's sandbox gets its share of the cores (at least 2; session 14's gate, 3 runs with 2
-# each on 16 cores, spent ~0.7 s of its 2.4 s steps grading answers at a load of ~4.5)
-P=21; prev=""; for a in "$@"; do [ "$prev" = "--parallel" ] && P=$a; prev=$a; done
-VW=${VERIFY_WORKERS:-$(( ($(nproc) - P) / P ))}; [ "$VW" -ge 2 ] || VW=2
-S="sampling.teacher_max_new_tokens=256 sampling.student_max_new_tokens=192 verify.workers=$VW run.keep_last=1"
+S="sampling.teacher_max_new_tokens=256 sampling.student_max_new_tokens=192 run.keep_last=1"
 DL=$(( END - ($(date +%s) - T0) ))
 echo "$(date -u +%T) setup $(( $(date +%s) - T0 )) s, deadline $DL s, args $*" >> $W/call.log
 pack() {  # small files only: no checkpoints or adapters; rollouts of the last $ROLLOUTS steps

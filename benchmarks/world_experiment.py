@@ -497,6 +497,13 @@ def _coverage_table(arm_curves: dict, seeds: list[int]) -> dict:
 # -- orchestration ----------------------------------------------------------------------------
 
 
+def sandbox_workers(cpus: int, runs: int) -> int:
+    """Each of `runs` concurrent runs' sandbox workers: its share of the cores left after one
+    per run's trainer, at least 2 (session 14's gate, 3 runs of 2 workers on 16 cores, spent
+    ~0.7 s of its 2.4 s steps grading answers at a load of ~4.5)."""
+    return max(2, (cpus - runs) // max(1, runs))
+
+
 def place(jobs: list[dict], gpus: int) -> None:
     """Spread the runs over `gpus` GPUs (0: leave CUDA's default), each to the least loaded
     (lowest index on ties), the full runs first: an independent agent (arm c) generates a
@@ -607,6 +614,9 @@ def run_all(args: argparse.Namespace) -> None:
                              "select": paths["select"], "deadline_at": t0 + args.deadline,
                              "recent_steps": args.recent_steps, "recent_tasks": args.recent_tasks,
                              "finish": args.finish})
+    share = f"verify.workers={sandbox_workers(os.cpu_count() or 2, min(args.parallel, len(jobs)))}"
+    for job in jobs:  # first, so a verify.workers override still wins
+        job["overrides"].insert(0, share)
     place(jobs, args.gpus)
 
     def train(job: dict) -> dict:

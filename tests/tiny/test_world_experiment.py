@@ -361,3 +361,9 @@ def test_world_rollouts_tells_unsolved_tasks_and_domain_apart(tmp_path) -> None:
                            str(tmp_path / "nothing")], capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(ROOT / "src")})  # fmt: skip
     assert done.returncode == 2 and "does not exist" in done.stderr
+
+
+def test_each_runs_sandbox_gets_its_share_of_the_cores_and_never_fewer_than_two() -> None:
+    we = _module()
+    assert we.sandbox_workers(16, 3) == 4  # 13 cores left after 3 trainers, over 3 runs
+    assert we.sandbox_workers(64, 21) == 2 and we.sandbox_workers(2, 1) == 2

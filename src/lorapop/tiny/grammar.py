@@ -154,13 +154,13 @@ _SMALL = InputDomain(int_min=-5, int_max=9, str_chars=4, items=4)
 #: outputs fall inside: ints -9..19, 8 characters, 8 items). On `live` many of its unsolved
 #: tasks did arithmetic through negative values (`(n - 3) // 3` on -4, `x - 6` on -2), so
 #: `natural` keeps inputs and outputs non-negative (its programs are `live`'s: same stream).
+_NATURAL = WorldRules(inputs=InputDomain(0, 9, 4, 4), outputs=InputDomain(0, 19, 8, 8),
+                      live_code=True)
 TABLE_RULES: dict[str, WorldRules] = {
     "narrow": WorldRules(inputs=_SMALL),
     "live": WorldRules(inputs=_SMALL, outputs=InputDomain(-9, 19, 8, 8), live_code=True),
-    "natural": WorldRules(inputs=InputDomain(0, 9, 4, 4), outputs=InputDomain(0, 19, 8, 8),
-                          live_code=True),
+    "natural": _NATURAL, "direct": _NATURAL,
 }
-TABLE_RULES["direct"] = TABLE_RULES["natural"]
 
 
 @dataclass(frozen=True)
