@@ -10,8 +10,9 @@
 # usage (device machine, repo root, whose src/ and benchmarks/ run; D holds models/$BASE_bf16.tgz.part*
 # unless MODEL_DIR/$BASE is a model already (BASE: world-short unless set); with neither, the
 # call first rebuilds BASE from its seed (`lorapop pretrain-tiny --size $BASE`, its log in
-# $OUT/build.log), which END_S counts; D optionally holds sets/ with heldout/select/
-# seed_tasks*.jsonl and level_table.txt of the base's level table):
+# $OUT/build.log) and measures it (`tiny_world.py`: $OUT/tiny_world_$BASE.json), which END_S
+# counts; D optionally holds sets/ with heldout/select/seed_tasks*.jsonl and level_table.txt of
+# the base's level table):
 #   OUT=$OUT D=.gpu/world bash benchmarks/world_call.sh END_S [world_experiment.py args]
 #   e.g. ... world_call.sh 470 --arms single --seeds 0 1 2 --parallel 3          (the gate)
 #        ... world_call.sh 470 train.lr=3e-3 --arms single --seeds 0 --parallel 1  (overrides first)
@@ -39,6 +40,10 @@ if [ ! -f $M/$B/config.json ]; then
     echo "$(date -u +%T) building $B" >&2
     python3 -m lorapop pretrain-tiny --size $B --out $M/$B --device auto \
         --workers $(( $(nproc) - 1 )) > $OUT/build.log 2>&1 || { tail -5 $OUT/build.log; exit 1; }
+    # the new base's regime (~15-35 s) before any run plays on it
+    python3 benchmarks/tiny_world.py --model $M/$B --device auto --workers $(( $(nproc) - 1 )) \
+        --proposals 40 --out $OUT/tiny_world_$B.json > $OUT/tiny_world.log 2>&1 \
+        || tail -3 $OUT/tiny_world.log
   fi
 fi
 W=${RUNS:-/tmp/wx}

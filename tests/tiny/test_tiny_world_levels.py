@@ -23,7 +23,7 @@ from lorapop.tiny.grammar import (
     table_levels,
 )
 from lorapop.tiny.heldout import build_heldout
-from lorapop.tiny.pretrain import SIZES
+from lorapop.tiny.pretrain import SIZES, budget_cells
 from lorapop.tiny.world import world_of
 
 
@@ -123,6 +123,23 @@ def test_narrow_table_draws_every_input_inside_its_domain(tiny_sandbox) -> None:
     outside = [x for t in short for x in t.inputs if domain.problem(x)]
     assert len(outside) > len(short)  # the short table's inputs often leave it
     assert {t.meta["difficulty"] for t in corpus} == set(LEVELS)
+
+
+def test_world_direct_exec_gives_students_executing_level_1_most_of_its_extra_tokens() -> None:
+    """The recipe after the session-15 gate: world-direct's table and rules, more steps, and a
+    budget whose level-1 student code_o cell grows most (so a build of it is a test of that)."""
+    direct, exec_ = SIZES["world-direct"], SIZES["world-direct-exec"]
+    kept = {k: v for k, v in exec_.__dict__.items() if k not in ("steps", "token_shares", "token_levels")}
+    assert kept == {k: v for k, v in direct.__dict__.items() if k in kept}
+
+    def tokens(r, cell):  # the cell's tokens, in batches: steps x its share of each batch
+        return r.steps * budget_cells(r.token_shares, r.token_levels, LEVELS)[cell]
+
+    growth = {c: tokens(exec_, c) / tokens(direct, c)
+              for c in budget_cells(direct.token_shares, direct.token_levels, LEVELS)}
+    assert growth[("student/code_o", 1)] > 2.4
+    assert max(growth, key=growth.get) == ("student/code_o", 1)
+    assert min(growth.values()) > 1.1  # every other cell gets more too
 
 
 @pytest.mark.parametrize("table", ["live", "natural", "direct"])

@@ -206,6 +206,17 @@ SIZES["world-natural"] = Recipe(**SIZES["world-short"].__dict__ | {"levels": "na
 # `world-natural` the single agent's student stayed at ~50% on such one-liners, rare in its base's
 # corpus, and its teacher kept proposing them (benchmarks/README.md, session 14)
 SIZES["world-direct"] = Recipe(**SIZES["world-short"].__dict__ | {"levels": "direct"})
+# `world-direct` with 1.5x the steps, most of them for students executing level-1 programs: on
+# `world-direct` the single agent's code_o stayed at 0.5-0.6 on one-liners (its base answered 0.34
+# of its own level-1 code_o tasks), while a model of its shape trained on that role alone, with
+# as many examples, answered 0.61 of unseen ones at T=1, its loss still falling
+# (benchmarks/README.md, session 15). ~2.5x the level-1 code_o tokens, 1.2-1.9x every other cell
+SIZES["world-direct-exec"] = Recipe(**SIZES["world-direct"].__dict__ | {
+    "steps": 3000,
+    "token_shares": {"teacher/code_o": 0.14, "teacher/code_i": 0.14, "teacher/code_f": 0.07,
+                     "student/code_o": 0.35, "student/code_i": 0.13, "student/code_f": 0.17},
+    "token_levels": {"teacher": {1: 1, 2: 1, 3: 1, 4: 1, 5: 1},
+                     "student": {1: 4, 2: 3, 3: 2, 4: 1, 5: 1}}})  # fmt: skip
 
 
 # -- the corpus and its examples --------------------------------------------------------------
