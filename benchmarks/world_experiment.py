@@ -22,7 +22,7 @@ bootstrap CIs. `--model` builds the base with `--size` when the directory holds 
 A call's small results (curves, per-task grades, cross-play) go to `results.json`; `--merge`
 joins those of calls that ran other seeds or arms (runs cannot move between machines, their
 results can). `--gpus N` puts each run on one of N GPUs; `benchmarks/world_call.sh` is one
-device call of a chain on a warm machine (README: "Plan for the next session's device calls").
+device call of a chain on a warm machine (README, "A world in the paper's regime": "Next").
 A chain that cannot reach train.steps ends with `--finish` (runs scored where they are); one cut
 before that still gives `--partial` (gate, slopes and scored end points from what came back).
 """

@@ -377,8 +377,8 @@ def pretrain_tiny(
         "world, world-exec, world-refs, world-steps (small on the world's level table, "
         "token-budgeted mixes), world-short (world-steps on the short level table), "
         "world-narrow, world-live, world-natural, world-direct (world-short on those level "
-        "tables and their world rules), world-direct-exec (world-direct, more steps, most "
-        "for students executing level-1 programs)."
+        "tables and their world rules), world-direct-exec (world-direct, 1.35x the steps, "
+        "most for students executing level-1 programs)."
     ),
     seed: int = typer.Option(0, help="Seed for the corpus, tokenizer and training."),
     steps: int = typer.Option(None, help="Optimizer steps (default: the size's)."),

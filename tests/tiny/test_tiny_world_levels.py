@@ -137,9 +137,9 @@ def test_world_direct_exec_gives_students_executing_level_1_most_of_its_extra_to
 
     growth = {c: tokens(exec_, c) / tokens(direct, c)
               for c in budget_cells(direct.token_shares, direct.token_levels, LEVELS)}
-    assert growth[("student/code_o", 1)] > 2.4
+    assert growth[("student/code_o", 1)] > 2.2
     assert max(growth, key=growth.get) == ("student/code_o", 1)
-    assert min(growth.values()) > 1.1  # every other cell gets more too
+    assert min(growth.values()) > 1.0  # every other cell gets more too
 
 
 @pytest.mark.parametrize("table", ["live", "natural", "direct"])

@@ -200,19 +200,21 @@ SIZES["world-narrow"] = Recipe(**SIZES["world-short"].__dict__ | {"levels": "nar
 # own solve rate fell (benchmarks/README.md, session 12); this base never sees dead code
 SIZES["world-live"] = Recipe(**SIZES["world-short"].__dict__ | {"levels": "live"})
 # `world-live` on non-negative values (`grammar.TABLE_RULES["natural"]`): on `world-live` many
-# of the single agent's unsolved tasks did arithmetic through negative values (README, session 13)
+# of the single agent's unsolved tasks did arithmetic through negative values
+# (docs/world-regime.md, session 13)
 SIZES["world-natural"] = Recipe(**SIZES["world-short"].__dict__ | {"levels": "natural"})
 # `world-natural` on `grammar.DIRECT_LEVELS` (level 1: one `return` expression): on
 # `world-natural` the single agent's student stayed at ~50% on such one-liners, rare in its base's
 # corpus, and its teacher kept proposing them (benchmarks/README.md, session 14)
 SIZES["world-direct"] = Recipe(**SIZES["world-short"].__dict__ | {"levels": "direct"})
-# `world-direct` with 1.5x the steps, most of them for students executing level-1 programs: on
+# `world-direct` with 1.35x the steps, most of them for students executing level-1 programs: on
 # `world-direct` the single agent's code_o stayed at 0.5-0.6 on one-liners (its base answered 0.34
 # of its own level-1 code_o tasks), while a model of its shape trained on that role alone, with
 # as many examples, answered 0.61 of unseen ones at T=1, its loss still falling
-# (benchmarks/README.md, session 15). ~2.5x the level-1 code_o tokens, 1.2-1.9x every other cell
+# (benchmarks/README.md, session 15). ~2.3x the level-1 code_o tokens, more in every other cell;
+# 2,700 steps keep the build and its measurement inside one ~600 s device call (~520 s)
 SIZES["world-direct-exec"] = Recipe(**SIZES["world-direct"].__dict__ | {
-    "steps": 3000,
+    "steps": 2700,
     "token_shares": {"teacher/code_o": 0.14, "teacher/code_i": 0.14, "teacher/code_f": 0.07,
                      "student/code_o": 0.35, "student/code_i": 0.13, "student/code_f": 0.17},
     "token_levels": {"teacher": {1: 1, 2: 1, 3: 1, 4: 1, 5: 1},
