@@ -174,6 +174,37 @@ def test_pretrain_tiny_refuses_a_bad_size_and_never_overwrites_the_shipped_model
     assert bad.exit_code != 0 and "unknown --size 'huge'" in bad.output
     no_out = run("pretrain-tiny", "--size", "small")
     assert no_out.exit_code != 0 and "give --out DIR" in no_out.output
+    device = run("pretrain-tiny", "--size", "small", "--out", "x", "--device", "gpu")
+    assert device.exit_code == 2 and device.output.startswith("error: --device 'gpu': Expected one")
+    assert len(device.output.strip().splitlines()) == 1
+
+
+def _raising(error):
+    def fail(*args, **kwargs):
+        raise error
+
+    return fail
+
+
+@pytest.mark.parametrize("error", [MemoryError(), RuntimeError("DefaultCPUAllocator: can't "
+                                   "allocate memory: you tried to allocate 83853312 bytes"),
+                                   RuntimeError("CUDA out of memory. Tried to allocate 2 GiB")])
+def test_pretrain_tiny_out_of_memory_is_one_line_that_names_the_way_out(monkeypatch, tmp_path, error):
+    """A GPU recipe started on a CPU runs out of memory in its first batches: one line that
+    says so, not a traceback; other errors are not disguised as memory."""
+    import lorapop.tiny.pretrain as pretrain
+
+    monkeypatch.setattr(pretrain, "pretrain_size", _raising(error))
+    result = run("pretrain-tiny", "--size", "world-direct", "--out", tmp_path / "m", "--device", "cpu")
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [
+        "warning: --size world-direct is made for a GPU; on a CPU it may run out of memory or "
+        "take hours",
+        "error: out of memory pretraining --size world-direct on --device cpu (sizes other than "
+        "tiny are made for a GPU: --device cuda)"]
+    monkeypatch.setattr(pretrain, "pretrain_size", _raising(RuntimeError("shape mismatch")))
+    other = run("pretrain-tiny", "--size", "world-direct", "--out", tmp_path / "m")
+    assert isinstance(other.exception, RuntimeError) and "shape mismatch" in str(other.exception)
 
 
 def test_rollouts_dumped_every_step_and_shown(run_dir):

@@ -390,12 +390,27 @@ def pretrain_tiny(
     """Re-make the tiny world's base model: corpus, tokenizer, supervised warm start."""
     import sys
 
+    from lorapop.engine.model import ModelLoadError, resolve_device
     from lorapop.tiny.pretrain import SIZES, TINY_MODEL_DIR, pretrain_size
 
     if size not in SIZES:
         raise _fail(f"unknown --size {size!r}; known: {', '.join(SIZES)}")
     if out is None:
         raise _fail(f"give --out DIR (to replace the shipped model: --out {TINY_MODEL_DIR})")
-    record = pretrain_size(out, size, seed=seed, steps=steps, device=device,
-                           n_per_level=n_per_level, workers=workers, command=" ".join(sys.argv))
+    try:
+        dev = resolve_device(device)
+    except (ModelLoadError, RuntimeError) as e:
+        raise _fail(f"--device {device!r}: {str(e).splitlines()[0]}") from e
+    if size != "tiny" and dev.type == "cpu":
+        typer.echo(f"warning: --size {size} is made for a GPU; on a CPU it may run out of memory "
+                   "or take hours", err=True)
+    try:
+        record = pretrain_size(out, size, seed=seed, steps=steps, device=device,
+                               n_per_level=n_per_level, workers=workers, command=" ".join(sys.argv))
+    except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError
+        if not isinstance(e, MemoryError) and "out of memory" not in str(e).lower() \
+                and "can't allocate memory" not in str(e):
+            raise
+        hint = "" if size == "tiny" else " (sizes other than tiny are made for a GPU: --device cuda)"
+        raise _fail(f"out of memory pretraining --size {size} on --device {device}{hint}") from e
     typer.echo(f"saved {out} (final loss {record['final_loss']:.3f})")
