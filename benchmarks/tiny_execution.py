@@ -5,6 +5,8 @@
     PYTHONPATH=src python benchmarks/tiny_execution.py --model DIR --level 1   # a base, no training
     PYTHONPATH=src python benchmarks/tiny_execution.py --table natural --eval-table direct \
         --out benchmarks/results/tiny_execution_natural_on_direct.json     # another table's level
+    PYTHONPATH=src python benchmarks/tiny_execution.py --size world-direct --table direct \
+        --steps 4000 --batch-size 256 --lr 1.5e-3 --eval 400 --eval-every 500  # a learning curve
 
 The regime world's students barely execute (README, "A world in the paper's regime"). This
 trains a fresh model of `--size`'s shape (the world tokenizer: string characters unmerged) on
@@ -77,6 +79,8 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--eval", type=int, default=80, help="unseen tasks to score")
+    ap.add_argument("--eval-every", type=int, default=0,
+                    help="also score every N steps (a learning curve: `curve` in the JSON)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--out", default="benchmarks/results/tiny_execution.json")
@@ -105,7 +109,22 @@ def main() -> None:
             ex = Examples(corpus, random.Random("exec/0"), role_weights=(0, 0, 0, 1, 0, 0))
             batches = (encode(tok, [ex.draw()[1:] for _ in range(a.batch_size)], 512)
                        for _ in range(a.steps))  # fmt: skip
-            losses = train(model, batches, a.steps, dev, lr=a.lr, log=None)
+            curve: list[dict] = []
+
+            def score(step: int) -> None:
+                side, tok.padding_side = tok.padding_side, "left"
+                model.eval()
+                curve.append({"step": step, "examples": step * a.batch_size,
+                              "greedy": accuracy(model, tok, tasks, sb, 0.0)["all"],
+                              "t1": accuracy(model, tok, tasks, sb, 1.0)["all"]})  # fmt: skip
+                model.train()
+                tok.padding_side = side
+                print(json.dumps(curve[-1]), flush=True)
+
+            losses = train(model, batches, a.steps, dev, lr=a.lr, log=None,
+                           every=(a.eval_every, score) if a.eval_every else None)
+            if curve:
+                record["curve"] = curve
             record.update(size=a.size, programs=a.programs, steps=a.steps,
                           examples=a.steps * a.batch_size, lr=a.lr,
                           loss={str(i): round(x, 4) for i, x in enumerate(losses) if i % 250 == 0},

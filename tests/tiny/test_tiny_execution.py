@@ -9,16 +9,27 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_trains_on_one_tables_level_and_scores_another_tables_level(tmp_path) -> None:
-    out = tmp_path / "exec.json"
+def _run(out: Path, *args: str) -> dict:
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "tiny_execution.py"), "--table", "natural",
-         "--eval-table", "direct", "--programs", "200", "--steps", "3", "--eval", "8",
-         "--workers", "1", "--out", str(out)],
+         "--eval-table", "direct", "--programs", "200", "--steps", "4", "--eval", "8",
+         "--workers", "1", "--out", str(out), *args],
         capture_output=True, text=True, timeout=600,
         env={**os.environ, "PYTHONPATH": str(ROOT / "src")})  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
-    rec = json.loads(out.read_text())
-    assert (rec["table"], rec["eval_table"], rec["examples"]) == ("natural", "direct", 3 * 64)
+    return json.loads(out.read_text())
+
+
+def test_trains_on_one_tables_level_and_scores_another_tables_level(tmp_path) -> None:
+    rec = _run(tmp_path / "exec.json")
+    assert (rec["table"], rec["eval_table"], rec["examples"]) == ("natural", "direct", 4 * 64)
     # every level-1 program of the direct table is one line, so all scored tasks count there
     assert rec["greedy"]["one_line"] == rec["greedy"]["all"] and 0 <= rec["t1"]["all"] <= 1
+    assert "curve" not in rec
+    # a learning curve scores along the way without changing the training or its end point
+    curved = _run(tmp_path / "curve.json", "--eval-every", "3")
+    assert [p["step"] for p in curved["curve"]] == [3, 4]
+    assert [p["examples"] for p in curved["curve"]] == [3 * 64, 4 * 64]
+    assert (curved["loss"], curved["final_loss"]) == (rec["loss"], rec["final_loss"])
+    assert curved["curve"][-1]["greedy"] == rec["greedy"]["all"]
+    assert curved["curve"][-1]["t1"] == rec["t1"]["all"]

@@ -656,6 +656,7 @@ def train(
     log: Callable[[str], None] | None = None,
     attention_mask: bool = True,
     example_alpha: float = 0.0,
+    every: tuple[int, Callable[[int], None]] | None = None,
 ) -> list[float]:
     """AdamW on the completion-token mean loss of `steps` batches; returns every step's loss.
 
@@ -663,7 +664,9 @@ def train(
     per step). `attention_mask=False` drops the batches' masks: rows are right-padded, so
     under the causal mask no real token sees padding (whose labels are -100), and attention
     runs as plain causal SDPA (flash kernels) instead of a masked one. `example_alpha` > 0
-    weights examples (`example_weighted_loss`) instead of taking the plain token mean."""
+    weights examples (`example_weighted_loss`) instead of taking the plain token mean.
+    `every=(n, fn)` calls fn(steps done) after every n-th step and the last (a learning curve;
+    fn gets the model in train mode and must leave it so)."""
     model.to(device).train()
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     other = [p for n, p in model.named_parameters() if p.ndim < 2]
@@ -692,6 +695,8 @@ def train(
         losses.append(loss.detach())
         if log and (step % log_every == 0 or step == steps - 1):
             log(f"step {step:5d}  loss {float(losses[-1]):.4f}  {time.perf_counter() - t0:6.1f}s")
+        if every and ((step + 1) % every[0] == 0 or step == steps - 1):
+            every[1](step + 1)
     model.eval()
     return [float(x) for x in torch.stack(losses).float().cpu().tolist()] if losses else []
 
