@@ -49,8 +49,9 @@ CONFIG = ROOT / "configs" / "world.yaml"
 ARMS = ("population", "single", "independent", "noevolve")
 SELECT_SEED = "world-select-v1"
 COMPLEXITY = ("cyclomatic", "ast_depth", "loc", "variables")
-CURVES = (*COMPLEXITY, "solve_rate", "valid_rate", "partial_share", "teacher_reward_var",
-          "entropy", "kl", "coverage", "valid_programs", "replacements")
+CURVES = (*COMPLEXITY, "solve_rate", "valid_rate", "partial_share", "unsolved_share",
+          "teacher_reward", "teacher_reward_var", "distinct_programs", "entropy", "kl",
+          "coverage", "valid_programs", "replacements")
 
 
 # -- the runs ---------------------------------------------------------------------------------
@@ -154,9 +155,10 @@ def cross_one(job: dict) -> dict:
 
 def curves(rows: list[dict]) -> dict[str, list[float | None]]:
     """Per step: complexity of the teachers' code_o/code_i programs, own-task solve rate, valid
-    rate, share of tasks with 0 < s < 1, teacher reward variance, entropy, the update's KL
-    (`train.kl_rows`), cumulative coverage and valid programs (code_o + code_i), cumulative
-    replacements."""
+    rate, shares of tasks with 0 < s < 1 and with s = 0, the teachers' mean reward and its
+    variance, distinct code_o/code_i programs, entropy, the update's KL (`train.kl_rows`),
+    cumulative coverage and valid programs (code_o + code_i), cumulative replacements. A value
+    a step's record lacks (older runs) is None."""
     out: dict[str, list[float | None]] = {k: [] for k in CURVES}
     valid = repl = 0
     for r in rows:
@@ -171,8 +173,14 @@ def curves(rows: list[dict]) -> dict[str, list[float | None]]:
                                      if x["solve_rate"] is not None) / answers if answers else None)
         vr = [x["valid_rate"] for x in r["members"].values() if x.get("valid_rate") is not None]
         out["valid_rate"].append(fmean(vr) if vr else None)
-        out["partial_share"].append((r.get("task_solve_rates") or {}).get("partial"))
+        for k, key in (("partial_share", "partial"), ("unsolved_share", "unsolved")):
+            out[k].append((r.get("task_solve_rates") or {}).get(key))
+        tr = [x["teacher_reward"] for x in r["members"].values()
+              if x.get("teacher_reward") is not None]
+        out["teacher_reward"].append(fmean(tr) if tr else None)
         out["teacher_reward_var"].append(r.get("teacher_reward_var"))
+        distinct = [p["distinct_in_step"] for p in progs if p.get("distinct_in_step") is not None]
+        out["distinct_programs"].append(sum(distinct) if distinct else None)
         for k in ("entropy", "kl"):
             xs = [x[k] for x in r["members"].values() if x.get(k) is not None]
             out[k].append(fmean(xs) if xs else None)
@@ -248,7 +256,8 @@ def collapse(c: dict[str, list]) -> dict:
             "collapsed": solve is not None and solve >= 0.8 and sl is not None and sl < 0}
 
 
-PROBE_CURVES = ("solve_rate", "valid_rate", "cyclomatic", "loc", "partial_share", "entropy", "kl")
+PROBE_CURVES = ("solve_rate", "valid_rate", "cyclomatic", "loc", "partial_share",
+                "unsolved_share", "teacher_reward", "distinct_programs", "entropy", "kl")
 
 
 def _bins(ys: list[float | None], n: int) -> list[float | None]:
@@ -477,7 +486,7 @@ def _merge(cs: list[dict]) -> dict:
         return cs[0]
     out = {}
     for k in CURVES:
-        n = min(len(c[k]) for c in cs)
+        n = min(len(c.get(k, [])) for c in cs)  # a curve older results lack merges as empty
         cols = [[c[k][i] for c in cs if c[k][i] is not None] for i in range(n)]
         add = k in ("coverage", "valid_programs", "replacements")  # coverage: an upper bound
         out[k] = [(sum(v) if add else fmean(v)) if v else None for v in cols]
@@ -747,7 +756,8 @@ def plot(path: Path) -> None:
 
     s = json.loads(Path(path).read_text())
     keys = ("cyclomatic", "ast_depth", "solve_rate", "valid_rate", "partial_share",
-            "teacher_reward_var", "entropy", "kl", "replacements")
+            "unsolved_share", "teacher_reward", "teacher_reward_var", "distinct_programs",
+            "entropy", "kl", "replacements")
     fig, axes = plt.subplots(3, 4, figsize=(19, 11))
     for ax, key in zip(axes.flat, keys, strict=False):
         for color, (arm, cs) in zip(("C0", "C3", "C2", "C1"), s["curves"].items(), strict=False):

@@ -18,10 +18,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _row(step: int, solve: float, cyclomatic: float, update_s: float) -> dict:
     prog = {"valid": 4, "proposed": 5, "cyclomatic": cyclomatic, "ast_depth": 6.0, "loc": 5.0,
-            "variables": 2.0, "coverage": 3}  # fmt: skip
-    return {"step": step, "members": {"A0": {"valid_rate": 0.8, "entropy": 0.5, "kl": 1e-5}},
+            "variables": 2.0, "coverage": 3, "distinct_in_step": 4 if step <= 40 else 2}  # fmt: skip
+    return {"step": step, "members": {"A0": {"valid_rate": 0.8, "entropy": 0.5, "kl": 1e-5,
+                                             "teacher_reward": -0.1 if step <= 40 else 0.2}},
             "matchups": [{"teacher": "A0", "student": "A0", "answers": 64, "solve_rate": solve}],
-            "programs": {"code_o": prog, "code_i": prog}, "task_solve_rates": {"partial": 0.5},
+            "programs": {"code_o": prog, "code_i": prog},
+            "task_solve_rates": {"partial": 0.5, "unsolved": 0.1 if step <= 40 else 0.3},
             "teacher_reward_var": 0.1, "replacements": [],
             "phase_s": {"proposal": 1.0, "solving": 2.0, "update": update_s}}  # fmt: skip
 
@@ -77,6 +79,11 @@ def test_gate_probe_reports_the_collapse_its_slope_and_phase_costs(tmp_path) -> 
     bins = s0["every_10_steps"]["solve_rate"]  # 10-step means: 0.245, 0.345, ...
     assert len(bins) == 8 and abs(bins[0] - 0.245) < 1e-6 and abs(bins[-1] - 0.945) < 1e-6
     assert s0["kl_max"] == 1e-5
+    # what turns a rise back: the teacher's mean reward, unsolved tasks, distinct programs
+    assert s1["teacher_reward_first_last"] == [-0.1, 0.2]
+    assert s1["unsolved_share_first_last"] == [0.1, 0.3]
+    assert s1["distinct_programs_first_last"] == [8, 4]  # code_o + code_i
+    assert s1["every_10_steps"]["teacher_reward"][3:5] == [-0.1, 0.2]
     by_type = s0["solve_rate_by_type"]  # from the rollouts; step 0 and the cut step 81 skipped
     assert by_type["code_o"]["first_last"] == [0.5, 1.0] and by_type["code_f"]["first_last"] == [0, 0]
     assert by_type["code_o"]["every_10_steps"][0] == 0.5 and not s1["solve_rate_by_type"]
