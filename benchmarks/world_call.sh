@@ -10,9 +10,10 @@
 # usage (device machine, repo root, whose src/ and benchmarks/ run; D holds models/$BASE_bf16.tgz.part*
 # unless MODEL_DIR/$BASE is a model already (BASE: world-short unless set); with neither, the
 # call first rebuilds BASE from its seed (`lorapop pretrain-tiny --size $BASE`, its log in
-# $OUT/build.log) and measures it (`tiny_world.py`: $OUT/tiny_world_$BASE.json), which END_S
-# counts; D optionally holds sets/ with heldout/select/seed_tasks*.jsonl and level_table.txt of
-# the base's level table):
+# $OUT/build.log; a build that does not fit the call stops in time, and the next call goes on
+# with it) and measures it (`tiny_world.py`: $OUT/tiny_world_$BASE.json), which END_S counts;
+# D optionally holds sets/ with heldout/select/seed_tasks*.jsonl and level_table.txt of the
+# base's level table):
 #   OUT=$OUT D=.gpu/world bash benchmarks/world_call.sh END_S [world_experiment.py args]
 #   e.g. ... world_call.sh 470 --arms single --seeds 0 1 2 --parallel 3          (the gate)
 #        ... world_call.sh 470 train.lr=3e-3 --arms single --seeds 0 --parallel 1  (overrides first)
@@ -36,14 +37,17 @@ mkdir -p $M $OUT
 if [ ! -f $M/$B/config.json ]; then
   if ls $D/models/${B}_bf16.tgz.part* > /dev/null 2>&1; then
     cat $D/models/${B}_bf16.tgz.part* | tar xzf - -C $M || exit 1
-  else  # no parts: rebuild the base from its seed (BASE a pretrain-tiny size; ~380 s on an H100)
+  else  # no parts: rebuild the base from its seed (BASE a pretrain-tiny size; ~380 s on an H100);
+    # a build the call cannot finish stops in time and the next call goes on with it
     echo "$(date -u +%T) building $B" >&2
     python3 -m lorapop pretrain-tiny --size $B --out $M/$B --device auto \
-        --workers $(( $(nproc) - 1 )) > $OUT/build.log 2>&1 || { tail -5 $OUT/build.log; exit 1; }
+        --workers $(( $(nproc) - 1 )) --stop-after $(( END - ($(date +%s) - T0) - 30 )) \
+        > $OUT/build.log 2>&1 || { tail -5 $OUT/build.log; exit 1; }
+    tail -1 $OUT/build.log >&2
     # the new base's regime (~15-35 s) before any run plays on it
-    python3 benchmarks/tiny_world.py --model $M/$B --device auto --workers $(( $(nproc) - 1 )) \
-        --proposals 40 --out $OUT/tiny_world_$B.json > $OUT/tiny_world.log 2>&1 \
-        || tail -3 $OUT/tiny_world.log
+    [ -f $M/$B/config.json ] && { python3 benchmarks/tiny_world.py --model $M/$B --device auto \
+        --workers $(( $(nproc) - 1 )) --proposals 40 --out $OUT/tiny_world_$B.json \
+        > $OUT/tiny_world.log 2>&1 || tail -3 $OUT/tiny_world.log; }
   fi
 fi
 W=${RUNS:-/tmp/wx}
@@ -64,12 +68,13 @@ pack() {  # small files only: no checkpoints or adapters; rollouts of the last $
     pack; sleep 30
   done ) &
 TP=$!
-if [ $DL -ge 60 ]; then
+if [ $DL -ge 60 ] && [ -f $M/$B/config.json ]; then
   python3 benchmarks/world_experiment.py $S --model $M/$B --out $W --deadline $DL \
       --per-level 20 --workers 4 "$@" > $W/experiment.log 2>&1
   echo "$(date -u +%T) exit $? after $(( $(date +%s) - T0 )) s" >> $W/call.log
 else  # a build that used the call: the runs start in the next one
-  echo "$(date -u +%T) no runs: $DL s left after the set-up" | tee -a $W/call.log $W/experiment.log
+  echo "$(date -u +%T) no runs: $DL s left after the set-up$([ -f $M/$B/config.json ] \
+    || echo ', the base not built yet')" | tee -a $W/call.log $W/experiment.log
 fi
 touch $W/stop; kill $TP 2>/dev/null; wait $TP 2>/dev/null   # (not the loop's 30 s sleep)
 python3 benchmarks/world_experiment.py --out $W --gate-probe > /dev/null 2>> $W/call.log

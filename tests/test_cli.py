@@ -207,6 +207,28 @@ def test_pretrain_tiny_out_of_memory_is_one_line_that_names_the_way_out(monkeypa
     assert isinstance(other.exception, RuntimeError) and "shape mismatch" in str(other.exception)
 
 
+def test_pretrain_tiny_stop_after_stops_a_build_and_says_how_to_go_on(monkeypatch, tmp_path):
+    import lorapop.tiny.pretrain as pretrain
+
+    def build(out, size, *, stop, **kw):  # the build asks `stop` after each step
+        if stop is not None and stop(1):
+            return {"stopped_at": 1, "steps": 5, "partial": f"{out}/partial"}
+        return {"final_loss": 0.5}
+
+    monkeypatch.setattr(pretrain, "pretrain_size", build)
+    stopped = run("pretrain-tiny", "--out", tmp_path / "m", "--stop-after", 0)
+    assert stopped.exit_code == 0
+    assert stopped.output.strip() == ("stopped at step 1 of 5 (--stop-after): the same command "
+                                      "goes on from there")
+    done = run("pretrain-tiny", "--out", tmp_path / "m", "--stop-after", 3600)
+    assert done.exit_code == 0 and done.output.strip() == f"saved {tmp_path / 'm'} (final loss 0.500)"
+    monkeypatch.setattr(pretrain, "pretrain_size", _raising(ValueError(
+        "m/partial holds a partial build of other settings; remove it or build into another "
+        "directory")))
+    other = run("pretrain-tiny", "--out", tmp_path / "m")
+    assert other.exit_code == 2 and other.output.startswith("error: m/partial holds a partial")
+
+
 def test_rollouts_dumped_every_step_and_shown(run_dir):
     from lorapop.rollouts import read
 

@@ -386,9 +386,13 @@ def pretrain_tiny(
     n_per_level: int = typer.Option(None, help="Programs per difficulty level (default: the size's)."),
     workers: int = typer.Option(2, help="Processes making the corpus (the sandbox's, or worker "
                                 "processes for the larger sizes) and the example pool."),
+    stop_after: float = typer.Option(
+        None, help="Seconds after which training stops and keeps its state in OUT/partial; the "
+        "same command again goes on from there to the model one sitting makes."),
 ) -> None:
     """Re-make the tiny world's base model: corpus, tokenizer, supervised warm start."""
     import sys
+    import time
 
     from lorapop.engine.model import ModelLoadError, resolve_device
     from lorapop.tiny.pretrain import SIZES, TINY_MODEL_DIR, pretrain_size
@@ -404,13 +408,21 @@ def pretrain_tiny(
     if size != "tiny" and dev.type == "cpu":
         typer.echo(f"warning: --size {size} is made for a GPU; on a CPU it may run out of memory "
                    "or take hours", err=True)
+    end = None if stop_after is None else time.monotonic() + stop_after
     try:
         record = pretrain_size(out, size, seed=seed, steps=steps, device=device,
-                               n_per_level=n_per_level, workers=workers, command=" ".join(sys.argv))
+                               n_per_level=n_per_level, workers=workers, command=" ".join(sys.argv),
+                               stop=None if end is None else lambda _: time.monotonic() >= end)
     except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError
         if not isinstance(e, MemoryError) and "out of memory" not in str(e).lower() \
                 and "can't allocate memory" not in str(e):
             raise
         hint = "" if size == "tiny" else " (sizes other than tiny are made for a GPU: --device cuda)"
         raise _fail(f"out of memory pretraining --size {size} on --device {device}{hint}") from e
+    except ValueError as e:  # a partial build of other settings
+        raise _fail(str(e)) from e
+    if "stopped_at" in record:
+        typer.echo(f"stopped at step {record['stopped_at']} of {record['steps']} (--stop-after): "
+                   f"the same command goes on from there")
+        return
     typer.echo(f"saved {out} (final loss {record['final_loss']:.3f})")

@@ -286,3 +286,32 @@ def test_budgeted_world_recipe_fills_one_pass_and_records_its_budget(tmp_path, c
         with pytest.raises(ValueError, match=match):
             pretrain_tiny(tmp_path / "x", steps=1, corpus=corpus, variant_share=0.5, log=None,
                           **bad)  # fmt: skip
+
+
+@pytest.mark.parametrize("pool", [0, 40])  # batches drawn afresh (the tiny recipe) / a pool
+def test_a_build_stopped_and_resumed_equals_one_built_in_one_go(tmp_path, corpus, pool) -> None:
+    """A build longer than one device call stops, keeps its state, and the same call goes on
+    to the very model an uninterrupted build makes; another recipe does not take it over."""
+    import torch
+    from safetensors.torch import load_file
+
+    from lorapop.tiny.pretrain import pretrain_tiny
+
+    size = ModelSize(hidden=32, layers=1, heads=2, kv_heads=1, intermediate=64, max_positions=1024)
+    kw = dict(seed=1, steps=5, device="cpu", vocab_size=300, size=size, batch_size=4,
+              corpus=corpus, teacher_max_level=5, pool=pool, batch_tokens=2048, max_len=512,
+              log=None)  # fmt: skip
+    whole = pretrain_tiny(tmp_path / "whole", **kw)
+    first = pretrain_tiny(tmp_path / "parts", **kw, stop=lambda done: done == 2)
+    assert first == {"stopped_at": 2, "steps": 5, "partial": str(tmp_path / "parts" / "partial")}
+    assert not (tmp_path / "parts" / "model.safetensors").exists()
+    with pytest.raises(ValueError, match="partial build of other settings"):
+        pretrain_tiny(tmp_path / "parts", **kw | {"lr": 1e-3})
+    second = pretrain_tiny(tmp_path / "parts", **kw, stop=lambda done: done == 3)
+    assert second["stopped_at"] == 3
+    rec = pretrain_tiny(tmp_path / "parts", **kw)
+    assert rec["resumed_at"] == [2, 3] and rec["loss_curve"] == whole["loss_curve"]
+    assert rec["final_loss"] == whole["final_loss"]
+    a, b = (load_file(tmp_path / d / "model.safetensors") for d in ("whole", "parts"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not (tmp_path / "parts" / "partial").exists()

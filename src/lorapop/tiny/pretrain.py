@@ -42,6 +42,7 @@ import math
 import os
 import platform
 import random
+import shutil
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -644,6 +645,16 @@ def example_weighted_loss(logits: torch.Tensor, labels: torch.Tensor, alpha: flo
     return (ce.sum(1) * w).sum() / (n * w).sum().clamp(min=1e-9)
 
 
+def optimizer(model: torch.nn.Module, lr: float, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW, weight decay on matrices only; fused on CUDA. Params must be on `device`."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    other = [p for p in model.parameters() if p.ndim < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
+        lr=lr, betas=(0.9, 0.95), fused=device.type == "cuda" or None,
+    )  # fmt: skip
+
+
 def train(
     model: torch.nn.Module,
     batches: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
@@ -657,8 +668,12 @@ def train(
     attention_mask: bool = True,
     example_alpha: float = 0.0,
     every: tuple[int, Callable[[int], None]] | None = None,
+    opt: torch.optim.Optimizer | None = None,
+    start: int = 0,
+    stop: Callable[[int], bool] | None = None,
 ) -> list[float]:
-    """AdamW on the completion-token mean loss of `steps` batches; returns every step's loss.
+    """AdamW on the completion-token mean loss of steps `start`..`steps` - 1, one batch each;
+    returns each of those steps' loss.
 
     On CUDA: bf16 autocast, fused AdamW, and the loss read back only at log steps (no sync
     per step). `attention_mask=False` drops the batches' masks: rows are right-padded, so
@@ -666,18 +681,15 @@ def train(
     runs as plain causal SDPA (flash kernels) instead of a masked one. `example_alpha` > 0
     weights examples (`example_weighted_loss`) instead of taking the plain token mean.
     `every=(n, fn)` calls fn(steps done) after every n-th step and the last (a learning curve;
-    fn gets the model in train mode and must leave it so)."""
+    fn gets the model in train mode and must leave it so). A build that resumes passes its
+    optimizer (`optimizer`, state loaded) and `start`, with the batches from `start` on;
+    `stop(steps done)` is asked after each step, and True ends training there."""
     model.to(device).train()
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    other = [p for n, p in model.named_parameters() if p.ndim < 2]
     amp = device.type == "cuda"
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
-        lr=lr, betas=(0.9, 0.95), fused=amp or None,
-    )  # fmt: skip
+    opt = opt or optimizer(model, lr, device)
     losses: list[torch.Tensor] = []
     t0 = time.perf_counter()
-    for step, batch in zip(range(steps), batches, strict=False):
+    for step, batch in zip(range(start, steps), batches, strict=False):
         ids, mask, labels = (x.to(device, non_blocking=True) for x in batch)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps, lr, warmup)
@@ -697,8 +709,54 @@ def train(
             log(f"step {step:5d}  loss {float(losses[-1]):.4f}  {time.perf_counter() - t0:6.1f}s")
         if every and ((step + 1) % every[0] == 0 or step == steps - 1):
             every[1](step + 1)
+        if stop is not None and step + 1 < steps and stop(step + 1):
+            break
     model.eval()
     return [float(x) for x in torch.stack(losses).float().cpu().tolist()] if losses else []
+
+
+class Partial:
+    """A build's training state between sittings: weights and optimizer (`state.pt`), steps
+    done, their losses and the settings they were made with (`state.json`)."""
+
+    def __init__(self, path: Path, settings: str, corpus_fingerprint: str) -> None:
+        self.dir, self.settings, self.corpus = path, settings, corpus_fingerprint
+        self.resumed_at: list[int] = []
+
+    def load(self, model: torch.nn.Module, opt: torch.optim.Optimizer,
+             log: Callable[[str], None] | None) -> tuple[int, list[float], float]:  # fmt: skip
+        """(steps done, their losses, training seconds so far); (0, [], 0.0) without a state."""
+        if not (self.dir / "state.json").is_file():
+            return 0, [], 0.0
+        meta = json.loads((self.dir / "state.json").read_text())
+        if (meta.get("settings"), meta.get("corpus")) != (self.settings, self.corpus):
+            raise ValueError(f"{self.dir} holds a partial build of other settings; remove it "
+                             "or build into another directory")  # fmt: skip
+        state = torch.load(self.dir / "state.pt", map_location="cpu", weights_only=True)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        self.resumed_at = [*meta.get("resumed_at", []), meta["step"]]
+        if log:
+            log(f"resuming at step {meta['step']} ({self.dir})")
+        return meta["step"], list(meta["losses"]), float(meta["train_s"])
+
+    def save(self, model: torch.nn.Module, opt: torch.optim.Optimizer, losses: list[float],
+             train_s: float) -> None:  # fmt: skip
+        """Written to a temporary directory, then moved in: a build killed while saving keeps
+        its previous state."""
+        tmp = self.dir.with_name(self.dir.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        torch.save({"model": {k: v.cpu() for k, v in model.state_dict().items()},
+                    "optimizer": opt.state_dict()}, tmp / "state.pt")  # fmt: skip
+        (tmp / "state.json").write_text(json.dumps({
+            "step": len(losses), "losses": losses, "train_s": train_s, "settings": self.settings,
+            "corpus": self.corpus, "resumed_at": self.resumed_at}) + "\n")  # fmt: skip
+        self.remove()
+        tmp.rename(self.dir)
+
+    def remove(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 # -- the whole recipe ---------------------------------------------------------------------------
@@ -736,6 +794,7 @@ def pretrain_tiny(
     corpus: Sequence[Task] | None = None,
     command: str | None = None,
     log: Callable[[str], None] | None = print,
+    stop: Callable[[int], bool] | None = None,
 ) -> dict:
     """Build the corpus, train the tokenizer and the model, save both into `out_dir`.
 
@@ -758,7 +817,17 @@ def pretrain_tiny(
     per role and level instead of the weights above (`Examples.budget`) into a pool of `pool`
     examples, or with `pool` 0 of about `steps` x `batch_tokens` tokens (one pass).
     Training on CPU is bit-for-bit reproducible; on GPU, kernels may add float noise.
+
+    A build longer than one sitting (a device call) stops where `stop(steps done)` says so and
+    keeps its training state in `out_dir/partial` (the returned record has `stopped_at`); the
+    same call again remakes the corpus, tokenizer and batches from the seed, loads that state
+    and goes on, ending with the model an uninterrupted build makes. A partial build of other
+    settings is refused.
     """
+    settings = json.dumps({k: v.__dict__ if isinstance(v, ModelSize) else v
+                           for k, v in locals().items()
+                           if k not in ("out_dir", "device", "workers", "corpus", "command", "log",
+                                        "stop")}, sort_keys=True, default=str)  # fmt: skip
     if steps < 1 or n_per_level < 1 or batch_size < 1 or pool < 0:
         raise ValueError("steps, n_per_level and batch_size must be >= 1, pool >= 0")
     if not 0.0 <= variant_share <= 1.0 or teacher_max_level not in LEVELS:
@@ -826,14 +895,23 @@ def pretrain_tiny(
         pool_info = None
         batches = (encode(tok, [examples.draw()[1:] for _ in range(batch_size)], max_len)
                    for _ in range(steps))  # fmt: skip
-    t_train = time.perf_counter()
-    losses = train(model, batches, steps, dev, lr=lr, log=log, attention_mask=not pool,
-                   example_alpha=example_alpha)
-    t_train = time.perf_counter() - t_train
     out = Path(out_dir)
+    part = Partial(out / "partial", settings, fingerprint(corpus))
+    model.to(dev)
+    opt = optimizer(model, lr, dev)
+    start, losses, t_before = part.load(model, opt, log)
+    t_train = time.perf_counter()
+    losses += train(model, itertools.islice(batches, start, None), steps, dev, lr=lr, log=log,
+                    attention_mask=not pool, example_alpha=example_alpha, opt=opt, start=start,
+                    stop=stop)  # fmt: skip
+    t_train = time.perf_counter() - t_train + t_before
+    if len(losses) < steps:
+        part.save(model, opt, losses, t_train)
+        return {"stopped_at": len(losses), "steps": steps, "partial": str(part.dir)}
     out.mkdir(parents=True, exist_ok=True)
     model.to("cpu").save_pretrained(str(out), safe_serialization=True)
     save_tokenizer(tok, out)
+    part.remove()
     record = {
         "seed": seed,
         "steps": steps,
@@ -862,11 +940,12 @@ def pretrain_tiny(
         "size": size.__dict__,
         "parameters": sum(p.numel() for p in model.parameters()),
         "corpus_programs": len(corpus),
-        "corpus_fingerprint": fingerprint(corpus),
+        "corpus_fingerprint": part.corpus,
         "final_loss": sum(losses[-50:]) / len(losses[-50:]),
         "loss_curve": {str(i): round(x, 4) for i, x in enumerate(losses) if i % 50 == 0},
         "corpus_s": round(t_corpus, 1),
         "train_s": round(t_train, 1),
+        "resumed_at": part.resumed_at,
         "step_ms": round(1000 * t_train / steps, 1),
         "total_s": round(time.perf_counter() - t0, 1),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
@@ -890,6 +969,8 @@ def pretrain_size(
     rest = {k: v for k, v in kwargs.items() if k not in fields}
     record = pretrain_tiny(out_dir, seed, device=device, **dataclasses.asdict(r) | {"size": r.size},
                            **rest)  # type: ignore[arg-type]  # fmt: skip
+    if "stopped_at" in record:  # no model yet: `out_dir/partial` holds the state
+        return record
     record["size_name"] = size
     (Path(out_dir) / "training.json").write_text(json.dumps(record, indent=1) + "\n")
     return record
