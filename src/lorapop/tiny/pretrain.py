@@ -726,6 +726,9 @@ class Partial:
     def load(self, model: torch.nn.Module, opt: torch.optim.Optimizer,
              log: Callable[[str], None] | None) -> tuple[int, list[float], float]:  # fmt: skip
         """(steps done, their losses, training seconds so far); (0, [], 0.0) without a state."""
+        old = self.dir.with_name(self.dir.name + ".old")
+        if not self.dir.exists() and old.exists():  # killed between the two renames of `save`
+            old.rename(self.dir)
         if not (self.dir / "state.json").is_file():
             return 0, [], 0.0
         meta = json.loads((self.dir / "state.json").read_text())
@@ -752,11 +755,15 @@ class Partial:
         (tmp / "state.json").write_text(json.dumps({
             "step": len(losses), "losses": losses, "train_s": train_s, "settings": self.settings,
             "corpus": self.corpus, "resumed_at": self.resumed_at}) + "\n")  # fmt: skip
-        self.remove()
+        old = self.dir.with_name(self.dir.name + ".old")
+        if self.dir.exists():
+            self.dir.rename(old)  # until the new state is in place, the last one stays here
         tmp.rename(self.dir)
+        shutil.rmtree(old, ignore_errors=True)
 
     def remove(self) -> None:
-        shutil.rmtree(self.dir, ignore_errors=True)
+        for d in (self.dir, self.dir.with_name(self.dir.name + ".old")):
+            shutil.rmtree(d, ignore_errors=True)
 
 
 # -- the whole recipe ---------------------------------------------------------------------------
