@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The CPU build of torch lies on disk here; GPU users install their CUDA torch first (see README).
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install demo test lint clean
+.PHONY: install demo test lint clean wheels
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -25,6 +25,23 @@ test: install
 
 lint: install
 	$(BIN)/ruff check src tests benchmarks scripts
+
+# lorapop's dependencies that a GPU image with torch, transformers and peft lacks, as wheels at
+# the versions installed here, for a machine without an index (the benchmarks' device runs):
+# there, `pip install --no-index --no-deps --target DIR .whl/*.whl` and PYTHONPATH=DIR:src.
+# The one compiled wheel (pydantic_core) is fetched for WHEEL_PY on manylinux x86_64.
+OFFLINE_DEPS := pydantic annotated-types typing-inspection typing_extensions radon mando \
+	math-verify latex2sympy2_extended antlr4-python3-runtime pyseccomp landlock trueskill
+WHEEL_PY ?= 3.12
+pinned = $(shell $(BIN)/python -c "import importlib.metadata as m; \
+	print(' '.join(f'{p}=={m.version(p)}' for p in '$(1)'.split()))")
+
+wheels: install
+	rm -rf .whl && mkdir -p .whl
+	$(BIN)/pip wheel -q --no-deps -w .whl $(call pinned,$(OFFLINE_DEPS))
+	$(BIN)/pip download -q --no-deps --only-binary=:all: --python-version $(WHEEL_PY) \
+		--implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d .whl $(call pinned,pydantic_core)
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info
