@@ -747,8 +747,9 @@ def _device() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
-def plot(path: Path) -> None:
-    """One panel per metric, arms overlaid, seeds as a min-max band around the mean."""
+def plot(path: Path) -> list[str]:
+    """One panel per metric, arms overlaid, seeds as a min-max band around the mean; returns
+    the panels' titles."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -758,7 +759,7 @@ def plot(path: Path) -> None:
     keys = ("cyclomatic", "ast_depth", "solve_rate", "valid_rate", "partial_share",
             "unsolved_share", "teacher_reward", "teacher_reward_var", "distinct_programs",
             "entropy", "kl", "replacements")
-    fig, axes = plt.subplots(3, 4, figsize=(19, 11))
+    fig, axes = plt.subplots(4, 4, figsize=(19, 14))
     for ax, key in zip(axes.flat, keys, strict=False):
         for color, (arm, cs) in zip(("C0", "C3", "C2", "C1"), s["curves"].items(), strict=False):
             series = [c.get(key) or [] for c in cs.values()]
@@ -770,9 +771,9 @@ def plot(path: Path) -> None:
             ax.plot(range(1, n + 1), mean, color=color, lw=1.5, label=arm)
             ax.fill_between(range(1, n + 1), lo, hi, color=color, alpha=0.2)
         ax.set(title=key.replace("_", " "), xlabel="step")
-    axes.flat[10].axis("off")
-    axes.flat[11].axis("off")
-    ax = axes.flat[9]
+    for ax in axes.flat[len(keys) + 1:]:
+        ax.axis("off")
+    ax = axes.flat[len(keys)]
     grid = s["coverage_at_valid"]["valid_programs"]
     for color, arm in zip(("C0", "C3", "C2", "C1"), s["curves"], strict=False):
         rows = list(s["coverage_at_valid"][arm].values())
@@ -784,7 +785,9 @@ def plot(path: Path) -> None:
     fig.tight_layout()
     png = Path(path).with_suffix(".png")
     fig.savefig(png, dpi=80)
+    plt.close(fig)
     print(f"wrote {png}")
+    return [ax.get_title() for ax in axes.flat if ax.axison]
 
 
 def main() -> None:

@@ -288,6 +288,9 @@ def test_calls_of_other_seeds_merge_into_one_verdict(tmp_path) -> None:
     c2 = merged["criterion"]["C2_weakest_vs_single_levels_3_5"]
     assert c2["diff"] == pytest.approx(1.0) and c2["verdict"] == "supported"
     assert merged["crossplay"] == {"population": {"single": 0.5}, "single": {"population": 0.25}}
+    titles = _module().plot(tmp_path / "m" / "world_experiment.json")  # one panel per metric
+    assert len(titles) == len(set(titles)) == 13 and "kl" in titles and "teacher reward" in titles
+    assert titles[-1] == "coverage at equal valid programs"
     whole = _module().merge_results([_results([0, 1, 2], 0.0)])
     assert _module().merge_results([_results([0], 0.0), _results([1, 2], 0.0)])["runs"] == whole["runs"]
 
