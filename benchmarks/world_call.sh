@@ -58,7 +58,7 @@ S="sampling.teacher_max_new_tokens=256 sampling.student_max_new_tokens=192 run.k
 DL=$(( END - ($(date +%s) - T0) ))
 echo "$(date -u +%T) setup $(( $(date +%s) - T0 )) s, deadline $DL s, args $*" >> $W/call.log
 pack() {  # small files only: no checkpoints or adapters; rollouts of the last $ROLLOUTS steps
-  ( cd $W && ls *.log gate_probe.json jobs/*.out.json runs/*/metrics.jsonl 2>/dev/null
+  ( cd $W && ls *.log gate_probe.json gate_probe.png jobs/*.out.json runs/*/metrics.jsonl 2>/dev/null
     [ "${ROLLOUTS:-0}" -gt 0 ] && for r in runs/*/rollouts; do
       ls -v $r/step_*.jsonl.gz 2>/dev/null | tail -n $ROLLOUTS; done ) \
     | tar czf $OUT/progress.tgz.tmp -C $W -T - 2>/dev/null && mv $OUT/progress.tgz.tmp $OUT/progress.tgz; }

@@ -339,7 +339,36 @@ def gate_probe(out: Path) -> dict:
                                for k in rows[0]["phase_s"]},
         }  # fmt: skip
     (out / "gate_probe.json").write_text(json.dumps(res, indent=1) + "\n")
+    if res:
+        plot_gate(res, out / "gate_probe.png")
     return res
+
+
+def plot_gate(res: dict, png: Path) -> list[str]:
+    """The probe's curves, 10-step means, one line per single-agent run (the gate's threshold
+    on the solve rate panel); returns the panels' titles."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(3, 4, figsize=(19, 11))
+    for ax, key in zip(axes.flat, PROBE_CURVES, strict=False):
+        for name, r in res.items():
+            ys = [float("nan") if y is None else y for y in r["every_10_steps"][key]]
+            ax.plot([10 * i + 5 for i in range(len(ys))], ys, lw=1.5, label=name)
+        if key == "solve_rate":
+            ax.axhline(0.8, color="k", ls=":", lw=1)
+        ax.set(title=key.replace("_", " "), xlabel="step")
+    for ax in axes.flat[len(PROBE_CURVES):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=8)
+    fig.suptitle(f"The gate: {sum(r['collapsed'] for r in res.values())} of {len(res)} "
+                 "single-agent runs collapsed (last-10% solve rate >= 0.8, complexity falling)")
+    fig.tight_layout()
+    fig.savefig(png, dpi=80)
+    plt.close(fig)
+    return [ax.get_title() for ax in axes.flat if ax.axison]
 
 
 def _gate(single: dict[int, dict], seeds: list[int]) -> dict:

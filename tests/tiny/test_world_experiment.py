@@ -69,6 +69,9 @@ def test_gate_probe_reports_the_collapse_its_slope_and_phase_costs(tmp_path) -> 
     (rollouts / "step_0.jsonl.gz").write_bytes(gzip.compress(b'{"role": "student", "type": "code_o"}\n'))
     res = _probe(tmp_path)
     assert set(res) == {"single_s0", "single_s1"}
+    assert (tmp_path / "gate_probe.png").stat().st_size > 10_000  # one panel per probe curve
+    titles = _module().plot_gate(res, tmp_path / "again.png")
+    assert titles[0] == "solve rate" and len(titles) == len(_module().PROBE_CURVES)
     s0, s1 = res["single_s0"], res["single_s1"]
     assert s0["steps"] == 80 and s0["collapsed"] and s0["complexity_slope"] < 0
     assert abs(s0["solve_rate_slope_per_100_steps"] - 1.0) < 1e-6
