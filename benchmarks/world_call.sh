@@ -40,13 +40,14 @@ if [ ! -f $M/$B/config.json ]; then
   else  # no parts: rebuild the base from its seed (BASE a pretrain-tiny size; ~380 s on an H100);
     # a build the call cannot finish stops in time and the next call goes on with it
     echo "$(date -u +%T) building $B" >&2
+    NW=$(( $(nproc) - 1 ))
     python3 -m lorapop pretrain-tiny --size $B --out $M/$B --device auto \
-        --workers $(( $(nproc) - 1 )) --stop-after $(( END - ($(date +%s) - T0) - 30 )) \
+        --workers $NW --stop-after $(( END - ($(date +%s) - T0) - 30 )) \
         > $OUT/build.log 2>&1 || { tail -5 $OUT/build.log; exit 1; }
     tail -1 $OUT/build.log >&2
     # the new base's regime (~15-35 s) before any run plays on it
     [ -f $M/$B/config.json ] && { python3 benchmarks/tiny_world.py --model $M/$B --device auto \
-        --workers $(( $(nproc) - 1 )) --proposals 40 --out $OUT/tiny_world_$B.json \
+        --workers $NW --proposals 40 --out $OUT/tiny_world_$B.json \
         > $OUT/tiny_world.log 2>&1 || tail -3 $OUT/tiny_world.log; }
   fi
 fi

@@ -368,10 +368,7 @@ def plot_gate(res: dict, png: Path) -> list[str]:
     axes.flat[0].legend(fontsize=8)
     fig.suptitle(f"The gate: {sum(r['collapsed'] for r in res.values())} of {len(res)} "
                  "single-agent runs collapsed (last-10% solve rate >= 0.8, complexity falling)")
-    fig.tight_layout()
-    fig.savefig(png, dpi=80)
-    plt.close(fig)
-    return [ax.get_title() for ax in axes.flat if ax.axison]
+    return _save(fig, axes, png)
 
 
 def _gate(single: dict[int, dict], seeds: list[int]) -> dict:
@@ -814,11 +811,19 @@ def plot(path: Path) -> list[str]:
     ax.set(title="coverage at equal valid programs", xlabel="valid code_o/code_i programs")
     axes.flat[0].legend(fontsize=8)
     fig.suptitle(f"Regime world, seeds {s['seeds']}: verdict {s['criterion']['verdict']}")
-    fig.tight_layout()
     png = Path(path).with_suffix(".png")
+    titles = _save(fig, axes, png)
+    print(f"wrote {png}")
+    return titles
+
+
+def _save(fig, axes, png: Path) -> list[str]:
+    """Lay out, write and close a figure; the titles of its drawn panels."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
     fig.savefig(png, dpi=80)
     plt.close(fig)
-    print(f"wrote {png}")
     return [ax.get_title() for ax in axes.flat if ax.axison]
 
 

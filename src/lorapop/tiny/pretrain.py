@@ -721,14 +721,14 @@ class Partial:
 
     def __init__(self, path: Path, settings: str, corpus_fingerprint: str) -> None:
         self.dir, self.settings, self.corpus = path, settings, corpus_fingerprint
+        self.old = path.with_name(path.name + ".old")  # the last state while a new one moves in
         self.resumed_at: list[int] = []
 
     def load(self, model: torch.nn.Module, opt: torch.optim.Optimizer,
              log: Callable[[str], None] | None) -> tuple[int, list[float], float]:  # fmt: skip
         """(steps done, their losses, training seconds so far); (0, [], 0.0) without a state."""
-        old = self.dir.with_name(self.dir.name + ".old")
-        if not self.dir.exists() and old.exists():  # killed between the two renames of `save`
-            old.rename(self.dir)
+        if not self.dir.exists() and self.old.exists():  # killed between `save`'s two renames
+            self.old.rename(self.dir)
         if not (self.dir / "state.json").is_file():
             return 0, [], 0.0
         meta = json.loads((self.dir / "state.json").read_text())
@@ -755,14 +755,13 @@ class Partial:
         (tmp / "state.json").write_text(json.dumps({
             "step": len(losses), "losses": losses, "train_s": train_s, "settings": self.settings,
             "corpus": self.corpus, "resumed_at": self.resumed_at}) + "\n")  # fmt: skip
-        old = self.dir.with_name(self.dir.name + ".old")
         if self.dir.exists():
-            self.dir.rename(old)  # until the new state is in place, the last one stays here
+            self.dir.rename(self.old)
         tmp.rename(self.dir)
-        shutil.rmtree(old, ignore_errors=True)
+        shutil.rmtree(self.old, ignore_errors=True)
 
     def remove(self) -> None:
-        for d in (self.dir, self.dir.with_name(self.dir.name + ".old")):
+        for d in (self.dir, self.old):
             shutil.rmtree(d, ignore_errors=True)
 
 
