@@ -584,7 +584,8 @@ def rule_overrides(table: str) -> list[str]:
         return []
     out = [f"tasks.{key}={json.dumps(dataclasses.asdict(d))}"
            for key, d in (("input_domain", r.inputs), ("output_domain", r.outputs)) if d]
-    return out + (["tasks.live_code=true"] if r.live_code else [])
+    out += ["tasks.live_code=true"] if r.live_code else []
+    return out + ([f"tasks.banned_calls={json.dumps(list(r.banned_calls))}"] if r.banned_calls else [])
 
 
 def prepare(out: Path, per_level: int, workers: int, table: str,

@@ -138,9 +138,14 @@ class TasksConfig(Section):
     live_code: bool = False
     """A code_o/code_i program with a dead statement (a no-op, a value stored and never read;
     `lorapop.tasks.liveness`) is invalid."""
+    banned_calls: list[str] = []
+    """Function and method names a proposal's program may not call (`["count"]`: neither
+    `s.count(c)` nor `count(x)`); one that does is invalid. A world's rule (the tiny world's
+    `nocount` table)."""
 
     def world_rules(self) -> WorldRules:
-        return WorldRules(self.input_domain, self.output_domain, self.live_code)
+        return WorldRules(self.input_domain, self.output_domain, self.live_code,
+                          tuple(self.banned_calls))
 
 
 class VerifyConfig(Section):

@@ -85,8 +85,32 @@ def test_outputs_outside_the_output_domain_and_dead_code_are_invalid(sandbox):
     assert [x.valid for x in v] == [True, False] and "input 3: output outside" in v[1].reason
 
 
+def test_a_banned_call_makes_a_proposal_invalid_for_every_type(sandbox):
+    """A world that leaves `count` out refuses `s.count(c)` and a bare `count(x)` in code_o,
+    code_i and code_f proposals, with the reason; a name that only looks alike (`counts`, a
+    variable `count`) is fine, and so is every proposal in a world without the rule."""
+    rules = WorldRules(banned_calls=("count",))
+    texts = ["def f(s):\n    return s.count('a')</f><i>'aba'</i>",
+             "def f(count):\n    return count + 1</f><i>3</i>",
+             "def f(s):\n    counts = len(s)\n    return counts</f><i>'ab'</i>",
+             "def f(s):\n    return count(s)</f><i>'ab'</i>"]
+    for kind in ("code_o", "code_i"):
+        v = get_family(kind, template="compact", rules=rules).verify(texts[:3], sandbox)
+        assert [x.valid for x in v] == [False, True, True] and not v[0].format_error
+        assert v[0].reason == "calls count(), which the world leaves out"
+        assert all(x.valid for x in get_family(kind, template="compact").verify(texts[:3], sandbox))
+    assert rules.call_problem(texts[3].split("</f>")[0]) == "calls count(), which the world leaves out"
+    assert rules.call_problem("def f(:") is None  # running it reports the syntax error
+    base = get_family("code_o", template="compact").verify(texts[:1], sandbox)[0].task
+    code_f = get_family("code_f", template="compact", n_inputs=4, rules=rules)
+    v = code_f.verify(["<i>'a'</i><i>'ab'</i><i>'b'</i><i>''</i><m>a count</m>"], sandbox, bases=[base])
+    assert not v[0].valid and "calls count()" in v[0].reason
+
+
 def test_config_bundles_the_world_rules():
     cfg = Config.model_validate({"tasks": {
         "output_domain": {"int_min": -5, "int_max": 9, "str_chars": 4, "items": 4}, "live_code": True}})
     assert cfg.tasks.world_rules() == WorldRules(inputs=None, outputs=NARROW, live_code=True)
     assert Config().tasks.world_rules() == WorldRules()
+    banned = Config.model_validate({"tasks": {"banned_calls": ["count"]}}).tasks.world_rules()
+    assert banned == WorldRules(banned_calls=("count",))

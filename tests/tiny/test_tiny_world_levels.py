@@ -192,3 +192,29 @@ def test_the_direct_tables_level_1_is_one_return_expression_and_its_other_levels
         assert len(lines) == 2 and lines[1].lstrip().startswith("return "), t.program
     assert any(re.fullmatch(r"def f\((\w+): int\):\n    return .*\1 [-+*%] \d+.*", t.program.strip())
                for t in corpus)  # int arithmetic on a constant, as the teacher wrote it
+
+
+def test_the_nocount_table_is_the_direct_stream_without_count_calls(tiny_sandbox) -> None:
+    """`nocount` leaves out the calls its students never learned (`s.count('y')`): its corpus,
+    variants and held-out tasks call no `count`, each of its candidates is `direct`'s candidate
+    of the same index (or none where that one calls `count`), the loop gets the rule, and its
+    recipe is world-direct-exec's on this table."""
+    rules = TABLE_RULES["nocount"]
+    assert rules.banned_calls == ("count",) and rules.inputs == TABLE_RULES["direct"].inputs
+    assert SIZES["world-nocount"].__dict__ == SIZES["world-direct-exec"].__dict__ | {"levels": "nocount"}
+    dropped = 0
+    for lv in LEVELS:
+        for i in range(40):
+            ours = candidate(table_level(lv, "nocount"), "pretrain/0", "train", 6, i)
+            theirs = candidate(table_level(lv, "direct"), "pretrain/0", "train", 6, i)
+            if theirs is not None and rules.call_problem(theirs.program.source):
+                dropped += 1
+                assert ours is None
+            else:
+                assert ours == theirs
+    assert dropped > 0
+    corpus = generate_corpus(30, "nocount/0", levels=table_levels("nocount"), workers=1)
+    variants = [v for _, v in generate_variants_fast(corpus, "nocount/0", workers=1, table="nocount")]
+    held = build_heldout(2, sandbox=tiny_sandbox, table="nocount")
+    assert variants and held
+    assert not any(".count(" in t.program for t in corpus + variants + held)

@@ -345,6 +345,8 @@ def test_a_bounded_world_sets_its_rules_and_seeds_inside_them(tmp_path) -> None:
     seeds = load_jsonl(we.prepare(tmp_path / "natural", 1, 1, "natural", (1, 3))["seed_tasks"])
     assert seeds and not any(rules.input_problem(k, x) for t in seeds for k, x in enumerate(t.inputs))
     assert not any(rules.output_problem(y) for t in seeds for y in t.outputs)
+    rules = load_config(None, we.rule_overrides("nocount")).tasks.world_rules()
+    assert rules == TABLE_RULES["nocount"] and rules.banned_calls == ("count",)
 
 
 def test_world_rollouts_tells_unsolved_tasks_and_domain_apart(tmp_path) -> None:

@@ -121,7 +121,7 @@ class CodeF(CodeFamily):
                 early[i] = Validity(False, "no base program")
             elif not unique(p.inputs):
                 early[i] = Validity(False, "duplicate inputs")
-            elif problem := self._shown_problem(p):
+            elif problem := self._shown_problem(p) or self.rules.call_problem(p.program):
                 early[i] = Validity(False, problem)
             else:
                 spans[i] = (len(jobs), len(jobs) + len(p.inputs))

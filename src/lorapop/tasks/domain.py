@@ -6,8 +6,9 @@ two-digit products and character counts over 7-letter strings (benchmarks/README
 11). Where a world bounds its inputs, a proposal whose input leaves the bounds is invalid, so
 difficulty has to come from the program. The check reads the input's syntax tree: only stated
 values are inside (`'ab' * 9` computes, so it is outside), and nothing runs. The same bounds
-can hold the outputs (products of small inputs grow past what a small student computes), and a
-world can ask for live code (`lorapop.tasks.liveness`).
+can hold the outputs (products of small inputs grow past what a small student computes), a
+world can ask for live code (`lorapop.tasks.liveness`), and it can leave calls out (a tiny
+student that never learns to count characters makes every `s.count('y')` task hard).
 """
 
 from __future__ import annotations
@@ -102,12 +103,14 @@ def _is_number(v: object) -> bool:
 @dataclass(frozen=True)
 class WorldRules:
     """What a world asks of a proposal beyond running: its inputs and its outputs inside
-    bounds (None: any), its program free of dead statements. Each broken rule makes the
-    proposal invalid with the reason, never a format error."""
+    bounds (None: any), its program free of dead statements and of calls the world leaves out
+    (`banned_calls`: function or method names). Each broken rule makes the proposal invalid
+    with the reason, never a format error."""
 
     inputs: InputDomain | None = None
     outputs: InputDomain | None = None
     live_code: bool = False
+    banned_calls: tuple[str, ...] = ()
 
     def input_problem(self, k: int, args: str) -> str | None:
         if self.inputs and (why := self.inputs.problem(args)):
@@ -122,4 +125,21 @@ class WorldRules:
     def program_problem(self, program: str) -> str | None:
         if self.live_code and (why := dead_statement(program)):
             return f"dead code: {why}"
+        return self.call_problem(program)
+
+    def call_problem(self, program: str) -> str | None:
+        """The first call of a banned name (`len(s)`, `s.count(c)`), read from the syntax tree;
+        None for a program that does not parse (running it reports that)."""
+        if not self.banned_calls:
+            return None
+        try:
+            tree = ast.parse(program)
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            return None
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call):
+                f = node.func
+                name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
+                if name in self.banned_calls:
+                    return f"calls {name}(), which the world leaves out"
         return None

@@ -94,12 +94,14 @@ def candidate(
     difficulty: int | Knobs | Level, seed: int | str, split: str, n_inputs: int, i: int
 ) -> Candidate | None:
     """Candidate `i` of a stream: a program with `n_inputs` distinct inputs, or None when the
-    program is of the other split or has too few distinct inputs."""
+    program is of the other split, calls what its world leaves out or has too few distinct
+    inputs."""
     rng = random.Random(f"{split}/{seed}/{_level_key(difficulty)}/{i}")
     program = generate_program(rng, difficulty)
-    if program_split(program.source) != split:
+    rules = level_rules(difficulty)
+    if program_split(program.source) != split or rules.call_problem(program.source):
         return None
-    domain = level_rules(difficulty).inputs
+    domain = rules.inputs
     inputs: list[str] = []
     for _ in range(4 * n_inputs):
         text = generate_input(rng, program, domain)
@@ -252,7 +254,7 @@ def generate_variants(
             prog = extend_program(rng, a.program, _RESULT_TYPES[kind], up)
         except ValueError:
             continue
-        if program_split(prog.source) == "train":
+        if program_split(prog.source) == "train" and not level_rules(up).call_problem(prog.source):
             cands.append((a, prog, up))
     jobs = [Job(p.source, f"f({x})", deterministic=True) for a, p, _ in cands for x in a.inputs]
     verdicts = iter(sandbox.run(jobs))

@@ -22,7 +22,7 @@ import ast
 import random
 import re
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from lorapop.tasks.domain import InputDomain, WorldRules
 from lorapop.tasks.liveness import drop_dead
@@ -136,11 +136,13 @@ DIRECT_LEVELS: dict[int, Knobs] = {
 }  # fmt: skip
 #: Level tables by name (`Recipe.levels`, `tiny_world.py --level-table`). `narrow` is `short`'s
 #: programs on bounded inputs, `live` those programs without their dead statements, `natural`
-#: those on non-negative values, `direct` `natural`'s rules on `DIRECT_LEVELS`: the tables
-#: differ in their world rules (`TABLE_RULES`), which the generators keep.
+#: those on non-negative values, `direct` `natural`'s rules on `DIRECT_LEVELS`, `nocount` those
+#: without `count` calls: the tables differ in their world rules (`TABLE_RULES`), which the
+#: generators keep.
 LEVEL_TABLES: dict[str, dict[int, Knobs]] = {
     "standard": LEVELS, "world": WORLD_LEVELS, "short": SHORT_LEVELS, "narrow": SHORT_LEVELS,
     "live": SHORT_LEVELS, "natural": SHORT_LEVELS, "direct": DIRECT_LEVELS,
+    "nocount": DIRECT_LEVELS,
 }  # fmt: skip
 _SMALL = InputDomain(int_min=-5, int_max=9, str_chars=4, items=4)
 #: The rules of a level table's world (`tasks.input_domain`, `tasks.output_domain`,
@@ -154,12 +156,16 @@ _SMALL = InputDomain(int_min=-5, int_max=9, str_chars=4, items=4)
 #: outputs fall inside: ints -9..19, 8 characters, 8 items). On `live` many of its unsolved
 #: tasks did arithmetic through negative values (`(n - 3) // 3` on -4, `x - 6` on -2), so
 #: `natural` keeps inputs and outputs non-negative (its programs are `live`'s: same stream).
+#: On `direct` (sessions 15 and 16) 73-86% of its unsolved code_o tasks counted characters
+#: (`s.count('y') + len(s)` on 'yybd'), which its students did not learn to do, so `nocount` is
+#: `direct` without `count` calls: `direct`'s stream less the programs that call it.
 _NATURAL = WorldRules(inputs=InputDomain(0, 9, 4, 4), outputs=InputDomain(0, 19, 8, 8),
                       live_code=True)
 TABLE_RULES: dict[str, WorldRules] = {
     "narrow": WorldRules(inputs=_SMALL),
     "live": WorldRules(inputs=_SMALL, outputs=InputDomain(-9, 19, 8, 8), live_code=True),
     "natural": _NATURAL, "direct": _NATURAL,
+    "nocount": replace(_NATURAL, banned_calls=("count",)),
 }
 
 
