@@ -121,21 +121,26 @@ def main() -> None:
                 tok.padding_side = side
                 print(json.dumps(curve[-1]), flush=True)
 
-            losses = train(model, batches, a.steps, dev, lr=a.lr, log=None,
-                           every=(a.eval_every, score) if a.eval_every else None)
+            record.update(size=a.size, programs=a.programs, steps=a.steps,
+                          examples=a.steps * a.batch_size, lr=a.lr)  # fmt: skip
+            try:
+                losses = train(model, batches, a.steps, dev, lr=a.lr, log=None,
+                               every=(a.eval_every, score) if a.eval_every else None)
+                record.update(loss={str(i): round(x, 4) for i, x in enumerate(losses) if i % 250 == 0},
+                              final_loss=sum(losses[-50:]) / len(losses[-50:]))  # fmt: skip
+            except FloatingPointError as e:  # the curve so far stands; the model is not scored
+                record["diverged"] = str(e)
+                print(f"diverged: {e}", file=sys.stderr)
             if curve:
                 record["curve"] = curve
-            record.update(size=a.size, programs=a.programs, steps=a.steps,
-                          examples=a.steps * a.batch_size, lr=a.lr,
-                          loss={str(i): round(x, 4) for i, x in enumerate(losses) if i % 250 == 0},
-                          final_loss=sum(losses[-50:]) / len(losses[-50:]))  # fmt: skip
         tok.padding_side = "left"
-        record["greedy"] = accuracy(model, tok, tasks, sb, 0.0)
-        record["t1"] = accuracy(model, tok, tasks, sb, 1.0)
+        if "diverged" not in record:
+            record["greedy"] = accuracy(model, tok, tasks, sb, 0.0)
+            record["t1"] = accuracy(model, tok, tasks, sb, 1.0)
     record["seconds"] = round(time.perf_counter() - t0, 1)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(record, indent=1) + "\n")
-    print(json.dumps({k: record.get(k) for k in ("greedy", "t1", "final_loss", "seconds")}))
+    print(json.dumps({k: record.get(k) for k in ("greedy", "t1", "final_loss", "diverged", "seconds")}))
 
 
 if __name__ == "__main__":

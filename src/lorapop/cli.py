@@ -379,7 +379,7 @@ def pretrain_tiny(
         "world-narrow, world-live, world-natural, world-direct (world-short on those level "
         "tables and their world rules), world-direct-exec (world-direct, 1.35x the steps, "
         "most for students executing level-1 programs), world-nocount (world-direct-exec "
-        "without count calls)."
+        "without count calls), world-nojoin (world-nocount without join calls)."
     ),
     seed: int = typer.Option(0, help="Seed for the corpus, tokenizer and training."),
     steps: int = typer.Option(None, help="Optimizer steps (default: the size's)."),
@@ -420,7 +420,7 @@ def pretrain_tiny(
             raise
         hint = "" if size == "tiny" else " (sizes other than tiny are made for a GPU: --device cuda)"
         raise _fail(f"out of memory pretraining --size {size} on --device {device}{hint}") from e
-    except ValueError as e:  # a partial build of other settings
+    except (ValueError, FloatingPointError) as e:  # a partial build of other settings, divergence
         raise _fail(str(e)) from e
     if "stopped_at" in record:
         typer.echo(f"stopped at step {record['stopped_at']} of {record['steps']} (--stop-after): "

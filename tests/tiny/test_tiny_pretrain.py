@@ -20,6 +20,7 @@ from lorapop.tiny.pretrain import (
     build_corpus,
     encode,
     pretrain_tiny,
+    train,
 )
 from lorapop.verify import Sandbox
 
@@ -129,6 +130,30 @@ def test_pretrain_is_deterministic_under_a_seed(tmp_path, corpus: list[Task]) ->
     assert tok(text)["input_ids"] == raw(text)["input_ids"]
     assert tok.decode(tok(text)["input_ids"]) == text and tok.eos_token_id == 2
     assert a["steps"] == 3 and a["seed"] == 7 and a["device"] == "cpu"
+
+
+class _Diverging(torch.nn.Module):
+    """A model whose loss turns NaN from its third forward on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w, self.calls = torch.nn.Parameter(torch.ones(1)), 0
+
+    def forward(self, **_):
+        self.calls += 1
+        return type("Out", (), {"loss": (self.w**2).sum() * (float("nan") if self.calls > 2 else 1.0)})
+
+
+def test_a_diverged_training_stops_with_the_step_instead_of_going_on() -> None:
+    """A NaN loss is caught where the loss is read back anyway (`every` steps here, the last
+    step when nothing else reads it), so a learning curve or a build never trains on NaN."""
+    batch = (torch.zeros(1, 2, dtype=torch.long),) * 3
+    scored: list[int] = []
+    with pytest.raises(FloatingPointError, match=r"loss is nan at step 3 \(lr 0.001\)"):
+        train(_Diverging(), [batch] * 6, 6, torch.device("cpu"), lr=1e-3, every=(2, scored.append))
+    assert scored == [2]
+    with pytest.raises(FloatingPointError, match="at step 5"):
+        train(_Diverging(), [batch] * 6, 6, torch.device("cpu"), lr=1e-3)
 
 
 def test_shipped_model_loads_and_proposes_a_valid_task_of_each_type(tiny_sandbox) -> None:

@@ -194,18 +194,19 @@ def test_the_direct_tables_level_1_is_one_return_expression_and_its_other_levels
                for t in corpus)  # int arithmetic on a constant, as the teacher wrote it
 
 
-def test_the_nocount_table_is_the_direct_stream_without_count_calls(tiny_sandbox) -> None:
-    """`nocount` leaves out the calls its students never learned (`s.count('y')`): its corpus,
-    variants and held-out tasks call no `count`, each of its candidates is `direct`'s candidate
-    of the same index (or none where that one calls `count`), the loop gets the rule, and its
-    recipe is world-direct-exec's on this table."""
-    rules = TABLE_RULES["nocount"]
-    assert rules.banned_calls == ("count",) and rules.inputs == TABLE_RULES["direct"].inputs
-    assert SIZES["world-nocount"].__dict__ == SIZES["world-direct-exec"].__dict__ | {"levels": "nocount"}
+@pytest.mark.parametrize("table, banned", [("nocount", ("count",)), ("nojoin", ("count", "join"))])
+def test_tables_without_calls_are_the_direct_stream_less_those_calls(table, banned, tiny_sandbox) -> None:
+    """`nocount` leaves out the calls its students never learned (`s.count('y')`), `nojoin`
+    also `join`: their corpus, variants and held-out tasks call none of them, each of their
+    candidates is `direct`'s candidate of the same index (or none where that one calls one),
+    and their recipe is world-direct-exec's on the table."""
+    rules = TABLE_RULES[table]
+    assert rules.banned_calls == banned and rules.inputs == TABLE_RULES["direct"].inputs
+    assert SIZES[f"world-{table}"].__dict__ == SIZES["world-direct-exec"].__dict__ | {"levels": table}
     dropped = 0
     for lv in LEVELS:
         for i in range(40):
-            ours = candidate(table_level(lv, "nocount"), "pretrain/0", "train", 6, i)
+            ours = candidate(table_level(lv, table), "pretrain/0", "train", 6, i)
             theirs = candidate(table_level(lv, "direct"), "pretrain/0", "train", 6, i)
             if theirs is not None and rules.call_problem(theirs.program.source):
                 dropped += 1
@@ -213,8 +214,8 @@ def test_the_nocount_table_is_the_direct_stream_without_count_calls(tiny_sandbox
             else:
                 assert ours == theirs
     assert dropped > 0
-    corpus = generate_corpus(30, "nocount/0", levels=table_levels("nocount"), workers=1)
-    variants = [v for _, v in generate_variants_fast(corpus, "nocount/0", workers=1, table="nocount")]
-    held = build_heldout(2, sandbox=tiny_sandbox, table="nocount")
+    corpus = generate_corpus(30, f"{table}/0", levels=table_levels(table), workers=1)
+    variants = [v for _, v in generate_variants_fast(corpus, f"{table}/0", workers=1, table=table)]
+    held = build_heldout(2, sandbox=tiny_sandbox, table=table)
     assert variants and held
-    assert not any(".count(" in t.program for t in corpus + variants + held)
+    assert not any(f".{name}(" in t.program for t in corpus + variants + held for name in banned)

@@ -137,12 +137,12 @@ DIRECT_LEVELS: dict[int, Knobs] = {
 #: Level tables by name (`Recipe.levels`, `tiny_world.py --level-table`). `narrow` is `short`'s
 #: programs on bounded inputs, `live` those programs without their dead statements, `natural`
 #: those on non-negative values, `direct` `natural`'s rules on `DIRECT_LEVELS`, `nocount` those
-#: without `count` calls: the tables differ in their world rules (`TABLE_RULES`), which the
+#: without `count` calls, `nojoin` also without `join`: the tables differ in their world rules (`TABLE_RULES`), which the
 #: generators keep.
 LEVEL_TABLES: dict[str, dict[int, Knobs]] = {
     "standard": LEVELS, "world": WORLD_LEVELS, "short": SHORT_LEVELS, "narrow": SHORT_LEVELS,
     "live": SHORT_LEVELS, "natural": SHORT_LEVELS, "direct": DIRECT_LEVELS,
-    "nocount": DIRECT_LEVELS,
+    "nocount": DIRECT_LEVELS, "nojoin": DIRECT_LEVELS,
 }  # fmt: skip
 _SMALL = InputDomain(int_min=-5, int_max=9, str_chars=4, items=4)
 #: The rules of a level table's world (`tasks.input_domain`, `tasks.output_domain`,
@@ -158,7 +158,9 @@ _SMALL = InputDomain(int_min=-5, int_max=9, str_chars=4, items=4)
 #: `natural` keeps inputs and outputs non-negative (its programs are `live`'s: same stream).
 #: On `direct` (sessions 15 and 16) 73-86% of its unsolved code_o tasks counted characters
 #: (`s.count('y') + len(s)` on 'yybd'), which its students did not learn to do, so `nocount` is
-#: `direct` without `count` calls: `direct`'s stream less the programs that call it.
+#: `direct` without `count` calls: `direct`'s stream less the programs that call it. On
+#: `nocount` (session 16) the seed whose solve rate fell had 91-96% of its unsolved code_o and
+#: code_i tasks on `''.join(map(str, xs))`, so `nojoin` also leaves `join` out.
 _NATURAL = WorldRules(inputs=InputDomain(0, 9, 4, 4), outputs=InputDomain(0, 19, 8, 8),
                       live_code=True)
 TABLE_RULES: dict[str, WorldRules] = {
@@ -166,6 +168,7 @@ TABLE_RULES: dict[str, WorldRules] = {
     "live": WorldRules(inputs=_SMALL, outputs=InputDomain(-9, 19, 8, 8), live_code=True),
     "natural": _NATURAL, "direct": _NATURAL,
     "nocount": replace(_NATURAL, banned_calls=("count",)),
+    "nojoin": replace(_NATURAL, banned_calls=("count", "join")),
 }
 
 

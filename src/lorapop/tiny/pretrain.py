@@ -224,6 +224,10 @@ SIZES["world-direct-exec"] = Recipe(**SIZES["world-direct"].__dict__ | {
 # `world-direct-exec` 73% of the single agent's unsolved code_o tasks counted characters, as
 # on `world-direct` (benchmarks/README.md, session 16)
 SIZES["world-nocount"] = Recipe(**SIZES["world-direct-exec"].__dict__ | {"levels": "nocount"})
+# ... and without `join` (`TABLE_RULES["nojoin"]`): on `world-nocount` the seed whose solve
+# rate fell had 91-96% of its unsolved code_o/code_i tasks on `''.join(map(str, xs))`
+# (benchmarks/README.md, session 16)
+SIZES["world-nojoin"] = Recipe(**SIZES["world-direct-exec"].__dict__ | {"levels": "nojoin"})
 
 
 # -- the corpus and its examples --------------------------------------------------------------
@@ -687,7 +691,9 @@ def train(
     `every=(n, fn)` calls fn(steps done) after every n-th step and the last (a learning curve;
     fn gets the model in train mode and must leave it so). A build that resumes passes its
     optimizer (`optimizer`, state loaded) and `start`, with the batches from `start` on;
-    `stop(steps done)` is asked after each step, and True ends training there."""
+    `stop(steps done)` is asked after each step, and True ends training there. A loss that is
+    not finite at a step whose loss is read back (log, `every` and last steps) raises
+    FloatingPointError."""
     model.to(device).train()
     amp = device.type == "cuda"
     opt = opt or optimizer(model, lr, device)
@@ -709,14 +715,25 @@ def train(
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         losses.append(loss.detach())
-        if log and (step % log_every == 0 or step == steps - 1):
+        logged = bool(log) and (step % log_every == 0 or step == steps - 1)
+        scored = bool(every) and ((step + 1) % every[0] == 0 or step == steps - 1)
+        if logged or scored or step == steps - 1:  # reads the loss back: no sync on other steps
+            _check_finite(losses[-1], step, lr)
+        if logged:
             log(f"step {step:5d}  loss {float(losses[-1]):.4f}  {time.perf_counter() - t0:6.1f}s")
-        if every and ((step + 1) % every[0] == 0 or step == steps - 1):
+        if scored:
             every[1](step + 1)
         if stop is not None and step + 1 < steps and stop(step + 1):
             break
     model.eval()
     return [float(x) for x in torch.stack(losses).float().cpu().tolist()] if losses else []
+
+
+def _check_finite(loss: torch.Tensor, step: int, lr: float) -> None:
+    """A diverged run stops here rather than training (and saving) a NaN model."""
+    if not torch.isfinite(loss):
+        raise FloatingPointError(f"the training loss is {float(loss)} at step {step} (lr {lr:g}): "
+                                 "training diverged; try a lower learning rate")
 
 
 class Partial:
