@@ -137,8 +137,8 @@ DIRECT_LEVELS: dict[int, Knobs] = {
 #: Level tables by name (`Recipe.levels`, `tiny_world.py --level-table`). `narrow` is `short`'s
 #: programs on bounded inputs, `live` those programs without their dead statements, `natural`
 #: those on non-negative values, `direct` `natural`'s rules on `DIRECT_LEVELS`, `nocount` those
-#: without `count` calls, `nojoin` also without `join`: the tables differ in their world rules (`TABLE_RULES`), which the
-#: generators keep.
+#: without `count` calls, `nojoin` also without `join`: the tables differ in their world rules
+#: (`TABLE_RULES`), which the generators keep.
 LEVEL_TABLES: dict[str, dict[int, Knobs]] = {
     "standard": LEVELS, "world": WORLD_LEVELS, "short": SHORT_LEVELS, "narrow": SHORT_LEVELS,
     "live": SHORT_LEVELS, "natural": SHORT_LEVELS, "direct": DIRECT_LEVELS,

@@ -692,8 +692,8 @@ def train(
     fn gets the model in train mode and must leave it so). A build that resumes passes its
     optimizer (`optimizer`, state loaded) and `start`, with the batches from `start` on;
     `stop(steps done)` is asked after each step, and True ends training there. A loss that is
-    not finite at a step whose loss is read back (log, `every` and last steps) raises
-    FloatingPointError."""
+    not finite at a step whose loss is read back (log, `every`, stop and last steps) raises
+    FloatingPointError, so no NaN model or partial state is saved."""
     model.to(device).train()
     amp = device.type == "cuda"
     opt = opt or optimizer(model, lr, device)
@@ -717,13 +717,14 @@ def train(
         losses.append(loss.detach())
         logged = bool(log) and (step % log_every == 0 or step == steps - 1)
         scored = bool(every) and ((step + 1) % every[0] == 0 or step == steps - 1)
-        if logged or scored or step == steps - 1:  # reads the loss back: no sync on other steps
+        stopping = stop is not None and step + 1 < steps and stop(step + 1)
+        if logged or scored or stopping or step == steps - 1:  # no sync on the other steps
             _check_finite(losses[-1], step, lr)
         if logged:
             log(f"step {step:5d}  loss {float(losses[-1]):.4f}  {time.perf_counter() - t0:6.1f}s")
         if scored:
             every[1](step + 1)
-        if stop is not None and step + 1 < steps and stop(step + 1):
+        if stopping:
             break
     model.eval()
     return [float(x) for x in torch.stack(losses).float().cpu().tolist()] if losses else []
