@@ -6,7 +6,8 @@ simpler; session 10's stayed at ~0.5 with programs of one line. This reads the r
 type: the tasks' solve-rate distribution (all solved / partly / none), how often all answers
 agree and are wrong (a student that has stopped exploring), the solve rate of tasks whose inputs
 lie inside an input domain against those outside (`--table`: a level table with bounded inputs),
-and the operations of unsolved against all-solved programs, with examples.
+the operations of unsolved against all-solved programs, with examples, and the run's blind spots:
+the operations of code_o/code_i programs that cost the most solve rate.
 
     PYTHONPATH=src python benchmarks/world_rollouts.py DIR [--table narrow] [--out FILE.json]
 
@@ -16,6 +17,7 @@ DIR: a world_experiment `--out` directory, or a progress.tgz (unpacked to a temp
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import random
 import re
@@ -29,8 +31,31 @@ from statistics import fmean
 from lorapop import rollouts
 from lorapop.tiny.grammar import TABLE_RULES
 
-OPS = ("count", "len", "find", "replace", "upper", "sorted", "sum", "max", "min", "join", "split",
-       "*", "+=", "%", "//", "[", "for", "while", "if")  # fmt: skip
+_SYMBOLS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Mod: "%", ast.FloorDiv: "//",
+            ast.Div: "/", ast.Pow: "**"}  # fmt: skip
+
+
+def operations(program: str) -> list[str]:
+    """What a program does, read from its syntax tree: the names it calls (`count` for
+    `s.count('y')`, never a variable named `count`), its arithmetic (`+`, `//`; `+=` for an
+    augmented assignment), indexing (`[`) and control flow (`for`, `while`, `if`)."""
+    try:
+        tree = ast.parse(program)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return []
+    ops: set[str | None] = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Call):
+            ops.add(n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", None))
+        elif isinstance(n, ast.BinOp):
+            ops.add(_SYMBOLS.get(type(n.op)))
+        elif isinstance(n, ast.AugAssign) and type(n.op) in _SYMBOLS:
+            ops.add(_SYMBOLS[type(n.op)] + "=")
+        elif isinstance(n, ast.Subscript):
+            ops.add("[")
+        elif isinstance(n, ast.For | ast.While | ast.If | ast.IfExp):
+            ops.add({ast.For: "for", ast.While: "while"}.get(type(n), "if"))
+    return sorted(o for o in ops if o)
 
 
 def _tasks(run: Path) -> tuple[list[int], dict[str, list[dict]]]:
@@ -52,7 +77,7 @@ def _tasks(run: Path) -> tuple[list[int], dict[str, list[dict]]]:
         t["solve"] = sum(t["ok"]) / len(t["ok"])
         t["inputs"] = re.findall(r"<i>(.*?)</i>", prompt, re.S)
         body = prompt.split("<f>", 1)[1].split("</f>", 1)[0] if "<f>" in prompt else ""
-        t["ops"] = [o for o in OPS if o in body]
+        t["ops"] = operations(body)
         out[kind].append(t)
     return sorted(x for x in steps if isinstance(x, int)), out
 
@@ -66,6 +91,24 @@ def _ops(ts: list[dict]) -> dict[str, float]:
     return {o: round(n / len(ts), 2) for o, n in Counter(o for t in ts for o in t["ops"]).most_common(8)}
 
 
+def blind_spots(ts: list[dict], top: int = 3, min_share: float = 0.05) -> list[dict]:
+    """The operations that cost the most solve rate: for each one in >= `min_share` of the
+    tasks, its share, the mean solve rate of tasks with and without it, and `lost`, share x
+    (without - with): how much higher the mean would be if its tasks were solved as the rest
+    (those with `lost` > 0, most first). A teacher paid for tasks its student fails settles on
+    such an operation (docs/world-regime.md, session 16)."""
+    rows = []
+    for op in sorted({o for t in ts for o in t["ops"]}):
+        with_ = [t["solve"] for t in ts if op in t["ops"]]
+        without = [t["solve"] for t in ts if op not in t["ops"]]
+        if len(with_) < min_share * len(ts) or not without:
+            continue
+        share, w, wo = len(with_) / len(ts), fmean(with_), fmean(without)
+        rows.append({"op": op, "share": round(share, 2), "solve_with": round(w, 2),
+                     "solve_without": round(wo, 2), "lost": round(share * (wo - w), 3)})  # fmt: skip
+    return sorted((r for r in rows if r["lost"] > 0), key=lambda r: -r["lost"])[:top]
+
+
 def _solved(ts: list[dict]) -> dict:
     return {"tasks": len(ts), "solve": round(fmean(t["solve"] for t in ts), 3) if ts else None}
 
@@ -75,7 +118,8 @@ def summarize(run: Path, table: str | None, examples: int = 4) -> dict:
     domain = TABLE_RULES[table].inputs if table else None
     rng = random.Random(0)
     steps, tasks = _tasks(run)
-    res: dict = {"steps": [steps[0], steps[-1]] if steps else []}
+    res: dict = {"steps": [steps[0], steps[-1]] if steps else [],
+                 "blind_spots_code_o_i": blind_spots(tasks.get("code_o", []) + tasks.get("code_i", []))}
     for kind, ts in sorted(tasks.items()):
         none = [t for t in ts if t["solve"] == 0]
         row = {

@@ -378,6 +378,30 @@ def test_world_rollouts_tells_unsolved_tasks_and_domain_apart(tmp_path) -> None:
     assert done.returncode == 2 and "does not exist" in done.stderr
 
 
+def test_world_rollouts_names_the_operation_that_costs_the_most_solve_rate() -> None:
+    """Operations come from the syntax tree (a variable named `count` is not a `count` call),
+    and the blind spot is the operation whose tasks are solved least against the rest,
+    weighted by how many tasks use it; one every task uses cannot be told apart."""
+    spec = importlib.util.spec_from_file_location("world_rollouts",
+                                                  ROOT / "benchmarks" / "world_rollouts.py")  # fmt: skip
+    wr = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(wr)
+    assert wr.operations("def f(count: int):\n    count += count * 3\n    return count // 3") == \
+        ["*", "+=", "//"]  # fmt: skip
+    assert wr.operations("def f(s):\n    return s.count('y') if s else len(s[1:])") == \
+        ["[", "count", "if", "len"]  # fmt: skip
+    assert wr.operations("def f(:") == []
+    programs = {"return s.count('y') * 2": 0.0, "return s.count('z') * 3": 0.25,
+                "return len(s) * 2": 1.0, "return len(s[1:]) * 2": 0.75, "return s[:1] * 2": 1.0}
+    tasks = [{"solve": v, "ops": wr.operations(f"def f(s):\n    {k}")} for k, v in programs.items()]
+    spots = wr.blind_spots(tasks)
+    assert [r["op"] for r in spots] == ["count"]  # `[` and `len` tasks are solved above the rest
+    assert spots[0] == {"op": "count", "share": 0.4, "solve_with": 0.12, "solve_without": 0.92,
+                        "lost": 0.317}  # fmt: skip
+    tasks.append({"solve": 0.0, "ops": ["*", "//"]})
+    assert "*" not in [r["op"] for r in wr.blind_spots(tasks, top=9)]  # in every task
+
+
 def test_each_runs_sandbox_gets_its_share_of_the_cores_and_never_fewer_than_two() -> None:
     we = _module()
     assert we.sandbox_workers(16, 3) == 4  # 13 cores left after 3 trainers, over 3 runs

@@ -156,9 +156,9 @@ _SMALL = InputDomain(int_min=-5, int_max=9, str_chars=4, items=4)
 #: outputs fall inside: ints -9..19, 8 characters, 8 items). On `live` many of its unsolved
 #: tasks did arithmetic through negative values (`(n - 3) // 3` on -4, `x - 6` on -2), so
 #: `natural` keeps inputs and outputs non-negative (its programs are `live`'s: same stream).
-#: On `direct` (sessions 15 and 16) 73-86% of its unsolved code_o tasks counted characters
-#: (`s.count('y') + len(s)` on 'yybd'), which its students did not learn to do, so `nocount` is
-#: `direct` without `count` calls: `direct`'s stream less the programs that call it. On
+#: On `direct` (session 15's seed 2, session 16's seed 0) 69-86% of its unsolved code_o tasks
+#: counted characters (`s.count('y') + len(s)` on 'yybd'), which its students did not learn, so
+#: `nocount` is `direct` without `count` calls: `direct`'s stream less the programs that call it. On
 #: `nocount` (session 16) the seed whose solve rate fell had 91-96% of its unsolved code_o and
 #: code_i tasks on `''.join(map(str, xs))`, so `nojoin` also leaves `join` out.
 _NATURAL = WorldRules(inputs=InputDomain(0, 9, 4, 4), outputs=InputDomain(0, 19, 8, 8),

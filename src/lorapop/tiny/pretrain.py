@@ -221,7 +221,7 @@ SIZES["world-direct-exec"] = Recipe(**SIZES["world-direct"].__dict__ | {
     "token_levels": {"teacher": {1: 1, 2: 1, 3: 1, 4: 1, 5: 1},
                      "student": {1: 4, 2: 3, 3: 2, 4: 1, 5: 1}}})  # fmt: skip
 # `world-direct-exec` without `count` calls (`grammar.TABLE_RULES["nocount"]`): on
-# `world-direct-exec` 73% of the single agent's unsolved code_o tasks counted characters, as
+# `world-direct-exec` 69% of one seed's unsolved code_o tasks counted characters, as 86% of one
 # on `world-direct` (benchmarks/README.md, session 16)
 SIZES["world-nocount"] = Recipe(**SIZES["world-direct-exec"].__dict__ | {"levels": "nocount"})
 # ... and without `join` (`TABLE_RULES["nojoin"]`): on `world-nocount` the seed whose solve
