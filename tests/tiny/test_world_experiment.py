@@ -28,12 +28,11 @@ def _row(step: int, solve: float, cyclomatic: float, update_s: float) -> dict:
             "phase_s": {"proposal": 1.0, "solving": 2.0, "update": update_s}}  # fmt: skip
 
 
-def _module():
-    spec = importlib.util.spec_from_file_location("world_experiment",
-                                                  ROOT / "benchmarks" / "world_experiment.py")
-    we = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(we)
-    return we
+def _module(name: str = "world_experiment"):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _probe(out: Path) -> dict:
@@ -352,10 +351,7 @@ def test_a_bounded_world_sets_its_rules_and_seeds_inside_them(tmp_path) -> None:
 def test_world_rollouts_tells_unsolved_tasks_and_domain_apart(tmp_path) -> None:
     """benchmarks/world_rollouts.py on rollouts of two code_o tasks: one solved by every answer
     inside the narrow domain, one never solved (one answer repeated) outside it."""
-    spec = importlib.util.spec_from_file_location("world_rollouts",
-                                                  ROOT / "benchmarks" / "world_rollouts.py")  # fmt: skip
-    wr = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(wr)
+    wr = _module("world_rollouts")
     run = tmp_path / "runs" / "single_s0" / "rollouts"
     run.mkdir(parents=True)
     easy = "solve code_o\n<f>def f(n: int):\n    return n * 2</f><i>3</i>\n<o>"
@@ -382,10 +378,7 @@ def test_world_rollouts_names_the_operation_that_costs_the_most_solve_rate() -> 
     """Operations come from the syntax tree (a variable named `count` is not a `count` call),
     and the blind spot is the operation whose tasks are solved least against the rest,
     weighted by how many tasks use it; one every task uses cannot be told apart."""
-    spec = importlib.util.spec_from_file_location("world_rollouts",
-                                                  ROOT / "benchmarks" / "world_rollouts.py")  # fmt: skip
-    wr = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(wr)
+    wr = _module("world_rollouts")
     assert wr.operations("def f(count: int):\n    count += count * 3\n    return count // 3") == \
         ["*", "+=", "//"]  # fmt: skip
     assert wr.operations("def f(s):\n    return s.count('y') if s else len(s[1:])") == \
