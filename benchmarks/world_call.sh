@@ -1,7 +1,7 @@
 #!/bin/bash
-# One device call of issue 15's experiment (world_experiment.py on the world-short base), made to
-# be chained: the runs live in $RUNS (/tmp on the device machine), so the same command on the
-# still-warm machine (next call within ~30 s) continues them from their checkpoints; the call
+# One device call of issue 15's experiment (world_experiment.py on a world base), made to be
+# chained: the runs live in $RUNS (/tmp/wx_$BASE on the device machine), so the same command on
+# the still-warm machine (next call within ~30 s) continues them from their checkpoints; the call
 # whose runs reach train.steps scores them (held-out, selection, cross-play) and writes
 # results.json. Only small files come back under $OUT (never checkpoints): progress.tgz
 # (every 30 s: call log, GPU/CPU load, each run's job record and metrics.jsonl, gate probe) and,
@@ -51,7 +51,7 @@ if [ ! -f $M/$B/config.json ]; then
         > $OUT/tiny_world.log 2>&1 || tail -3 $OUT/tiny_world.log; }
   fi
 fi
-W=${RUNS:-/tmp/wx}
+W=${RUNS:-/tmp/wx_$B}  # per base: a second base on the same machine starts its own runs
 mkdir -p $W; rm -f $W/stop
 [ -d $D/sets ] && cp -n $D/sets/* $W/
 [ -d $W/runs ] && echo "continuing: $(ls $W/runs | wc -l) runs on this machine" >> $W/call.log
