@@ -258,6 +258,8 @@ def collapse(c: dict[str, list]) -> dict:
 
 PROBE_CURVES = ("solve_rate", "valid_rate", "cyclomatic", "loc", "partial_share",
                 "unsolved_share", "teacher_reward", "distinct_programs", "entropy", "kl")
+#: the probe's figure adds the solve rate split by task type (code_f's is what holds it down)
+PROBE_PANELS = (*PROBE_CURVES, "solve_rate_code_o_i", "solve_rate_code_f")
 
 
 def _bins(ys: list[float | None], n: int) -> list[float | None]:
@@ -290,6 +292,19 @@ def rollout_counts(run_dir: Path) -> dict[int, dict[str, list[int]]]:
     return out
 
 
+def metric_counts(rows: list[dict]) -> dict[int, dict[str, list[int]]]:
+    """`rollout_counts` from the metrics rows, every step, where they have per-type answers
+    (`programs[type]["answers"]` and `["solve_rate"]`, logged since session 16; {} before)."""
+    out: dict[int, dict[str, list[int]]] = {}
+    for r in rows:
+        by = {t: [round(p["solve_rate"] * p["answers"]), p["answers"]]
+              for t, p in r.get("programs", {}).items()
+              if p.get("answers") and p.get("solve_rate") is not None}  # fmt: skip
+        if by:
+            out[int(r["step"])] = by
+    return out
+
+
 def type_solve_rate(counts: dict[int, dict[str, list[int]]], types: tuple[str, ...]
                     ) -> list[float | None]:  # fmt: skip
     """Per step, the share of answers to tasks of `types` (pooled) graded correct (None at
@@ -306,7 +321,8 @@ def gate_probe(out: Path) -> dict:
     """The gate on what the single-agent runs under OUT/runs have logged so far (finished or
     not), with first/last-10% means of the main curves and their 10-step means, the solve
     rate's least-squares slope per 100 steps (how fast it heads for the gate's 0.8), the
-    largest per-step KL, the solve rate per task type (from saved rollouts) and the gate on the
+    largest per-step KL, the solve rate per task type (from the metrics rows, or the saved
+    rollouts for runs logged before they had it) and the gate on the
     code_o/code_i answers alone (`gate_code_o_i`: beside the pre-registered gate, not instead of
     it), the seconds per step and the median seconds of each phase after the first step (which
     includes warm-up)."""
@@ -319,17 +335,18 @@ def gate_probe(out: Path) -> dict:
             continue
         c = curves(rows)
         sl = slope(c["solve_rate"])
-        counts = rollout_counts(d)
+        counts = metric_counts(rows) or rollout_counts(d)
         by_type = {t: type_solve_rate(counts, (t,))
                    for t in sorted({t for step in counts.values() for t in step})}
         oi = type_solve_rate(counts, ("code_o", "code_i"))  # the tasks whose complexity is measured
+        c |= {"solve_rate_code_o_i": oi, "solve_rate_code_f": by_type.get("code_f", [])}
         res[d.name] = {
             "steps": len(rows), **collapse(c),
             "solve_rate_slope_per_100_steps": None if sl is None else 100 * sl,
             **{f"{k}_first_last": [window(c[k], last=False), window(c[k], last=True)]
-               for k in PROBE_CURVES},
+               for k in PROBE_PANELS},
             "kl_max": max((x for x in c["kl"] if x is not None), default=None),
-            "every_10_steps": {k: _bins(c[k], 10) for k in PROBE_CURVES},
+            "every_10_steps": {k: _bins(c[k], 10) for k in PROBE_PANELS},
             "solve_rate_by_type": {t: {"first_last": [window(v, last=False), window(v, last=True)],
                                        "every_10_steps": _bins(v, 10)}
                                    for t, v in by_type.items()},
@@ -355,15 +372,16 @@ def plot_gate(res: dict, png: Path) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(3, 4, figsize=(19, 11))
-    for ax, key in zip(axes.flat, PROBE_CURVES, strict=False):
+    fig, axes = plt.subplots(3, 4, figsize=(19, 11), sharex=True)  # a type curve may be short
+    for ax, key in zip(axes.flat, PROBE_PANELS, strict=False):
         for name, r in res.items():
-            ys = [float("nan") if y is None else y for y in r["every_10_steps"][key]]
-            ax.plot([10 * i + 5 for i in range(len(ys))], ys, lw=1.5, label=name)
-        if key == "solve_rate":
+            ys = [float("nan") if y is None else y for y in r["every_10_steps"].get(key, [])]
+            ax.plot([10 * i + 5 for i in range(len(ys))], ys, lw=1.5, marker=".", label=name)
+        if key.startswith("solve_rate"):
             ax.axhline(0.8, color="k", ls=":", lw=1)
-        ax.set(title=key.replace("_", " "), xlabel="step")
-    for ax in axes.flat[len(PROBE_CURVES):]:
+        ax.set(title=key.replace("_", " ").replace("code o i", "code_o + code_i")
+               .replace("code f", "code_f"), xlabel="step")
+    for ax in axes.flat[len(PROBE_PANELS):]:
         ax.axis("off")
     axes.flat[0].legend(fontsize=8)
     fig.suptitle(f"The gate: {sum(r['collapsed'] for r in res.values())} of {len(res)} "

@@ -65,6 +65,7 @@ def test_members_matchups_and_programs_come_from_the_records():
     assert (prog["valid"], prog["proposed"], prog["buffer"]) == (1, 2, 9)
     assert (prog["coverage"], prog["coverage_new"], prog["distinct_in_step"]) == (5, 1, 1)
     assert prog["loc"] == 2
+    assert (prog["answers"], prog["solve_rate"]) == (3, pytest.approx(1 / 3))  # own answers only
     assert row["phase_s"] == {"update": 0.1235} and row["tokens_per_s"] == 6.5
     # the one own task was solved by 1 of 3 answers: informative (0 < s < 1)
     assert row["task_solve_rates"] == {"tasks": 1, "partial": 1.0, "unsolved": 0.0,
@@ -106,5 +107,7 @@ def test_rows_name_individuals_and_count_only_programs_the_teacher_wrote():
     prog = row["programs"]["code_f"]
     assert (prog["valid"], prog["proposed"], prog["buffer"]) == (1, 1, 3)
     assert all(prog[k] is None for k in ("ast_depth", "cyclomatic", "loc", "variables",
-                                         "coverage", "coverage_new", "distinct_in_step"))
+                                         "coverage", "coverage_new", "distinct_in_step",
+                                         "solve_rate"))
+    assert prog["answers"] == 0  # no student answered a code_f task this step
     assert row["programs"]["code_o"]["loc"] == 2  # the teacher's own program still counts

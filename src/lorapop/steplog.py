@@ -155,9 +155,14 @@ def step_metrics(rec: StepRecord, league: dict[str, MemberInfo]) -> dict[str, An
         # complexity and coverage of programs the teacher wrote, not code_f's copied ones
         stats = [s for p, task in accepted
                  if p.base is None and (s := program_metrics(task.program)) is not None]
+        own = [a.grade.outcome for a in rec.attempts if a.own and a.task.type == t]
         programs[t] = {
             "valid": len(accepted),
             "proposed": sum(p.type == t for p in rec.proposals),
+            # the students' answers to this step's own tasks of the type: which type holds
+            # a solve rate down (code_f, whose tasks students induce from a few pairs)
+            "answers": len(own),
+            "solve_rate": solve_rate(own),
             "buffer": rec.verification.buffer_sizes[t],
             **{k: (fmean(getattr(s, k) for s in stats) if stats else None)
                for k in ("ast_depth", "cyclomatic", "loc", "variables")},

@@ -70,7 +70,8 @@ def test_gate_probe_reports_the_collapse_its_slope_and_phase_costs(tmp_path) -> 
     assert set(res) == {"single_s0", "single_s1"}
     assert (tmp_path / "gate_probe.png").stat().st_size > 10_000  # one panel per probe curve
     titles = _module().plot_gate(res, tmp_path / "again.png")
-    assert titles[0] == "solve rate" and len(titles) == len(_module().PROBE_CURVES)
+    assert titles[0] == "solve rate" and len(titles) == len(_module().PROBE_PANELS)
+    assert titles[-2:] == ["solve rate code_o + code_i", "solve rate code_f"]
     s0, s1 = res["single_s0"], res["single_s1"]
     assert s0["steps"] == 80 and s0["collapsed"] and s0["complexity_slope"] < 0
     assert abs(s0["solve_rate_slope_per_100_steps"] - 1.0) < 1e-6
@@ -93,6 +94,26 @@ def test_gate_probe_reports_the_collapse_its_slope_and_phase_costs(tmp_path) -> 
     assert s0["gate_code_o_i"] == {"final_solve_rate": 1.0, "complexity_slope": s0["complexity_slope"],
                                    "collapsed": True}
     assert s1["gate_code_o_i"]["final_solve_rate"] is None and not s1["gate_code_o_i"]["collapsed"]
+
+
+def test_gate_probe_reads_per_type_solve_rates_from_the_metrics_of_every_step(tmp_path) -> None:
+    """Runs logged with per-type answers get their type curves from every step's metrics row
+    (the rollouts only keep the last few steps)."""
+    rows = []
+    for i in range(40):
+        row = _row(i + 1, 0.5, 2.0, 1.0)
+        row["programs"] = {t: {**p, "answers": 16, "solve_rate": r}
+                           for (t, p), r in zip(row["programs"].items(), (0.75, 0.25), strict=True)}
+        row["programs"]["code_f"] = {"valid": 2, "proposed": 4, "answers": 8, "solve_rate": i / 40}
+        rows.append(row)
+    d = tmp_path / "runs" / "single_s0"
+    d.mkdir(parents=True)
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    s0 = _probe(tmp_path)["single_s0"]
+    assert s0["solve_rate_by_type"]["code_o"]["first_last"] == [0.75, 0.75]
+    assert s0["solve_rate_code_o_i_first_last"] == [0.5, 0.5]  # 12 of 16 and 4 of 16, pooled
+    assert s0["every_10_steps"]["solve_rate_code_f"][0] == pytest.approx(fmean(range(10)) / 40, abs=0.02)
+    assert len(s0["every_10_steps"]["solve_rate_code_f"]) == 4
 
 
 def test_type_solve_rate_pools_the_types_asked_for() -> None:
