@@ -34,7 +34,8 @@ export PYTHONPATH=/tmp/site:$PWD/src
 M=${MODEL_DIR:-/tmp/m}
 B=${BASE:-world-short}
 mkdir -p $M $OUT
-if [ ! -f $M/$B/config.json ]; then
+built() { [ -f $M/$B/config.json ]; }
+if ! built; then
   if ls $D/models/${B}_bf16.tgz.part* > /dev/null 2>&1; then
     cat $D/models/${B}_bf16.tgz.part* | tar xzf - -C $M || exit 1
   else  # no parts: rebuild the base from its seed (BASE a pretrain-tiny size; ~380 s on an H100);
@@ -46,7 +47,7 @@ if [ ! -f $M/$B/config.json ]; then
         > $OUT/build.log 2>&1 || { tail -5 $OUT/build.log; exit 1; }
     tail -1 $OUT/build.log >&2
     # the new base's regime (~15-35 s) before any run plays on it
-    [ -f $M/$B/config.json ] && { python3 benchmarks/tiny_world.py --model $M/$B --device auto \
+    built && { python3 benchmarks/tiny_world.py --model $M/$B --device auto \
         --workers $NW --proposals 40 --out $OUT/tiny_world_$B.json \
         > $OUT/tiny_world.log 2>&1 || tail -3 $OUT/tiny_world.log; }
   fi
@@ -69,13 +70,13 @@ pack() {  # small files only: no checkpoints or adapters; rollouts of the last $
     pack; sleep 30
   done ) &
 TP=$!
-if [ $DL -ge 60 ] && [ -f $M/$B/config.json ]; then
+if [ $DL -ge 60 ] && built; then
   python3 benchmarks/world_experiment.py $S --model $M/$B --out $W --deadline $DL \
       --per-level 20 --workers 4 "$@" > $W/experiment.log 2>&1
   echo "$(date -u +%T) exit $? after $(( $(date +%s) - T0 )) s" >> $W/call.log
 else  # a build that used the call: the runs start in the next one
-  echo "$(date -u +%T) no runs: $DL s left after the set-up$([ -f $M/$B/config.json ] \
-    || echo ', the base not built yet')" | tee -a $W/call.log $W/experiment.log
+  echo "$(date -u +%T) no runs: $DL s left after the set-up$(built || echo ', the base not built yet')" \
+    | tee -a $W/call.log $W/experiment.log
 fi
 touch $W/stop; kill $TP 2>/dev/null; wait $TP 2>/dev/null   # (not the loop's 30 s sleep)
 python3 benchmarks/world_experiment.py --out $W --gate-probe > /dev/null 2>> $W/call.log

@@ -260,6 +260,8 @@ PROBE_CURVES = ("solve_rate", "valid_rate", "cyclomatic", "loc", "partial_share"
                 "unsolved_share", "teacher_reward", "distinct_programs", "entropy", "kl")
 #: the probe's figure adds the solve rate split by task type (code_f's is what holds it down)
 PROBE_PANELS = (*PROBE_CURVES, "solve_rate_code_o_i", "solve_rate_code_f")
+_TYPE_TITLES = {"solve_rate_code_o_i": "solve rate code_o + code_i",
+                "solve_rate_code_f": "solve rate code_f"}
 
 
 def _bins(ys: list[float | None], n: int) -> list[float | None]:
@@ -379,8 +381,7 @@ def plot_gate(res: dict, png: Path) -> list[str]:
             ax.plot([10 * i + 5 for i in range(len(ys))], ys, lw=1.5, marker=".", label=name)
         if key.startswith("solve_rate"):
             ax.axhline(0.8, color="k", ls=":", lw=1)
-        ax.set(title=key.replace("_", " ").replace("code o i", "code_o + code_i")
-               .replace("code f", "code_f"), xlabel="step")
+        ax.set(title=_TYPE_TITLES.get(key, key.replace("_", " ")), xlabel="step")
     for ax in axes.flat[len(PROBE_PANELS):]:
         ax.axis("off")
     axes.flat[0].legend(fontsize=8)

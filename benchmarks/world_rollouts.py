@@ -29,6 +29,7 @@ from pathlib import Path
 from statistics import fmean
 
 from lorapop import rollouts
+from lorapop.tasks.metrics import call_name
 from lorapop.tiny.grammar import TABLE_RULES
 
 _SYMBOLS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Mod: "%", ast.FloorDiv: "//",
@@ -46,7 +47,7 @@ def operations(program: str) -> list[str]:
     ops: set[str | None] = set()
     for n in ast.walk(tree):
         if isinstance(n, ast.Call):
-            ops.add(n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", None))
+            ops.add(call_name(n))
         elif isinstance(n, ast.BinOp):
             ops.add(_SYMBOLS.get(type(n.op)))
         elif isinstance(n, ast.AugAssign) and type(n.op) in _SYMBOLS:

@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass
 
 from lorapop.tasks.liveness import dead_statement
+from lorapop.tasks.metrics import called_names
 
 OUTSIDE_COMPUTED = "input computes a value instead of stating it"
 
@@ -128,18 +129,7 @@ class WorldRules:
         return self.call_problem(program)
 
     def call_problem(self, program: str) -> str | None:
-        """The first call of a banned name (`len(s)`, `s.count(c)`), read from the syntax tree;
-        None for a program that does not parse (running it reports that)."""
-        if not self.banned_calls:
-            return None
-        try:
-            tree = ast.parse(program)
-        except (SyntaxError, ValueError, RecursionError, MemoryError):
-            return None
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Call):
-                f = node.func
-                name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
-                if name in self.banned_calls:
-                    return f"calls {name}(), which the world leaves out"
-        return None
+        """A call of a banned name (`len(s)`, `s.count(c)`), read from the syntax tree; None
+        for a program that does not parse (running it reports that)."""
+        hit = sorted(called_names(program).intersection(self.banned_calls)) if self.banned_calls else []
+        return f"calls {hit[0]}(), which the world leaves out" if hit else None

@@ -48,6 +48,19 @@ def _parse(src: str) -> ast.Module | None:
         return None
 
 
+def call_name(node: ast.Call) -> str | None:
+    """The name a call calls: `count` for `s.count(c)` and for `count(x)`; None for `g()()`."""
+    f = node.func
+    return f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+
+
+def called_names(src: str) -> set[str]:
+    """Every name a program calls (`call_name`); empty when it does not parse."""
+    tree = _parse(src)
+    calls = (call_name(n) for n in ast.walk(tree) if isinstance(n, ast.Call)) if tree else ()
+    return {name for name in calls if name}
+
+
 def ast_depth(tree: ast.AST) -> int:
     """Depth without recursion, so deeply nested programs cannot overflow the stack."""
     best, stack = 0, [(tree, 1)]
