@@ -11,7 +11,7 @@
 # unless MODEL_DIR/$BASE is a model already (BASE: world-short unless set); with neither, the
 # call first rebuilds BASE from its seed (`lorapop pretrain-tiny --size $BASE`, its log in
 # $OUT/build.log; a build that does not fit the call stops in time, and the next call goes on
-# with it) and measures it (`tiny_world.py`: $OUT/tiny_world_$BASE.json), which END_S counts;
+# with it), returns it as $OUT/models/${BASE}_bf16.tgz.part* (carry them as $D/models) and measures it (`tiny_world.py`: $OUT/tiny_world_$BASE.json), which END_S counts;
 # D optionally holds sets/ with heldout/select/seed_tasks*.jsonl and level_table.txt of the
 # base's level table):
 #   OUT=$OUT D=.gpu/world bash benchmarks/world_call.sh END_S [world_experiment.py args]
@@ -46,6 +46,10 @@ if ! built; then
         --workers $NW --stop-after $(( END - ($(date +%s) - T0) - 30 )) \
         > $OUT/build.log 2>&1 || { tail -5 $OUT/build.log; exit 1; }
     tail -1 $OUT/build.log >&2
+    # as bf16 15 MiB parts (what the runs load on CUDA anyway): carried as $D/models, a later
+    # call on a fresh machine unpacks them instead of building again
+    built && python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path
+from world_recipes import pack_model; print(*pack_model(Path('$M/$B'), Path('$OUT/models')))" >&2
     # the new base's regime (~15-35 s) before any run plays on it
     built && { python3 benchmarks/tiny_world.py --model $M/$B --device auto \
         --workers $NW --proposals 40 --out $OUT/tiny_world_$B.json \
