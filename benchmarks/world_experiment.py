@@ -472,7 +472,8 @@ def partial_summary(out: Path) -> dict:
     reached; the gate reads each single-agent run to its end, as the full summary does."""
     from lorapop.report import read_metrics
 
-    recs = [json.loads(f.read_text()) for f in sorted((out / "jobs").glob("*.out.json"))]
+    recs = [json.loads(f.read_text()) for f in sorted((out / "jobs").glob("*.out.json"))
+            if not f.name.endswith(".cross.out.json")]  # cross-play records: not runs
     rows = {r["name"]: read_metrics(out / "runs" / r["name"])
             if (out / "runs" / r["name"] / "metrics.jsonl").is_file() else [] for r in recs}
     recs = [r for r in recs if rows[r["name"]]]

@@ -264,6 +264,9 @@ def test_a_cut_chain_still_gives_the_gate_slopes_and_scored_end_points(tmp_path)
                         "select": {"grades": g, "pass@1": {"A0": 0.75}}}  # fmt: skip
             (tmp_path / "jobs").mkdir(exist_ok=True)
             (tmp_path / "jobs" / f"{name}.out.json").write_text(json.dumps(rec))
+            if arm == "single":  # a finished call's cross-play record sits beside it
+                (tmp_path / "jobs" / f"{name}.cross.out.json").write_text(
+                    json.dumps({"single": {"tasks": 10}}))
     (tmp_path / "heldout.jsonl").write_text("".join(
         json.dumps({"meta": {"difficulty": lv}}) + "\n" for lv in (1, 3, 4, 5)))
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
