@@ -28,8 +28,13 @@ set -u
 T0=$(date +%s)
 D=${D:?set D to the carried directory}
 END=${1:?END_S}; shift
-[ -n "${SKIP_PIP:-}" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-    --upgrade --target /tmp/site .whl/*.whl || exit 1
+# the wheels once per machine: a call that lands on a fresh machine (the last one went back
+# idle) installs them again by itself. SKIP_PIP=1: a python that has the packages already (CPU)
+STAMP=/tmp/site/.wheels_$(cat .whl/*.whl 2> /dev/null | md5sum | cut -c1-12)
+if [ -z "${SKIP_PIP:-}" ] && [ ! -f $STAMP ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+      --upgrade --target /tmp/site .whl/*.whl && touch $STAMP || exit 1
+fi
 export PYTHONPATH=/tmp/site:$PWD/src
 M=${MODEL_DIR:-/tmp/m}
 B=${BASE:-world-short}
@@ -59,7 +64,8 @@ fi
 W=${RUNS:-/tmp/wx_$B}  # per base: a second base on the same machine starts its own runs
 mkdir -p $W; rm -f $W/stop
 [ -d $D/sets ] && cp -n $D/sets/* $W/
-[ -d $W/runs ] && echo "continuing: $(ls $W/runs | wc -l) runs on this machine" >> $W/call.log
+if [ -d $W/runs ]; then echo "continuing: $(ls $W/runs | wc -l) runs on this machine" >> $W/call.log
+else echo "$(date -u +%T) no runs on this machine yet: they start from step 0" | tee -a $W/call.log >&2; fi
 S="sampling.teacher_max_new_tokens=256 sampling.student_max_new_tokens=192 run.keep_last=1"
 DL=$(( END - ($(date +%s) - T0) ))
 echo "$(date -u +%T) setup $(( $(date +%s) - T0 )) s, deadline $DL s, args $*" >> $W/call.log
