@@ -11,7 +11,9 @@
 # unless MODEL_DIR/$BASE is a model already (BASE: world-short unless set); with neither, the
 # call first rebuilds BASE from its seed (`lorapop pretrain-tiny --size $BASE`, its log in
 # $OUT/build.log; a build that does not fit the call stops in time, and the next call goes on
-# with it), returns it as $OUT/models/${BASE}_bf16.tgz.part* (carry them as $D/models) and measures it (`tiny_world.py`: $OUT/tiny_world_$BASE.json), which END_S counts;
+# with it), returns it as $OUT/models/${BASE}_bf16.tgz.part* (carried back as $D/models, a
+# fresh machine unpacks them) and measures it (`tiny_world.py`: $OUT/tiny_world_$BASE.json),
+# which END_S counts;
 # D optionally holds sets/ with heldout/select/seed_tasks*.jsonl and level_table.txt of the
 # base's level table):
 #   OUT=$OUT D=.gpu/world bash benchmarks/world_call.sh END_S [world_experiment.py args]
