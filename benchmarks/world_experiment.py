@@ -256,6 +256,8 @@ def collapse(c: dict[str, list]) -> dict:
             "collapsed": solve is not None and solve >= 0.8 and sl is not None and sl < 0}
 
 
+#: the suffix of a run's cross-play job in jobs/ (beside its training job, `NAME.json`)
+CROSS_JOB = ".cross"
 PROBE_CURVES = ("solve_rate", "valid_rate", "cyclomatic", "loc", "partial_share",
                 "unsolved_share", "teacher_reward", "distinct_programs", "entropy", "kl")
 #: the probe's figure adds the solve rate split by task type (code_f's is what holds it down)
@@ -473,7 +475,7 @@ def partial_summary(out: Path) -> dict:
     from lorapop.report import read_metrics
 
     recs = [json.loads(f.read_text()) for f in sorted((out / "jobs").glob("*.out.json"))
-            if not f.name.endswith(".cross.out.json")]  # cross-play records: not runs
+            if not f.name.endswith(f"{CROSS_JOB}.out.json")]  # cross-play records: not runs
     rows = {r["name"]: read_metrics(out / "runs" / r["name"])
             if (out / "runs" / r["name"] / "metrics.jsonl").is_file() else [] for r in recs}
     recs = [r for r in recs if rows[r["name"]]]
@@ -712,7 +714,7 @@ def run_all(args: argparse.Namespace) -> None:
         cross_jobs += [{**j, "pool": str(pool_path)} for j in jobs if j["seed"] == seed]
     with ThreadPoolExecutor(args.parallel) as pool:
         cross_recs = list(pool.map(
-            lambda j: _subprocess("--cross-one", j, out / "jobs" / f"{j['name']}.cross.json"),
+            lambda j: _subprocess("--cross-one", j, out / "jobs" / f"{j['name']}{CROSS_JOB}.json"),
             cross_jobs))  # fmt: skip
     cross: dict[str, dict[str, list[float]]] = {}
     for j, res in zip(cross_jobs, cross_recs, strict=True):
