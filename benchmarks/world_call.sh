@@ -30,6 +30,10 @@ set -u
 T0=$(date +%s)
 D=${D:?set D to the carried directory}
 END=${1:?END_S}; shift
+# Two chains may share a machine (other RUNS, OUT and CUDA_VISIBLE_DEVICES, e.g. two settings of
+# one world side by side): the install and the base's unpack or build are done once, under a lock.
+exec 9> /tmp/world_call.lock
+flock 9
 # the wheels once per machine: a call that lands on a fresh machine (the last one went back
 # idle) installs them again by itself. SKIP_PIP=1: a python that has the packages already (CPU)
 STAMP=/tmp/site/.wheels_$(cat .whl/*.whl 2> /dev/null | md5sum | cut -c1-12)
@@ -63,6 +67,7 @@ from world_recipes import pack_model; print(*pack_model(Path('$M/$B'), Path('$OU
         > $OUT/tiny_world.log 2>&1 || tail -3 $OUT/tiny_world.log; }
   fi
 fi
+flock -u 9
 W=${RUNS:-/tmp/wx_$B}  # per base: a second base on the same machine starts its own runs
 mkdir -p $W; rm -f $W/stop
 [ -d $D/sets ] && cp -n $D/sets/* $W/
