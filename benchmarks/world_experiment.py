@@ -596,20 +596,6 @@ def ensure_model(args: argparse.Namespace) -> str:
     return args.model
 
 
-def rule_overrides(table: str) -> list[str]:
-    """The world rules of a level table (`grammar.TABLE_RULES`) as config overrides: the loop's
-    proposals must stay where the base's corpus and the sets drew their inputs, and so on."""
-    from lorapop.tiny.grammar import TABLE_RULES
-
-    r = TABLE_RULES.get(table)
-    if r is None:
-        return []
-    out = [f"tasks.{key}={json.dumps(dataclasses.asdict(d))}"
-           for key, d in (("input_domain", r.inputs), ("output_domain", r.outputs)) if d]
-    out += ["tasks.live_code=true"] if r.live_code else []
-    return out + ([f"tasks.banned_calls={json.dumps(list(r.banned_calls))}"] if r.banned_calls else [])
-
-
 def prepare(out: Path, per_level: int, workers: int, table: str,
             seed_levels: tuple[int, ...] = (1, 2, 3)) -> dict[str, str]:  # fmt: skip
     """Held-out and selection sets at the levels of level table `table`, and the buffers' seed
@@ -652,7 +638,7 @@ def run_all(args: argparse.Namespace) -> None:
     (out / "jobs").mkdir(parents=True, exist_ok=True)
     model = ensure_model(args)
     from lorapop.engine.model import TINY_DIR
-    from lorapop.tiny.world import world_of
+    from lorapop.tiny.world import rule_overrides, world_of
 
     try:
         world = world_of(TINY_DIR if model == "tiny" else model)  # what the base was made for

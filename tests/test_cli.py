@@ -229,6 +229,29 @@ def test_pretrain_tiny_stop_after_stops_a_build_and_says_how_to_go_on(monkeypatc
     assert other.exit_code == 2 and other.output.startswith("error: m/partial holds a partial")
 
 
+def test_train_on_a_world_base_plays_under_its_rules(tmp_path):
+    """A base pretrained for a world with rules (its training.json's level table) brings them
+    to `lorapop train`; a rule the command line sets stays as set."""
+    import shutil
+
+    from lorapop.engine.model import TINY_DIR
+    from lorapop.tiny.grammar import TABLE_RULES
+
+    base = tmp_path / "base"
+    shutil.copytree(TINY_DIR, base)
+    record = json.loads((base / "training.json").read_text())
+    (base / "training.json").write_text(json.dumps({**record, "levels": "nojoin"}))
+    out = tmp_path / "run"
+    result = run("train", TINY, "--steps", 1, "--out", out, *FAST, f"model.name_or_path={base}",
+                 "tasks.live_code=false", "--no-report")
+    assert result.exit_code == 0, result.output
+    assert "level table 'nojoin'" in result.output and "tasks.banned_calls" in result.output
+    rules = load_config(out / "config.yaml").tasks.world_rules()
+    want = TABLE_RULES["nojoin"]
+    assert rules.banned_calls == want.banned_calls == ("count", "join")
+    assert (rules.inputs, rules.outputs) == (want.inputs, want.outputs) and not rules.live_code
+
+
 def test_rollouts_dumped_every_step_and_shown(run_dir):
     from lorapop.rollouts import read
 

@@ -176,6 +176,9 @@ def train(
     With `run.with_baseline=true` the single-agent baseline trains next, in RUN_DIR/baseline,
     with the same per-adapter compute. On several GPUs launch it through torchrun:
     `torchrun --nproc-per-node 8 -m lorapop train CONFIG` (README: "Several GPUs and nodes").
+    A base that `lorapop pretrain-tiny` made for a world with rules (the level table in its
+    training.json) plays under them (`tasks.input_domain`, `output_domain`, `live_code`,
+    `banned_calls`) where the config does not set them.
     """
 
     import shlex
@@ -207,10 +210,24 @@ def train(
         raise _fail(str(e)) from None
     if from_step is not None and not resume:
         raise _fail("--from-step goes with --resume RUN_DIR")
+    rules_note = ""
+    if not resume:  # a resumed run's config.yaml has them already
+        from lorapop.tiny.world import base_rule_overrides
+
+        try:
+            table, extra = base_rule_overrides(cfg.model.name_or_path, cfg.tasks.model_fields_set)
+        except ValueError as e:
+            raise _fail(str(e)) from None
+        if extra:
+            cfg = load_config(config, [*overrides, *extra])
+            rules_note = (f"the base was pretrained for level table {table!r}: its world rules "
+                          f"apply (set these keys to change them): {' '.join(extra)}")
     try:
         world = dist.init(cfg.model.device)
     except (RuntimeError, ValueError) as e:
         raise _fail(f"cannot join the torchrun process group: {e}") from None
+    if rules_note and world.main:
+        typer.echo(rules_note)
     try:
         done = _run(cfg, run_dir, bool(resume), command, world, from_step)
         baseline_dir = run_dir / "baseline"

@@ -24,7 +24,7 @@ from lorapop.tiny.grammar import (
 )
 from lorapop.tiny.heldout import build_heldout
 from lorapop.tiny.pretrain import SIZES, budget_cells
-from lorapop.tiny.world import world_of
+from lorapop.tiny.world import base_rule_overrides, world_of
 
 
 def test_standard_levels_and_the_tiny_and_small_recipes_are_unchanged() -> None:
@@ -91,6 +91,28 @@ def test_world_of_a_model_reads_its_training_record(tmp_path) -> None:
         world_of(tmp_path)
     (tmp_path / "training.json").write_text("{not json")
     assert world_of(tmp_path)["levels"] == "standard"
+
+
+def test_a_base_made_for_a_world_brings_the_rules_its_config_leaves_unset(tmp_path) -> None:
+    """`lorapop train` on a world base plays under its table's rules, except where the config
+    sets a rule itself; a hub id or a base with no table brings none."""
+    from lorapop.config import load_config
+
+    assert base_rule_overrides("Qwen/Qwen2.5-Coder-7B", ()) == ("standard", [])
+    assert base_rule_overrides(tmp_path, ()) == ("standard", [])  # no training.json
+    (tmp_path / "training.json").write_text(json.dumps({"levels": "nojoin"}))
+    table, extra = base_rule_overrides(tmp_path, ())
+    assert table == "nojoin"
+    assert load_config(None, extra).tasks.world_rules() == TABLE_RULES["nojoin"]
+    given = load_config(None, ["tasks.banned_calls=[]", "tasks.references=1"]).tasks
+    _, extra = base_rule_overrides(tmp_path, given.model_fields_set)
+    rules = load_config(None, ["tasks.banned_calls=[]", *extra]).tasks.world_rules()
+    assert rules.banned_calls == () and rules.inputs == TABLE_RULES["nojoin"].inputs
+    (tmp_path / "training.json").write_text(json.dumps({"levels": "short"}))  # a table, no rules
+    assert base_rule_overrides(tmp_path, ()) == ("short", [])
+    (tmp_path / "training.json").write_text(json.dumps({"levels": "moon"}))
+    with pytest.raises(ValueError, match="level table 'moon'"):
+        base_rule_overrides(tmp_path, ())
 
 
 def test_short_table_keeps_every_level_short_and_complexity_rising() -> None:

@@ -354,21 +354,22 @@ def test_a_bounded_world_sets_its_rules_and_seeds_inside_them(tmp_path) -> None:
     from lorapop.config import load_config
     from lorapop.tiny.grammar import TABLE_RULES
     from lorapop.tiny.heldout import load_jsonl
+    from lorapop.tiny.world import rule_overrides
 
     we = _module()
-    assert we.rule_overrides("short") == []
-    assert load_config(None, we.rule_overrides("live")).tasks.world_rules() == TABLE_RULES["live"]
-    cfg = load_config(None, we.rule_overrides("narrow"))
+    assert rule_overrides("short") == []
+    assert load_config(None, rule_overrides("live")).tasks.world_rules() == TABLE_RULES["live"]
+    cfg = load_config(None, rule_overrides("narrow"))
     assert cfg.tasks.world_rules() == TABLE_RULES["narrow"]
     paths = we.prepare(tmp_path, 1, 1, "narrow", (1, 3))
     seeds = load_jsonl(paths["seed_tasks"])
     assert seeds and all(cfg.tasks.input_domain.problem(x) is None for t in seeds for x in t.inputs)
-    rules = load_config(None, we.rule_overrides("natural")).tasks.world_rules()
+    rules = load_config(None, rule_overrides("natural")).tasks.world_rules()
     assert rules == TABLE_RULES["natural"] and rules.inputs.int_min == rules.outputs.int_min == 0
     seeds = load_jsonl(we.prepare(tmp_path / "natural", 1, 1, "natural", (1, 3))["seed_tasks"])
     assert seeds and not any(rules.input_problem(k, x) for t in seeds for k, x in enumerate(t.inputs))
     assert not any(rules.output_problem(y) for t in seeds for y in t.outputs)
-    rules = load_config(None, we.rule_overrides("nocount")).tasks.world_rules()
+    rules = load_config(None, rule_overrides("nocount")).tasks.world_rules()
     assert rules == TABLE_RULES["nocount"] and rules.banned_calls == ("count",)
 
 

@@ -29,11 +29,12 @@ slot), as the loop would use it:
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 import random
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import fmean, pvariance
@@ -45,7 +46,7 @@ from lorapop.tasks import Outcome, Runner, Task, get_family, program_metrics
 from lorapop.tasks.domain import WorldRules
 from lorapop.tiny.evaluate import MAX_NEW
 from lorapop.tiny.generator import KINDS, generate_tasks, normalize
-from lorapop.tiny.grammar import LEVEL_TABLES, LEVELS, table_level
+from lorapop.tiny.grammar import LEVEL_TABLES, LEVELS, TABLE_RULES, table_level
 from lorapop.verify import Sandbox
 
 Pools = Mapping[int, Mapping[str, Sequence[Task]]]  # level -> task type -> tasks
@@ -82,6 +83,34 @@ def world_of(model_dir: str | Path) -> dict[str, Any]:
         raise ValueError(f"{model_dir} was pretrained on level table {table!r}; known: "
                          f"{', '.join(LEVEL_TABLES)}")  # fmt: skip
     return {"levels": table, "references": refs if isinstance(refs, int) and refs >= 1 else 2}
+
+
+
+def rule_overrides(table: str) -> list[str]:
+    """The world rules of a level table (`grammar.TABLE_RULES`) as config overrides
+    (`tasks.input_domain`, `tasks.output_domain`, `tasks.live_code`, `tasks.banned_calls`): the
+    loop's proposals must stay where the base's corpus and the sets drew their inputs."""
+    r = TABLE_RULES.get(table)
+    if r is None:
+        return []
+    out = [f"tasks.{key}={json.dumps(dataclasses.asdict(d))}"
+           for key, d in (("input_domain", r.inputs), ("output_domain", r.outputs)) if d]
+    out += ["tasks.live_code=true"] if r.live_code else []
+    return out + ([f"tasks.banned_calls={json.dumps(list(r.banned_calls))}"] if r.banned_calls else [])
+
+
+def base_rule_overrides(model: str | Path, tasks_set: Iterable[str]) -> tuple[str, list[str]]:
+    """The level table a local base was pretrained for (its training.json) and its world rules
+    as overrides (`rule_overrides`), less the `tasks` keys in `tasks_set` (those a config gives
+    itself). A hub id, or a directory without training.json, has no table: ("standard", []).
+    ValueError (one line) for a table this code does not know."""
+    path = Path(model)
+    if not (path / "training.json").is_file():
+        return "standard", []
+    table = world_of(path)["levels"]
+    given = set(tasks_set)
+    return table, [o for o in rule_overrides(table)
+                   if o.split("=", 1)[0].removeprefix("tasks.") not in given]
 
 
 @dataclass(frozen=True)
