@@ -7,6 +7,8 @@
         --out benchmarks/results/tiny_execution_natural_on_direct.json     # another table's level
     PYTHONPATH=src python benchmarks/tiny_execution.py --size world-direct --table direct \
         --steps 4000 --batch-size 256 --lr 1.5e-3 --eval 400 --eval-every 500  # a learning curve
+    PYTHONPATH=src python benchmarks/tiny_execution.py --table nojoin --level 2 \
+        --shape hidden=192,layers=8,heads=6,kv_heads=2,intermediate=512  # deeper, same parameters
 
 The regime world's students barely execute (README, "A world in the paper's regime"). This
 trains a fresh model of `--size`'s shape (the world tokenizer: string characters unmerged) on
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import json
 import os
 import platform
@@ -74,6 +77,9 @@ def main() -> None:
                     help="level table of the scored programs (default: --table)")
     ap.add_argument("--model", help="score this base instead of training one")
     ap.add_argument("--size", default="tiny", help="model shape of a pretrain-tiny size")
+    ap.add_argument("--shape", default="", metavar="KEY=N,...",
+                    help="change --size's shape, e.g. hidden=192,layers=8,heads=6,kv_heads=2,"
+                         "intermediate=512 (deeper at equal parameters)")
     ap.add_argument("--programs", type=int, default=20_000, help="training programs")
     ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--batch-size", type=int, default=64)
@@ -86,6 +92,11 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/tiny_execution.json")
     a = ap.parse_args()
     a.eval_table = a.eval_table or a.table
+    try:
+        shape = dataclasses.replace(SIZES[a.size].size, **{
+            k: int(v) for k, v in (kv.split("=", 1) for kv in a.shape.split(",") if kv)})
+    except (KeyError, TypeError, ValueError) as e:
+        ap.error(f"--size {a.size!r} --shape {a.shape!r}: {e}")
     dev = resolve_device(a.device)
     t0 = time.perf_counter()
     train_level = table_level(a.level, a.table)
@@ -105,7 +116,7 @@ def main() -> None:
             corpus = generate_corpus(a.programs, "exec/0", levels=(train_level,), workers=a.workers)
             texts = corpus_texts([as_type(t, "code_o") for t in corpus[:5000]])
             tok = train_tokenizer(texts, vocab_size=1024, single_chars=STRING_CHARS)
-            model = build_model(tok, SIZES[a.size].size, 0)
+            model = build_model(tok, shape, 0)
             ex = Examples(corpus, random.Random("exec/0"), role_weights=(0, 0, 0, 1, 0, 0))
             batches = (encode(tok, [ex.draw()[1:] for _ in range(a.batch_size)], 512)
                        for _ in range(a.steps))  # fmt: skip
@@ -121,8 +132,10 @@ def main() -> None:
                 tok.padding_side = side
                 print(json.dumps(curve[-1]), flush=True)
 
-            record.update(size=a.size, programs=a.programs, steps=a.steps,
-                          examples=a.steps * a.batch_size, lr=a.lr)  # fmt: skip
+            record.update(size=a.size, shape=dataclasses.asdict(shape),
+                          parameters=sum(p.numel() for p in model.parameters()),
+                          programs=a.programs, steps=a.steps, examples=a.steps * a.batch_size,
+                          lr=a.lr)  # fmt: skip
             try:
                 losses = train(model, batches, a.steps, dev, lr=a.lr, log=None,
                                every=(a.eval_every, score) if a.eval_every else None)
