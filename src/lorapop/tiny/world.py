@@ -29,13 +29,12 @@ slot), as the loop would use it:
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import json
 import random
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from statistics import fmean, pvariance
 from typing import Any
@@ -85,7 +84,6 @@ def world_of(model_dir: str | Path) -> dict[str, Any]:
     return {"levels": table, "references": refs if isinstance(refs, int) and refs >= 1 else 2}
 
 
-
 def rule_overrides(table: str) -> list[str]:
     """The world rules of a level table (`grammar.TABLE_RULES`) as config overrides
     (`tasks.input_domain`, `tasks.output_domain`, `tasks.live_code`, `tasks.banned_calls`): the
@@ -93,7 +91,7 @@ def rule_overrides(table: str) -> list[str]:
     r = TABLE_RULES.get(table)
     if r is None:
         return []
-    out = [f"tasks.{key}={json.dumps(dataclasses.asdict(d))}"
+    out = [f"tasks.{key}={json.dumps(asdict(d))}"
            for key, d in (("input_domain", r.inputs), ("output_domain", r.outputs)) if d]
     out += ["tasks.live_code=true"] if r.live_code else []
     return out + ([f"tasks.banned_calls={json.dumps(list(r.banned_calls))}"] if r.banned_calls else [])
