@@ -22,6 +22,8 @@
 #        ... world_call.sh 470 --gpus 8 --parallel 21                            (the experiment)
 #        ... world_call.sh 330 --gpus 4 --parallel 21 --finish   (last call of a chain that cannot
 #            reach train.steps: every run is scored at the step it reached)
+#   two settings at once, one per GPU (each chain its own RUNS, OUT and CUDA_VISIBLE_DEVICES):
+#        CUDA_VISIBLE_DEVICES=1 RUNS=/tmp/wx_r32 OUT=$OUT/r32 D=... world_call.sh 580 lora.rank=32 ... &
 # ROLLOUTS=N (env): progress.tgz also holds each run's last N steps' rollouts (what its proposals
 # and answers were; progress.tgz must stay under the 16 MiB a returned file may have).
 # END_S: seconds after the call began at which training checkpoints and stops (leave ~100 s of a
