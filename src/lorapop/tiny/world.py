@@ -84,17 +84,19 @@ def world_of(model_dir: str | Path) -> dict[str, Any]:
     return {"levels": table, "references": refs if isinstance(refs, int) and refs >= 1 else 2}
 
 
-def rule_overrides(table: str) -> list[str]:
+def rule_overrides(table: str, skip: Iterable[str] = ()) -> list[str]:
     """The world rules of a level table (`grammar.TABLE_RULES`) as config overrides
-    (`tasks.input_domain`, `tasks.output_domain`, `tasks.live_code`, `tasks.banned_calls`): the
-    loop's proposals must stay where the base's corpus and the sets drew their inputs."""
+    (`tasks.input_domain`, `tasks.output_domain`, `tasks.live_code`, `tasks.banned_calls`), less
+    the `tasks` keys in `skip`: the loop's proposals must stay where the base's corpus and the
+    sets drew their inputs."""
     r = TABLE_RULES.get(table)
     if r is None:
         return []
-    out = [f"tasks.{key}={json.dumps(asdict(d))}"
-           for key, d in (("input_domain", r.inputs), ("output_domain", r.outputs)) if d]
-    out += ["tasks.live_code=true"] if r.live_code else []
-    return out + ([f"tasks.banned_calls={json.dumps(list(r.banned_calls))}"] if r.banned_calls else [])
+    values = {"input_domain": r.inputs and asdict(r.inputs),
+              "output_domain": r.outputs and asdict(r.outputs),
+              "live_code": r.live_code or None, "banned_calls": list(r.banned_calls) or None}
+    skip = set(skip)
+    return [f"tasks.{k}={json.dumps(v)}" for k, v in values.items() if v is not None and k not in skip]
 
 
 def base_rule_overrides(model: str | Path, tasks_set: Iterable[str]) -> tuple[str, list[str]]:
@@ -106,9 +108,7 @@ def base_rule_overrides(model: str | Path, tasks_set: Iterable[str]) -> tuple[st
     if not (path / "training.json").is_file():
         return "standard", []
     table = world_of(path)["levels"]
-    given = set(tasks_set)
-    return table, [o for o in rule_overrides(table)
-                   if o.split("=", 1)[0].removeprefix("tasks.") not in given]
+    return table, rule_overrides(table, skip=tasks_set)
 
 
 @dataclass(frozen=True)
