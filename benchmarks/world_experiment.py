@@ -47,6 +47,7 @@ from statistics import fmean, median
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "world.yaml"
 ARMS = ("population", "single", "independent", "noevolve")
+TYPES = ("code_o", "code_i", "code_f")
 SELECT_SEED = "world-select-v1"
 COMPLEXITY = ("cyclomatic", "ast_depth", "loc", "variables")
 CURVES = (*COMPLEXITY, "solve_rate", "valid_rate", "partial_share", "unsolved_share",
@@ -597,9 +598,10 @@ def ensure_model(args: argparse.Namespace) -> str:
 
 
 def prepare(out: Path, per_level: int, workers: int, table: str,
-            seed_levels: tuple[int, ...] = (1, 2, 3)) -> dict[str, str]:  # fmt: skip
+            seed_levels: tuple[int, ...] = (1, 2, 3), types: tuple[str, ...] = TYPES,
+            ) -> dict[str, str]:  # fmt: skip
     """Held-out and selection sets at the levels of level table `table`, and the buffers' seed
-    tasks at `seed_levels` (each built once, then reused)."""
+    tasks at `seed_levels` (each built once, then reused), all of task `types`."""
     from lorapop.tiny import generate_tasks
     from lorapop.tiny.grammar import table_level
     from lorapop.tiny.heldout import build_heldout, save_jsonl
@@ -610,25 +612,27 @@ def prepare(out: Path, per_level: int, workers: int, table: str,
     paths = {k: str(out / f"{k}.jsonl") for k in ("heldout", "select")}
     paths["seed_tasks"] = str(out / f"{seeds_name}.jsonl")
     made = out / "level_table.txt"
+    kind = table if types == TYPES else f"{table} {','.join(types)}"  # (all types: as before)
     have_sets = Path(paths["heldout"]).is_file() and Path(paths["select"]).is_file()
     if have_sets:
         have = made.read_text().strip() if made.is_file() else "standard"  # (older sets)
-        if have != table:
+        if have != kind:
             raise SystemExit(f"{out} holds sets of level table {have!r}, this run's is "
-                             f"{table!r}: use another --out")  # fmt: skip
+                             f"{kind!r}: use another --out")  # fmt: skip
         if Path(paths["seed_tasks"]).is_file():
             return paths
     with Sandbox(workers=workers) as sb:
         if not have_sets:
-            held = build_heldout(per_level, sandbox=sb, table=table)
+            held = build_heldout(per_level, sandbox=sb, table=table, kinds=types)
             save_jsonl(held, paths["heldout"])
             save_jsonl(build_heldout(per_level, seed=SELECT_SEED, sandbox=sb, table=table,
-                                     exclude=[t.program for t in held]), paths["select"])  # fmt: skip
-        seeds = [t for k in ("code_o", "code_i", "code_f") for lv in seed_levels
+                                     kinds=types, exclude=[t.program for t in held]),
+                       paths["select"])  # fmt: skip
+        seeds = [t for k in types for lv in seed_levels
                  for t in generate_tasks(k, 8, table_level(lv, table), "world-seed-tasks",
                                          sandbox=sb, n_inputs=4)]  # fmt: skip
         save_jsonl(seeds, paths["seed_tasks"])
-    made.write_text(table + "\n")
+    made.write_text(kind + "\n")
     return paths
 
 
@@ -648,10 +652,13 @@ def run_all(args: argparse.Namespace) -> None:
     if table != world["levels"]:
         print(f"playing a base of level table {world['levels']!r} in the world of {table!r}",
               flush=True)
-    paths = prepare(out, args.per_level, args.workers, table, tuple(sorted(set(args.seed_levels))))
+    types = tuple(t for t in TYPES if t in args.types)
+    paths = prepare(out, args.per_level, args.workers, table, tuple(sorted(set(args.seed_levels))),
+                    types)  # fmt: skip
     base = [f"model.name_or_path={Path(model).resolve() if Path(model).exists() else model}",
             f"tasks.seed_tasks={Path(paths['seed_tasks']).resolve()}",
-            f"tasks.references={world['references']}", *rule_overrides(table), *args.overrides]
+            f"tasks.references={world['references']}", *rule_overrides(table),
+            *([] if types == TYPES else [f"tasks.types=[{','.join(types)}]"]), *args.overrides]
     jobs = []
     for arm in args.arms:
         for seed in args.seeds:
@@ -871,6 +878,9 @@ def main() -> None:
                     help="play the base in another level table's world: its rules, held-out, "
                     "selection and seed tasks (default: the table the base was pretrained on); "
                     "a cheap test of a world's rules before a base is built for it")
+    ap.add_argument("--types", nargs="+", default=list(TYPES), choices=TYPES, metavar="TYPE",
+                    help="the world's task types (default all: code_o code_i code_f); the runs, "
+                    "held-out, selection and seed tasks have only these")
     ap.add_argument("--plot", type=Path, help="plot a finished world_experiment.json")
     ap.add_argument("--merge", type=Path, nargs="+", metavar="RESULTS",
                     help="merge calls' results.json (other arms or seeds) into --out's "

@@ -197,6 +197,21 @@ def test_seed_levels_choose_the_buffers_start_and_reuse_the_sets(tmp_path) -> No
         assert {t.meta["difficulty"] for t in tasks} == levels and len(tasks) == 3 * 8 * len(levels)
 
 
+def test_a_world_without_code_f_has_no_code_f_in_its_sets_and_keeps_them_apart(tmp_path) -> None:
+    from lorapop.config import load_config
+    from lorapop.tiny.heldout import load_jsonl
+
+    we = _module()
+    types = ("code_o", "code_i")
+    paths = we.prepare(tmp_path, 1, 2, "short", (1,), types)
+    for key in ("heldout", "select", "seed_tasks"):
+        assert {t.type for t in load_jsonl(paths[key])} == set(types)
+    assert len(load_jsonl(paths["heldout"])) == 2 * 5  # one task per type and level
+    with pytest.raises(SystemExit, match="code_o,code_i"):  # sets of all types: another --out
+        we.prepare(tmp_path, 1, 2, "short", (1,))
+    assert load_config(None, ["tasks.types=[code_o,code_i]"]).tasks.types == list(types)
+
+
 def test_runs_are_spread_over_the_gpus_each_in_its_own_process(tmp_path, monkeypatch) -> None:
     we = _module()
     arms = ["population", "single", *["independent"] * 4, "noevolve"]
