@@ -9,11 +9,12 @@
 #
 # usage (device machine, repo root, whose src/ and benchmarks/ run; D holds models/$BASE_bf16.tgz.part*
 # unless MODEL_DIR/$BASE is a model already (BASE: world-short unless set); with neither, the
-# call first rebuilds BASE from its seed (`lorapop pretrain-tiny --size $BASE`, its log in
-# $OUT/build.log; a build that does not fit the call stops in time, and the next call goes on
-# with it), returns it as $OUT/models/${BASE}_bf16.tgz.part* (carried back as $D/models, a
-# fresh machine unpacks them) and measures it (`tiny_world.py`: $OUT/tiny_world_$BASE.json),
-# which END_S counts;
+# call first rebuilds BASE from its seed (`lorapop pretrain-tiny --size $BASE`, its log
+# build.log in progress.tgz; a build that does not fit the call stops in time, and the next
+# call goes on with it), returns it as $OUT/models/${BASE}_bf16.tgz.part* (carried back as
+# $D/models, a fresh machine unpacks them) and measures it (`tiny_world.py`:
+# tiny_world_$BASE.json in progress.tgz), which END_S counts. A call returns at most 8 files,
+# so the build's logs travel inside progress.tgz and its three parts always come back;
 # D optionally holds sets/ with heldout/select/seed_tasks*.jsonl and level_table.txt of the
 # base's level table):
 #   OUT=$OUT D=.gpu/world bash benchmarks/world_call.sh END_S [world_experiment.py args]
@@ -46,7 +47,8 @@ fi
 export PYTHONPATH=/tmp/site:$PWD/src
 M=${MODEL_DIR:-/tmp/m}
 B=${BASE:-world-short}
-mkdir -p $M $OUT
+W=${RUNS:-/tmp/wx_$B}  # per base: a second base on the same machine starts its own runs
+mkdir -p $M $OUT $W
 built() { [ -f $M/$B/config.json ]; }
 if ! built; then
   if ls $D/models/${B}_bf16.tgz.part* > /dev/null 2>&1; then
@@ -57,21 +59,20 @@ if ! built; then
     NW=$(( $(nproc) - 1 ))
     python3 -m lorapop pretrain-tiny --size $B --out $M/$B --device auto \
         --workers $NW --stop-after $(( END - ($(date +%s) - T0) - 30 )) \
-        > $OUT/build.log 2>&1 || { tail -5 $OUT/build.log; exit 1; }
-    tail -1 $OUT/build.log >&2
+        > $W/build.log 2>&1 || { tail -5 $W/build.log; exit 1; }
+    tail -1 $W/build.log >&2
     # as bf16 15 MiB parts (what the runs load on CUDA anyway): carried as $D/models, a later
     # call on a fresh machine unpacks them instead of building again
     built && python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path
 from world_recipes import pack_model; print(*pack_model(Path('$M/$B'), Path('$OUT/models')))" >&2
     # the new base's regime (~15-35 s) before any run plays on it
     built && { python3 benchmarks/tiny_world.py --model $M/$B --device auto \
-        --workers $NW --proposals 40 --out $OUT/tiny_world_$B.json \
-        > $OUT/tiny_world.log 2>&1 || tail -3 $OUT/tiny_world.log; }
+        --workers $NW --proposals 40 --out $W/tiny_world_$B.json \
+        > $W/tiny_world.log 2>&1 || tail -3 $W/tiny_world.log; }
   fi
 fi
 flock -u 9
-W=${RUNS:-/tmp/wx_$B}  # per base: a second base on the same machine starts its own runs
-mkdir -p $W; rm -f $W/stop
+rm -f $W/stop
 [ -d $D/sets ] && cp -n $D/sets/* $W/
 if [ -d $W/runs ]; then echo "continuing: $(ls $W/runs | wc -l) runs on this machine" >> $W/call.log
 else echo "$(date -u +%T) no runs on this machine yet: they start from step 0" | tee -a $W/call.log >&2; fi
@@ -79,7 +80,8 @@ S="sampling.teacher_max_new_tokens=256 sampling.student_max_new_tokens=192 run.k
 DL=$(( END - ($(date +%s) - T0) ))
 echo "$(date -u +%T) setup $(( $(date +%s) - T0 )) s, deadline $DL s, args $*" >> $W/call.log
 pack() {  # small files only: no checkpoints or adapters; rollouts of the last $ROLLOUTS steps
-  ( cd $W && ls *.log gate_probe.json gate_probe.png jobs/*.out.json runs/*/metrics.jsonl 2>/dev/null
+  ( cd $W && ls *.log tiny_world_*.json gate_probe.json gate_probe.png jobs/*.out.json \
+      runs/*/metrics.jsonl 2>/dev/null
     [ "${ROLLOUTS:-0}" -gt 0 ] && for r in runs/*/rollouts; do
       ls -v $r/step_*.jsonl.gz 2>/dev/null | tail -n $ROLLOUTS; done ) \
     | tar czf $OUT/progress.tgz.tmp -C $W -T - 2>/dev/null && mv $OUT/progress.tgz.tmp $OUT/progress.tgz; }
