@@ -48,6 +48,7 @@ from lorapop.tiny.pretrain import (
     as_type,
     build_model,
     encode,
+    reshape,
     train,
 )
 from lorapop.tiny.tokenizer import corpus_texts, train_tokenizer
@@ -92,11 +93,12 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/tiny_execution.json")
     a = ap.parse_args()
     a.eval_table = a.eval_table or a.table
+    if a.size not in SIZES:
+        ap.error(f"--size {a.size!r}: known sizes are {', '.join(SIZES)}")
     try:
-        shape = dataclasses.replace(SIZES[a.size].size, **{
-            k: int(v) for k, v in (kv.split("=", 1) for kv in a.shape.split(",") if kv)})
-    except (KeyError, TypeError, ValueError) as e:
-        ap.error(f"--size {a.size!r} --shape {a.shape!r}: {e}")
+        shape = reshape(SIZES[a.size].size, a.shape)
+    except ValueError as e:
+        ap.error(f"--shape {a.shape!r}: {e}")
     dev = resolve_device(a.device)
     t0 = time.perf_counter()
     train_level = table_level(a.level, a.table)

@@ -91,6 +91,23 @@ class ModelSize:
     max_positions: int = 2048
 
 
+def reshape(size: ModelSize, spec: str) -> ModelSize:
+    """`size` with the fields named in `spec` (`"hidden=768,layers=12"`) changed: benchmarks
+    try other shapes of a recipe. A field that is not one, or a value that is not an int, is a
+    ValueError that names it."""
+    fields = {f.name for f in dataclasses.fields(ModelSize)}
+    changes = {}
+    for item in filter(None, spec.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or key not in fields:
+            raise ValueError(f"{item!r}: give KEY=N with KEY one of {', '.join(sorted(fields))}")
+        try:
+            changes[key] = int(value)
+        except ValueError:
+            raise ValueError(f"{item!r}: {value!r} is not an integer") from None
+    return dataclasses.replace(size, **changes)
+
+
 @dataclass(frozen=True)
 class Recipe:
     """A named size: the model shape and the pretraining choices that go with it."""
