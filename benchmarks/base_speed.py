@@ -11,7 +11,7 @@ so what counts is how a recipe's build time grows with the shape. This makes the
 corpus once, then trains each shape (`--shape`, fields of `ModelSize`; "" is the recipe's own)
 for `--steps` steps on the recipe's own batches (`pretrain_tiny` with the recipe's settings,
 that shape and the corpus given; the pool is drawn per shape, sized to the steps) and records its parameters, ms
-per step (all steps, the first included), peak GPU memory, and the recipe's training time at
+per step (between the last two logged steps: the first steps warm up; over all steps too), peak GPU memory, and the recipe's training time at
 that speed (its steps x ms per step). A shape that does not fit is recorded as out of memory.
 """
 
@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import json
 import platform
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -31,6 +32,8 @@ from lorapop.engine.model import resolve_device
 from lorapop.tiny.corpus import generate_corpus
 from lorapop.tiny.grammar import table_levels
 from lorapop.tiny.pretrain import SIZES, pretrain_tiny, reshape
+
+STEP_LINE = re.compile(r"step\s+(\d+)\s+loss\s+\S+\s+([\d.]+)s")
 
 
 def measure(size: str, shape_spec: str, corpus: list, steps: int, device: str,
@@ -43,16 +46,25 @@ def measure(size: str, shape_spec: str, corpus: list, steps: int, device: str,
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
     row = {"shape": shape_spec or "(recipe)", "model": dataclasses.asdict(shape)}
+    logged: list[tuple[int, float]] = []  # (step, seconds since training began), every 50 steps
+
+    def log(line: str) -> None:
+        if m := STEP_LINE.match(line):
+            logged.append((int(m[1]), float(m[2])))
+
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         try:
-            rec = pretrain_tiny(tmp, 0, device=device, corpus=corpus, workers=workers, log=None,
+            rec = pretrain_tiny(tmp, 0, device=device, corpus=corpus, workers=workers, log=log,
                                 **dataclasses.asdict(recipe) | {"size": shape, "steps": steps})
         except torch.OutOfMemoryError:
             return {**row, "status": "out of memory"}
-    step_ms = rec["step_ms"]
+    # steady state: between the last two logged steps (the first steps pay for warm-up), where
+    # they are 10 or more steps apart; else over all steps
+    (s0, t_0), (s1, t_1) = logged[-2:] if len(logged) > 1 else ((0, 0.0), (0, 0.0))
+    step_ms = round(1000 * (t_1 - t_0) / (s1 - s0), 1) if s1 - s0 >= 10 else rec["step_ms"]
     return {**row, "status": "ok", "parameters": rec["parameters"], "steps": steps,
-            "step_ms": step_ms, "final_loss": rec["final_loss"],
+            "step_ms": step_ms, "step_ms_all": rec["step_ms"], "final_loss": rec["final_loss"],
             "pool_tokens": rec["pool"]["tokens"] if rec.get("pool") else None,
             "seconds": round(time.perf_counter() - t0, 1),
             "peak_gib": round(torch.cuda.max_memory_allocated(dev) / 2**30, 2)
