@@ -54,20 +54,29 @@ if ! built; then
   if ls $D/models/${B}_bf16.tgz.part* > /dev/null 2>&1; then
     cat $D/models/${B}_bf16.tgz.part* | tar xzf - -C $M || exit 1
   else  # no parts: rebuild the base from its seed (BASE a pretrain-tiny size; ~380 s on an H100);
-    # a build the call cannot finish stops in time and the next call goes on with it
-    echo "$(date -u +%T) building $B" >&2
-    NW=$(( $(nproc) - 1 ))
-    python3 -m lorapop pretrain-tiny --size $B --out $M/$B --device auto \
-        --workers $NW --stop-after $(( END - ($(date +%s) - T0) - 30 )) \
-        > $W/build.log 2>&1 || { tail -5 $W/build.log; exit 1; }
-    tail -1 $W/build.log >&2
+    # a build the call cannot finish stops in time and the next call goes on with it (each
+    # sitting remakes the corpus and batches first: ~100 s, so one with less left is not begun)
+    LEFT=$(( END - ($(date +%s) - T0) - 30 ))
+    if [ $LEFT -lt 180 ]; then
+      echo "$(date -u +%T) $B not built yet; $LEFT s left: the next call goes on" | tee -a $W/call.log >&2
+    else
+      echo "$(date -u +%T) building $B" >&2
+      NW=$(( $(nproc) - 1 ))
+      python3 -m lorapop pretrain-tiny --size $B --out $M/$B --device auto \
+          --workers $NW --stop-after $LEFT >> $W/build.log 2>&1 || { tail -5 $W/build.log; exit 1; }
+      tail -1 $W/build.log >&2
+    fi
     # as bf16 15 MiB parts (what the runs load on CUDA anyway): carried as $D/models, a later
     # call on a fresh machine unpacks them instead of building again
     built && python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path
 from world_recipes import pack_model; print(*pack_model(Path('$M/$B'), Path('$OUT/models')))" >&2
+    # a base of more than 4 parts (60 MiB) can neither come back (8 files a call) nor be carried
+    # (64 MiB): it stays on this machine, whose later calls gate it
+    NP=$(ls $OUT/models/${B}_bf16.tgz.part* 2> /dev/null | wc -l)
+    [ $NP -gt 4 ] && rm -rf $OUT/models && echo "$B: $NP parts would not travel: kept on this machine only" >&2
     # the new base's regime (~15-35 s) before any run plays on it
     built && { python3 benchmarks/tiny_world.py --model $M/$B --device auto \
-        --workers $NW --proposals 40 --out $W/tiny_world_$B.json \
+        --workers $(( $(nproc) - 1 )) --proposals 40 --out $W/tiny_world_$B.json \
         > $W/tiny_world.log 2>&1 || tail -3 $W/tiny_world.log; }
   fi
 fi

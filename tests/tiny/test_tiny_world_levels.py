@@ -241,3 +241,17 @@ def test_tables_without_calls_are_the_direct_stream_less_those_calls(table, bann
     held = build_heldout(2, sandbox=tiny_sandbox, table=table)
     assert variants and held
     assert not any(f".{name}(" in t.program for t in corpus + variants + held for name in banned)
+
+
+def test_world_nocount_77m_is_world_nocount_three_times_larger() -> None:
+    """The larger base differs from `world-nocount` in its shape alone (so a gate on it tests
+    the student's size), at ~77M parameters: too large to carry, built where it is gated."""
+    from lorapop.engine.model import TINY_DIR, load_tokenizer
+    from lorapop.tiny.pretrain import build_model
+
+    big, base = SIZES["world-nocount-77m"], SIZES["world-nocount"]
+    assert {k: v for k, v in big.__dict__.items() if k != "size"} == \
+        {k: v for k, v in base.__dict__.items() if k != "size"}
+    tok = load_tokenizer(str(TINY_DIR))
+    params = [sum(p.numel() for p in build_model(tok, r.size, 0).parameters()) for r in (big, base)]
+    assert 70e6 < params[0] < 80e6 and params[0] > 2.8 * params[1]

@@ -245,6 +245,14 @@ SIZES["world-nocount"] = Recipe(**SIZES["world-direct-exec"].__dict__ | {"levels
 # rate fell had 91-96% of its unsolved code_o/code_i tasks on `''.join(map(str, xs))`
 # (benchmarks/README.md, session 16)
 SIZES["world-nojoin"] = Recipe(**SIZES["world-direct-exec"].__dict__ | {"levels": "nojoin"})
+# `world-nocount` three times larger (768 x 12, 77M parameters): on every 26M base the gate's
+# single agent lost its solve rate to short programs its student executes wrongly
+# (docs/world-regime.md, session 19), so a stronger student is the lever left. A step takes
+# ~1.5x the 26M's on an H100 (benchmarks/results/base_speed_world-nocount_h100_s19.json): ~740 s
+# to build and measure. At 154 MB in bf16 it does not fit a device call's carry, so it is built
+# and gated on one machine
+SIZES["world-nocount-77m"] = Recipe(**SIZES["world-nocount"].__dict__ | {
+    "size": ModelSize(hidden=768, layers=12, heads=12, kv_heads=4, intermediate=2048)})
 
 
 # -- the corpus and its examples --------------------------------------------------------------
