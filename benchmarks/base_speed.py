@@ -10,9 +10,10 @@ and gated on one device machine (30 minutes held; its parts must fit the 64 MiB 
 so what counts is how a recipe's build time grows with the shape. This makes the recipe's
 corpus once, then trains each shape (`--shape`, fields of `ModelSize`; "" is the recipe's own)
 for `--steps` steps on the recipe's own batches (`pretrain_tiny` with the recipe's settings,
-that shape and the corpus given; the pool is drawn per shape, sized to the steps) and records its parameters, ms
-per step (between the last two logged steps: the first steps warm up; over all steps too), peak GPU memory, and the recipe's training time at
-that speed (its steps x ms per step). A shape that does not fit is recorded as out of memory.
+that shape and the corpus given; the pool is drawn per shape, sized to the steps). It records
+each shape's parameters, ms per step (steady state: between the last two logged steps, since
+the first steps warm up; and over all steps), peak GPU memory, and the recipe's training time
+at the steady speed (its steps x ms per step). A shape that does not fit is out of memory.
 """
 
 from __future__ import annotations

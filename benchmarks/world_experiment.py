@@ -612,13 +612,13 @@ def prepare(out: Path, per_level: int, workers: int, table: str,
     paths = {k: str(out / f"{k}.jsonl") for k in ("heldout", "select")}
     paths["seed_tasks"] = str(out / f"{seeds_name}.jsonl")
     made = out / "level_table.txt"
-    kind = table if types == TYPES else f"{table} {','.join(types)}"  # (all types: as before)
+    sets_of = table if types == TYPES else f"{table} {','.join(types)}"  # (all types: as before)
     have_sets = Path(paths["heldout"]).is_file() and Path(paths["select"]).is_file()
     if have_sets:
         have = made.read_text().strip() if made.is_file() else "standard"  # (older sets)
-        if have != kind:
+        if have != sets_of:
             raise SystemExit(f"{out} holds sets of level table {have!r}, this run's is "
-                             f"{kind!r}: use another --out")  # fmt: skip
+                             f"{sets_of!r}: use another --out")  # fmt: skip
         if Path(paths["seed_tasks"]).is_file():
             return paths
     with Sandbox(workers=workers) as sb:
@@ -632,7 +632,7 @@ def prepare(out: Path, per_level: int, workers: int, table: str,
                  for t in generate_tasks(k, 8, table_level(lv, table), "world-seed-tasks",
                                          sandbox=sb, n_inputs=4)]  # fmt: skip
         save_jsonl(seeds, paths["seed_tasks"])
-    made.write_text(kind + "\n")
+    made.write_text(sets_of + "\n")
     return paths
 
 
