@@ -84,15 +84,15 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--out", default="benchmarks/results/base_speed.json")
     a = ap.parse_args()
-    if a.size not in SIZES or not SIZES[a.size].fast_corpus:
+    recipe = SIZES.get(a.size)
+    if recipe is None or not recipe.fast_corpus:
         ap.error(f"--size {a.size!r}: give a recipe with a worker-made corpus, e.g. world-nocount")
     shapes = a.shape if a.shape is not None else [""]
     for spec in shapes:
         try:
-            reshape(SIZES[a.size].size, spec)
+            reshape(recipe.size, spec)
         except ValueError as e:
             ap.error(f"--shape {spec!r}: {e}")
-    recipe = SIZES[a.size]
     t0 = time.perf_counter()
     corpus = generate_corpus(a.n_per_level or recipe.n_per_level, "pretrain/0", workers=a.workers,
                              log=None, levels=table_levels(recipe.levels))  # fmt: skip

@@ -67,13 +67,14 @@ if ! built; then
       tail -1 $W/build.log >&2
     fi
     # as bf16 15 MiB parts (what the runs load on CUDA anyway): carried as $D/models, a later
-    # call on a fresh machine unpacks them instead of building again
-    built && python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path
+    # call on a fresh machine unpacks them instead of building again. A base over 120 MiB in
+    # fp32 (60 MiB in bf16, e.g. 77M parameters) can neither come back (8 files a call) nor be
+    # carried (64 MiB): it stays on this machine, whose later calls gate it
+    if built && [ $(stat -c %s $M/$B/model.safetensors) -gt $((120 << 20)) ]; then
+      echo "$B: too large to travel, kept on this machine only" >&2
+    elif built; then python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path
 from world_recipes import pack_model; print(*pack_model(Path('$M/$B'), Path('$OUT/models')))" >&2
-    # a base of more than 4 parts (60 MiB) can neither come back (8 files a call) nor be carried
-    # (64 MiB): it stays on this machine, whose later calls gate it
-    NP=$(ls $OUT/models/${B}_bf16.tgz.part* 2> /dev/null | wc -l)
-    [ $NP -gt 4 ] && rm -rf $OUT/models && echo "$B: $NP parts would not travel: kept on this machine only" >&2
+    fi
     # the new base's regime (~15-35 s) before any run plays on it
     built && { python3 benchmarks/tiny_world.py --model $M/$B --device auto \
         --workers $(( $(nproc) - 1 )) --proposals 40 --out $W/tiny_world_$B.json \

@@ -40,7 +40,6 @@ def test_trains_on_one_tables_level_and_scores_another_tables_level(tmp_path) ->
     assert curved["curve"][-1]["t1"] == rec["t1"]["all"]
 
 
-
 def test_a_shape_the_size_does_not_have_is_one_line() -> None:
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "tiny_execution.py"), "--shape", "depth=3"],
