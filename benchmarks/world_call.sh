@@ -25,6 +25,7 @@
 #            reach train.steps: every run is scored at the step it reached)
 #   two settings at once, one per GPU (each chain its own RUNS, OUT and CUDA_VISIBLE_DEVICES):
 #        CUDA_VISIBLE_DEVICES=1 RUNS=/tmp/wx_r32 OUT=$OUT/r32 D=... world_call.sh 580 lora.rank=32 ... &
+# BUILD_GPUS=0,1 (env): a build of the base runs data parallel over those GPUs (torchrun).
 # ROLLOUTS=N (env): progress.tgz also holds each run's last N steps' rollouts (what its proposals
 # and answers were; progress.tgz must stay under the 16 MiB a returned file may have).
 # END_S: seconds after the call began at which training checkpoints and stops (leave ~100 s of a
@@ -60,10 +61,17 @@ if ! built; then
     if [ $LEFT -lt 180 ]; then
       echo "$(date -u +%T) $B not built yet; $LEFT s left: the next call goes on" | tee -a $W/call.log >&2
     else
-      echo "$(date -u +%T) building $B" >&2
-      NW=$(( $(nproc) - 1 ))
-      python3 -m lorapop pretrain-tiny --size $B --out $M/$B --device auto \
-          --workers $NW --stop-after $LEFT >> $W/build.log 2>&1 || { tail -5 $W/build.log; exit 1; }
+      echo "$(date -u +%T) building $B${BUILD_GPUS:+ on GPUs $BUILD_GPUS}" >&2
+      T1=$(date +%s)
+      build() { python3 "$@" -m lorapop pretrain-tiny --size $B --out $M/$B --device auto \
+          --workers $(( $(nproc) - 1 )) --stop-after $(( LEFT - $(date +%s) + T1 )) >> $W/build.log 2>&1; }
+      # BUILD_GPUS=0,1: data parallel over those GPUs (torchrun); should that fail, one GPU goes
+      # on from where it stopped
+      if [ -n "${BUILD_GPUS:-}" ]; then
+        CUDA_VISIBLE_DEVICES=$BUILD_GPUS build -m torch.distributed.run --standalone \
+            --nproc-per-node $(( $(tr -cd , <<< $BUILD_GPUS | wc -c) + 1 )) \
+          || { echo "data-parallel build failed; going on on one GPU" | tee -a $W/build.log >&2; build; }
+      else build; fi || { tail -5 $W/build.log; exit 1; }
       tail -1 $W/build.log >&2
     fi
     # as bf16 15 MiB parts (what the runs load on CUDA anyway): carried as $D/models, a later

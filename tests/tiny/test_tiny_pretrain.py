@@ -1,6 +1,12 @@
 """Warm-start training of the tiny base, and the shipped model it produced."""
 
+import json
+import os
+import pickle
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +30,7 @@ from lorapop.tiny.pretrain import (
 )
 from lorapop.verify import Sandbox
 
+HERE = Path(__file__).parent
 SMALL = ModelSize(hidden=32, layers=1, heads=2, kv_heads=1, intermediate=64, max_positions=1024)
 
 
@@ -167,3 +174,44 @@ def test_shipped_model_loads_and_proposes_a_valid_task_of_each_type(tiny_sandbox
     res = proposal_validity(model, tok, buffer, tiny_sandbox, n=8, seed=0, max_new_tokens=160)
     for kind, r in res.items():
         assert r["valid_rate"] > 0, (kind, r)
+
+
+def _ranks(n: int, corpus_file: Path, out: Path, stop_at: int, *kw: str) -> None:
+    cmd = [str(HERE / "pretrain_driver.py"), str(corpus_file), str(out), str(stop_at), *kw]
+    if n > 1:
+        cmd = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", *cmd]
+    subprocess.run([sys.executable, *cmd], check=True, timeout=300, cwd=HERE,
+                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def _close(a: Path, b: Path) -> None:
+    wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5)
+    ra, rb = (json.loads((d / "training.json").read_text()) for d in (a, b))
+    assert ra["final_loss"] == pytest.approx(rb["final_loss"], rel=1e-5)
+
+
+def test_two_ranks_pretrain_the_model_one_process_does_and_share_a_partial_build(
+        tmp_path, corpus: list[Task]) -> None:  # fmt: skip
+    """Under torchrun each rank trains on half of each batch and the gradients are summed:
+    the same model as one process, to float rounding (weighted loss, whose normaliser is the
+    whole batch's); a build stopped on two ranks goes on on one, as if never stopped."""
+    from pretrain_driver import build
+
+    corpus_file = tmp_path / "corpus.pkl"
+    corpus_file.write_bytes(pickle.dumps(corpus))
+    build(corpus, tmp_path / "one", 0, example_alpha=0.5)
+    _ranks(2, corpus_file, tmp_path / "two", 0, "example_alpha=0.5")
+    _close(tmp_path / "one", tmp_path / "two")
+    rec = json.loads((tmp_path / "two" / "training.json").read_text())
+    assert rec["ranks"] == 2 and rec["steps"] == 20 and not (tmp_path / "two" / "partial").exists()
+
+    build(corpus, tmp_path / "plain", 0)
+    _ranks(2, corpus_file, tmp_path / "split", 10)  # stops at step 10 (polled every 10)
+    state = json.loads((tmp_path / "split" / "partial" / "state.json").read_text())
+    assert state["step"] == 10 and not (tmp_path / "split" / "model.safetensors").exists()
+    _ranks(1, corpus_file, tmp_path / "split", 0)
+    _close(tmp_path / "plain", tmp_path / "split")
+    assert json.loads((tmp_path / "split" / "training.json").read_text())["resumed_at"] == [10]

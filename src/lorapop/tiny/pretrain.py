@@ -56,6 +56,7 @@ import torch
 import transformers
 from transformers import PreTrainedTokenizerFast
 
+from lorapop import dist
 from lorapop.engine.model import TINY_DIR, random_qwen2, resolve_device
 from lorapop.tasks import Task, get_family
 from lorapop.tiny.corpus import generate_corpus, generate_variants_fast
@@ -664,18 +665,48 @@ class ExamplePool:
                 done += 1
 
 
-def example_weighted_loss(logits: torch.Tensor, labels: torch.Tensor, alpha: float) -> torch.Tensor:
+def _example_weights(labels: torch.Tensor, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row: completion tokens n (after the shift) and the weight n ** -alpha."""
+    n = (labels[:, 1:] != -100).sum(1)
+    return n, n.clamp(min=1).float().pow(-alpha)
+
+
+def example_weighted_loss(logits: torch.Tensor, labels: torch.Tensor, alpha: float,
+                          total: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """Completion-token cross-entropy, each example's tokens weighted by n ** -alpha (n: its
     completion tokens), normalised by the weights. alpha 0 is the plain token mean, where a
     300-token program outweighs a 5-token output 60 to 1 and students barely learn to execute;
-    alpha 1 is the mean of per-example means."""
+    alpha 1 is the mean of per-example means. `total`: the normaliser of the whole batch when
+    these rows are one rank's share of it (`batch_total`), so the ranks' losses sum to it."""
     y = labels[:, 1:]
     ce = torch.nn.functional.cross_entropy(
         logits[:, :-1].flatten(0, 1).float(), y.flatten(), ignore_index=-100, reduction="none"
     ).view_as(y)  # fmt: skip
-    n = (y != -100).sum(1)
-    w = n.clamp(min=1).float().pow(-alpha)
-    return (ce.sum(1) * w).sum() / (n * w).sum().clamp(min=1e-9)
+    n, w = _example_weights(labels, alpha)
+    return (ce.sum(1) * w).sum() / (total if total is not None else (n * w).sum()).clamp(min=1e-9)
+
+
+def batch_total(labels: torch.Tensor, alpha: float) -> torch.Tensor:
+    """The whole batch's loss normaliser: its completion tokens, each weighted by n ** -alpha."""
+    n, w = _example_weights(labels, alpha)
+    return (n * w).sum()
+
+
+def rank_share(batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor], world: dist.World,
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """This rank's rows of a batch: every `world.size`-th, so the ranks' tokens balance (a
+    batch's rows are of similar lengths: no trimming, and no host sync to find a width)."""
+    ids, mask, labels = (x[world.rank :: world.size] for x in batch)
+    return ids, mask, labels
+
+
+def _all_reduce_grads(params: Sequence[torch.nn.Parameter], world: dist.World) -> None:
+    """Sum the ranks' gradients (one flat all-reduce; a rank without rows adds zeros)."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce_sum(flat, world)
+    for p, g in zip(params, flat.split([g.numel() for g in grads]), strict=True):
+        p.grad = g.view_as(p)
 
 
 def optimizer(model: torch.nn.Module, lr: float, device: torch.device) -> torch.optim.Optimizer:
@@ -704,6 +735,7 @@ def train(
     opt: torch.optim.Optimizer | None = None,
     start: int = 0,
     stop: Callable[[int], bool] | None = None,
+    world: dist.World = dist.SINGLE,
 ) -> list[float]:
     """AdamW on the completion-token mean loss of steps `start`..`steps` - 1, one batch each;
     returns each of those steps' loss.
@@ -718,31 +750,51 @@ def train(
     optimizer (`optimizer`, state loaded) and `start`, with the batches from `start` on;
     `stop(steps done)` is asked after each step, and True ends training there. A loss that is
     not finite at a step whose loss is read back (log, `every`, stop and last steps) raises
-    FloatingPointError, so no NaN model or partial state is saved."""
+    FloatingPointError, so no NaN model or partial state is saved.
+
+    Data parallel (`world` of several ranks, every rank given the same batches): each rank
+    trains on its share of a batch's rows (`rank_share`) with the whole batch's normaliser, the
+    gradients are summed, so every rank takes the step one process takes on the whole batch
+    (to float rounding). `stop` is then asked every `STOP_POLL` steps and rank 0's answer
+    holds on every rank."""
     model.to(device).train()
     amp = device.type == "cuda"
     opt = opt or optimizer(model, lr, device)
+    params = [p for p in model.parameters() if p.requires_grad]
     losses: list[torch.Tensor] = []
     t0 = time.perf_counter()
     for step, batch in zip(range(start, steps), batches, strict=False):
         ids, mask, labels = (x.to(device, non_blocking=True) for x in batch)
+        if world.distributed:
+            total = batch_total(labels, example_alpha)
+            ids, mask, labels = rank_share((ids, mask, labels), world)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps, lr, warmup)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
             kw = {"input_ids": ids, "attention_mask": mask if attention_mask else None,
                   "use_cache": False}  # fmt: skip
-            if example_alpha:
+            if world.distributed:
+                loss = (example_weighted_loss(model(**kw).logits, labels, example_alpha, total)
+                        if len(ids) else torch.zeros((), device=device))  # fmt: skip
+            elif example_alpha:
                 loss = example_weighted_loss(model(**kw).logits, labels, example_alpha)
             else:
                 loss = model(**kw, labels=labels).loss
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        if loss.requires_grad:
+            loss.backward()
+        if world.distributed:
+            _all_reduce_grads(params, world)
+            loss = loss.detach().clone()
+            dist.all_reduce_sum(loss, world)  # the whole batch's loss
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         losses.append(loss.detach())
         logged = bool(log) and (step % log_every == 0 or step == steps - 1)
         scored = bool(every) and ((step + 1) % every[0] == 0 or step == steps - 1)
-        stopping = stop is not None and step + 1 < steps and stop(step + 1)
+        stopping = (stop is not None and step + 1 < steps
+                    and (not world.distributed or (step + 1) % STOP_POLL == 0)
+                    and dist.broadcast(stop(step + 1), world))  # fmt: skip
         if logged or scored or stopping or step == steps - 1:  # no sync on the other steps
             _check_finite(losses[-1], step, lr)
         if logged:
@@ -753,6 +805,10 @@ def train(
             break
     model.eval()
     return [float(x) for x in torch.stack(losses).float().cpu().tolist()] if losses else []
+
+
+#: Steps between a data-parallel build's `stop` polls (each one syncs the ranks with the host).
+STOP_POLL = 10
 
 
 def _check_finite(loss: torch.Tensor, step: int, lr: float) -> None:
@@ -798,6 +854,7 @@ def pretrain_tiny(
     command: str | None = None,
     log: Callable[[str], None] | None = print,
     stop: Callable[[int], bool] | None = None,
+    world: dist.World = dist.SINGLE,
 ) -> dict:
     """Build the corpus, train the tokenizer and the model, save both into `out_dir`.
 
@@ -826,11 +883,16 @@ def pretrain_tiny(
     same call again remakes the corpus, tokenizer and batches from the seed, loads that state
     and goes on, ending with the model an uninterrupted build makes. A partial build of other
     settings is refused.
+
+    Under torchrun (`world` of several ranks, e.g. one per GPU) rank 0 makes the corpus and the
+    pool and sends them to the others, every rank trains on its share of each batch (`train`),
+    and rank 0 alone writes files; the partial state is the same whatever the number of ranks,
+    so a build may go on with another.
     """
     settings = json.dumps({k: v.__dict__ if isinstance(v, ModelSize) else v
                            for k, v in locals().items()
                            if k not in ("out_dir", "device", "workers", "corpus", "command", "log",
-                                        "stop")}, sort_keys=True, default=str)  # fmt: skip
+                                        "stop", "world")}, sort_keys=True, default=str)  # fmt: skip
     if steps < 1 or n_per_level < 1 or batch_size < 1 or pool < 0:
         raise ValueError("steps, n_per_level and batch_size must be >= 1, pool >= 0")
     if not 0.0 <= variant_share <= 1.0 or teacher_max_level not in LEVELS:
@@ -847,7 +909,9 @@ def pretrain_tiny(
     def anchors(tasks: Sequence[Task]) -> list[Task]:  # variants extend programs of levels 1-3
         return [t for t in tasks if (_level(t) or 5) <= 3]
 
-    if fast_corpus:
+    if not world.main:
+        pass  # rank 0's corpus comes below
+    elif fast_corpus:
         if corpus is None:
             corpus = generate_corpus(n_per_level, f"pretrain/{seed}", workers=workers, log=log,
                                      levels=table_levels(levels))  # fmt: skip
@@ -859,7 +923,7 @@ def pretrain_tiny(
             corpus = build_corpus(n_per_level, seed, sb, table=levels) if corpus is None else corpus
             if variant_share > 0:
                 variants = generate_variants(anchors(corpus), f"pretrain/{seed}", sb, table=levels)
-    corpus = list(corpus)
+    corpus, variants = dist.broadcast((list(corpus or []), variants), world)
     t_corpus = time.perf_counter() - t0
     if log:
         log(f"corpus: {len(corpus)} programs, {len(variants)} variants in {t_corpus:.1f}s")
@@ -883,8 +947,9 @@ def pretrain_tiny(
             log(f"token budget: {len(cells)} cells, {1 / per_token:.0f} tokens per example")
     if pool:
         t1 = time.perf_counter()
-        rows = draw_rows(examples, tok, pool, max_len, f"pretrain/{seed}",
-                         workers=workers if fast_corpus else 1)  # fmt: skip
+        rows = share_rows(draw_rows(examples, tok, pool, max_len, f"pretrain/{seed}",
+                                    workers=workers if fast_corpus else 1)
+                          if world.main else None, world, dev)  # fmt: skip
         data = ExamplePool.from_rows(rows, tok.pad_token_id, batch_tokens, seed).to(dev)
         pool_info = {"examples": pool, "tokens": len(data.tokens), "cut_rows": data.cut,
                      # (counting draws one pass's order from the pool's seeded generator)
@@ -906,20 +971,23 @@ def pretrain_tiny(
     t_train = time.perf_counter()
     losses += train(model, itertools.islice(batches, start, None), steps, dev, lr=lr, log=log,
                     attention_mask=not pool, example_alpha=example_alpha, opt=opt, start=start,
-                    stop=stop)  # fmt: skip
+                    stop=stop, world=world)  # fmt: skip
     t_train = time.perf_counter() - t_train + t_before
     if len(losses) < steps:
-        part.save(model, opt, losses, t_train)
+        if world.main:
+            part.save(model, opt, losses, t_train)
         return {"stopped_at": len(losses), "steps": steps, "partial": str(part.dir)}
-    out.mkdir(parents=True, exist_ok=True)
-    model.to("cpu").save_pretrained(str(out), safe_serialization=True)
-    save_tokenizer(tok, out)
-    part.remove()
+    if world.main:
+        out.mkdir(parents=True, exist_ok=True)
+        model.to("cpu").save_pretrained(str(out), safe_serialization=True)
+        save_tokenizer(tok, out)
+        part.remove()
     record = {
         "seed": seed,
         "steps": steps,
         "device": str(dev),
         "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "ranks": world.size,
         "command": command or " ".join(sys.argv),
         "batch_size": None if pool else batch_size,  # the pool's batches: batch_tokens
         "lr": lr,
@@ -954,8 +1022,24 @@ def pretrain_tiny(
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "python": platform.python_version()},  # fmt: skip
     }
-    (out / "training.json").write_text(json.dumps(record, indent=1) + "\n")
+    if world.main:
+        (out / "training.json").write_text(json.dumps(record, indent=1) + "\n")
     return record
+
+
+def share_rows(rows: Rows | None, world: dist.World, device: torch.device) -> Rows:
+    """Rank 0's rows (None elsewhere) on every rank, sent as tensors on `device` (NCCL moves
+    GPU memory)."""
+    if not world.distributed:
+        assert rows is not None
+        return rows
+    n_tokens, n_rows, cut = dist.broadcast(rows and (len(rows[0]), len(rows[1]), rows[3]), world)
+    parts = ([torch.from_numpy(a).to(device) for a in rows[:3]] if rows is not None else
+             [torch.empty(n, dtype=torch.int32, device=device) for n in (n_tokens, n_rows, n_rows)])
+    for t in parts:
+        dist.broadcast_tensor(t, world)
+    tokens, lengths, prompt_lens = (t.cpu().numpy() for t in parts)
+    return tokens, lengths, prompt_lens, cut
 
 
 def pretrain_size(
@@ -975,7 +1059,8 @@ def pretrain_size(
     if "stopped_at" in record:  # no model yet: `out_dir/partial` holds the state
         return record
     record["size_name"] = size
-    (Path(out_dir) / "training.json").write_text(json.dumps(record, indent=1) + "\n")
+    if rest.get("world", dist.SINGLE).main:  # type: ignore[union-attr]
+        (Path(out_dir) / "training.json").write_text(json.dumps(record, indent=1) + "\n")
     return record
 
 
