@@ -248,10 +248,10 @@ SIZES["world-nocount"] = Recipe(**SIZES["world-direct-exec"].__dict__ | {"levels
 SIZES["world-nojoin"] = Recipe(**SIZES["world-direct-exec"].__dict__ | {"levels": "nojoin"})
 # `world-nocount` three times larger (768 x 12, 77M parameters): on every 26M base the gate's
 # single agent lost its solve rate to short programs its student executes wrongly
-# (docs/world-regime.md, session 19), so a stronger student is the lever left. A step takes
-# ~1.5x the 26M's on an H100 (benchmarks/results/base_speed_world-nocount_h100_s19.json): ~740 s
-# to build and measure. At 154 MB in bf16 it does not fit a device call's carry, so it is built
-# and gated on one machine
+# (docs/world-regime.md, session 19), so a stronger student was the lever left. On it the gate
+# holds (2 of 3, session 20), though its loss ends above the 26M's (0.410 against 0.344). Built
+# data parallel on 2 H100s (torchrun): 442 s of training. At 154 MB in bf16 it does not fit a
+# device call's carry, so it is built and played on one machine
 SIZES["world-nocount-77m"] = Recipe(**SIZES["world-nocount"].__dict__ | {
     "size": ModelSize(hidden=768, layers=12, heads=12, kv_heads=4, intermediate=2048)})
 
