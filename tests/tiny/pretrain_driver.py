@@ -1,5 +1,5 @@
 """Pretrain a small model on a pickled corpus (run by the data-parallel pretraining test,
-under torchrun or alone): `python pretrain_driver.py CORPUS.pkl OUT_DIR STOP_AT key=value...`
+under torchrun): `python pretrain_driver.py CORPUS.pkl OUT_DIR STOP_AT key=value...`
 (STOP_AT 0: no stop; values are Python literals)."""
 
 import ast

@@ -176,12 +176,11 @@ def test_shipped_model_loads_and_proposes_a_valid_task_of_each_type(tiny_sandbox
         assert r["valid_rate"] > 0, (kind, r)
 
 
-def _ranks(n: int, corpus_file: Path, out: Path, stop_at: int, *kw: str) -> None:
-    cmd = [str(HERE / "pretrain_driver.py"), str(corpus_file), str(out), str(stop_at), *kw]
-    if n > 1:
-        cmd = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", *cmd]
-    subprocess.run([sys.executable, *cmd], check=True, timeout=300, cwd=HERE,
-                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+def _two_ranks(corpus_file: Path, out: Path, stop_at: int, *kw: str) -> None:
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    "--nproc-per-node=2", str(HERE / "pretrain_driver.py"), str(corpus_file),
+                    str(out), str(stop_at), *kw], check=True, timeout=300, cwd=HERE,
+                   env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
 
 
 def _close(a: Path, b: Path) -> None:
@@ -203,15 +202,15 @@ def test_two_ranks_pretrain_the_model_one_process_does_and_share_a_partial_build
     corpus_file = tmp_path / "corpus.pkl"
     corpus_file.write_bytes(pickle.dumps(corpus))
     build(corpus, tmp_path / "one", 0, example_alpha=0.5)
-    _ranks(2, corpus_file, tmp_path / "two", 0, "example_alpha=0.5")
+    _two_ranks(corpus_file, tmp_path / "two", 0, "example_alpha=0.5")
     _close(tmp_path / "one", tmp_path / "two")
     rec = json.loads((tmp_path / "two" / "training.json").read_text())
     assert rec["ranks"] == 2 and rec["steps"] == 20 and not (tmp_path / "two" / "partial").exists()
 
     build(corpus, tmp_path / "plain", 0)
-    _ranks(2, corpus_file, tmp_path / "split", 10)  # stops at step 10 (polled every 10)
+    _two_ranks(corpus_file, tmp_path / "split", 10)  # stops at step 10 (polled every 10)
     state = json.loads((tmp_path / "split" / "partial" / "state.json").read_text())
     assert state["step"] == 10 and not (tmp_path / "split" / "model.safetensors").exists()
-    _ranks(1, corpus_file, tmp_path / "split", 0)
+    build(corpus, tmp_path / "split", 0)
     _close(tmp_path / "plain", tmp_path / "split")
     assert json.loads((tmp_path / "split" / "training.json").read_text())["resumed_at"] == [10]
