@@ -719,6 +719,10 @@ def optimizer(model: torch.nn.Module, lr: float, device: torch.device) -> torch.
     )  # fmt: skip
 
 
+#: Steps between a data-parallel build's `stop` polls (each one syncs the ranks with the host).
+STOP_POLL = 10
+
+
 def train(
     model: torch.nn.Module,
     batches: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
@@ -805,10 +809,6 @@ def train(
             break
     model.eval()
     return [float(x) for x in torch.stack(losses).float().cpu().tolist()] if losses else []
-
-
-#: Steps between a data-parallel build's `stop` polls (each one syncs the ranks with the host).
-STOP_POLL = 10
 
 
 def _check_finite(loss: torch.Tensor, step: int, lr: float) -> None:
@@ -1044,7 +1044,7 @@ def share_rows(rows: Rows | None, world: dist.World, device: torch.device) -> Ro
 
 def pretrain_size(
     out_dir: str | Path, size: str = "tiny", seed: int = 0, device: str = "auto",
-    **kwargs: object,
+    world: dist.World = dist.SINGLE, **kwargs: object,
 ) -> dict:  # fmt: skip
     """`pretrain_tiny` with the settings of `SIZES[size]`. A keyword named as a `Recipe` field
     overrides it (None keeps the recipe's); others (workers, command, log, corpus) pass on."""
@@ -1055,11 +1055,11 @@ def pretrain_size(
                                              if k in fields and v is not None})  # fmt: skip
     rest = {k: v for k, v in kwargs.items() if k not in fields}
     record = pretrain_tiny(out_dir, seed, device=device, **dataclasses.asdict(r) | {"size": r.size},
-                           **rest)  # type: ignore[arg-type]  # fmt: skip
+                           world=world, **rest)  # type: ignore[arg-type]  # fmt: skip
     if "stopped_at" in record:  # no model yet: `out_dir/partial` holds the state
         return record
     record["size_name"] = size
-    if rest.get("world", dist.SINGLE).main:  # type: ignore[union-attr]
+    if world.main:
         (Path(out_dir) / "training.json").write_text(json.dumps(record, indent=1) + "\n")
     return record
 
