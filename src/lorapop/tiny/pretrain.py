@@ -653,9 +653,12 @@ class ExamplePool:
         dev, done = self.tokens.device, 0
         lengths = self.lengths.cpu()
         while done < steps:
-            for rows in self._epoch()[: steps - done]:
-                width = int(lengths[rows].max())
-                rows = rows.to(dev)
+            epoch = self._epoch()[: steps - done]
+            # one copy of the pass's row indices: a copy per batch would wait for the GPU to
+            # finish the step before, so the host could not queue the next one meanwhile
+            on_dev = torch.cat(epoch).to(dev).split([len(rows) for rows in epoch])
+            for cpu_rows, rows in zip(epoch, on_dev, strict=True):
+                width = int(lengths[cpu_rows].max())
                 pos = torch.arange(width, device=dev)[None, :]
                 inside = pos < self.lengths[rows, None]
                 at = (self.offsets[rows, None] + pos).clamp_(max=len(self.tokens) - 1)
