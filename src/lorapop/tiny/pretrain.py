@@ -699,8 +699,8 @@ def rank_share(batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor], world: di
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """This rank's rows of a batch: every `world.size`-th, so the ranks' tokens balance (a
     batch's rows are of similar lengths: no trimming, and no host sync to find a width)."""
-    ids, mask, labels = (x[world.rank :: world.size] for x in batch)
-    return ids, mask, labels
+    ids, mask, labels = batch
+    return ids[world.rank :: world.size], mask[world.rank :: world.size], labels[world.rank :: world.size]
 
 
 def _all_reduce_grads(params: Sequence[torch.nn.Parameter], world: dist.World) -> None:
@@ -912,16 +912,14 @@ def pretrain_tiny(
     def anchors(tasks: Sequence[Task]) -> list[Task]:  # variants extend programs of levels 1-3
         return [t for t in tasks if (_level(t) or 5) <= 3]
 
-    if not world.main:
-        pass  # rank 0's corpus comes below
-    elif fast_corpus:
+    if world.main and fast_corpus:  # (other ranks get rank 0's corpus below)
         if corpus is None:
             corpus = generate_corpus(n_per_level, f"pretrain/{seed}", workers=workers, log=log,
                                      levels=table_levels(levels))  # fmt: skip
         if variant_share > 0:
             variants = generate_variants_fast(anchors(corpus), f"pretrain/{seed}",
                                               workers=workers, table=levels)  # fmt: skip
-    elif corpus is None or variant_share > 0:
+    elif world.main and (corpus is None or variant_share > 0):
         with Sandbox(workers=workers, timeout_s=2.0) as sb:
             corpus = build_corpus(n_per_level, seed, sb, table=levels) if corpus is None else corpus
             if variant_share > 0:
