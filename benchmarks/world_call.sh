@@ -47,6 +47,7 @@ if [ -z "${SKIP_PIP:-}" ] && [ ! -f $STAMP ]; then
 fi
 export PYTHONPATH=/tmp/site:$PWD/src
 M=${MODEL_DIR:-/tmp/m}
+TW=''  # the base's measurement, when this call built it
 B=${BASE:-world-short}
 W=${RUNS:-/tmp/wx_$B}  # per base: a second base on the same machine starts its own runs
 mkdir -p $M $OUT $W
@@ -83,10 +84,11 @@ if ! built; then
     elif built; then python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path
 from world_recipes import pack_model; print(*pack_model(Path('$M/$B'), Path('$OUT/models')))" >&2
     fi
-    # the new base's regime (~15-35 s) before any run plays on it
+    # the new base's regime (~15-35 s), measured beside the runs' first steps (half the cores)
     built && { python3 benchmarks/tiny_world.py --model $M/$B --device auto \
-        --workers $(( $(nproc) - 1 )) --proposals 40 --out $W/tiny_world_$B.json \
-        > $W/tiny_world.log 2>&1 || tail -3 $W/tiny_world.log; }
+        --workers $(( $(nproc) / 2 )) --proposals 40 --out $W/tiny_world_$B.json \
+        > $W/tiny_world.log 2>&1 || tail -3 $W/tiny_world.log; } &
+    TW=$!
   fi
 fi
 flock -u 9
@@ -118,6 +120,7 @@ else  # a build that used the call: the runs start in the next one
     | tee -a $W/call.log $W/experiment.log
 fi
 touch $W/stop; kill $TP 2>/dev/null; wait $TP 2>/dev/null   # (not the loop's 30 s sleep)
+[ -n "$TW" ] && wait $TW
 python3 benchmarks/world_experiment.py --out $W --gate-probe > /dev/null 2>> $W/call.log
 pack
 for f in results.json world_experiment.json world_experiment.png; do

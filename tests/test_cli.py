@@ -213,7 +213,7 @@ def test_pretrain_tiny_stop_after_stops_a_build_and_says_how_to_go_on(monkeypatc
     def build(out, size, *, stop, **kw):  # the build asks `stop` after each step
         if stop is not None and stop(1):
             return {"stopped_at": 1, "steps": 5, "partial": f"{out}/partial"}
-        return {"final_loss": 0.5}
+        return {"final_loss": 0.5, "weights_sha256": "0123abcd"}
 
     monkeypatch.setattr(pretrain, "pretrain_size", build)
     stopped = run("pretrain-tiny", "--out", tmp_path / "m", "--stop-after", 0)
@@ -221,7 +221,8 @@ def test_pretrain_tiny_stop_after_stops_a_build_and_says_how_to_go_on(monkeypatc
     assert stopped.output.strip() == ("stopped at step 1 of 5 (--stop-after): the same command "
                                       "goes on from there")
     done = run("pretrain-tiny", "--out", tmp_path / "m", "--stop-after", 3600)
-    assert done.exit_code == 0 and done.output.strip() == f"saved {tmp_path / 'm'} (final loss 0.500)"
+    assert done.exit_code == 0 and done.output.strip() == (f"saved {tmp_path / 'm'} (final loss "
+                                                         "0.500, weights 0123abcd)")
     monkeypatch.setattr(pretrain, "pretrain_size", _raising(ValueError(
         "m/partial holds a partial build of other settings; remove it or build into another "
         "directory")))

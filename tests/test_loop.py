@@ -304,18 +304,28 @@ def test_auto_checkpointing_follows_the_free_memory(tmp_path, monkeypatch):
         sp.close()
 
 
-def test_shared_prompt_packs_train_like_separate_rows(tmp_path):
-    """`train.share_prompts` is exact: a step with packed answers leaves every adapter where
-    the same step with one sequence per answer leaves it (fp32)."""
-    banks = []
-    for share in (True, False):
+def test_packed_answers_and_mixed_adapter_micro_batches_train_like_separate_rows(
+        tmp_path, monkeypatch):
+    """`train.share_prompts` and `train.micro_batch_by_slot=false` are exact: a step with packed
+    answers, or with every adapter's rows in shared micro-batches, leaves every adapter where
+    the same step with one sequence per answer, one adapter per micro-batch, leaves it (fp32)."""
+    import lorapop.loop as loop
+
+    banks, counts = [], []
+    packer = loop.pack_micro_batches
+    monkeypatch.setattr(loop, "pack_micro_batches", lambda *a: counts.append(len(packer(*a)))
+                        or packer(*a))
+    for share, by_slot in ((True, True), (False, True), (True, False)):
         cfg = _cfg(f"train.share_prompts={str(share).lower()}", "tasks.answers_per_task=3",
-                   "evolve.every=0", "train.lr=1e-3")
-        sp = SelfPlay(cfg, tmp_path / str(share))
+                   f"train.micro_batch_by_slot={str(by_slot).lower()}", "evolve.every=0",
+                   "train.lr=1e-3")
+        sp = SelfPlay(cfg, tmp_path / f"{share}{by_slot}")
         try:
             sp.run(1)
             banks.append(sp.parts.bank.weights.detach().clone())
         finally:
             sp.close()
+    assert counts[2] < counts[0]  # mixing the adapters' rows made fewer micro-batches
     assert not torch.equal(banks[0], torch.zeros_like(banks[0]))
-    torch.testing.assert_close(banks[0], banks[1], rtol=1e-4, atol=1e-6)
+    for other in banks[1:]:
+        torch.testing.assert_close(banks[0], other, rtol=1e-4, atol=1e-6)

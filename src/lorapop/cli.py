@@ -454,4 +454,5 @@ def pretrain_tiny(
         typer.echo(f"stopped at step {record['stopped_at']} of {record['steps']} (--stop-after): "
                    f"the same command goes on from there")
         return
-    typer.echo(f"saved {out} (final loss {record['final_loss']:.3f})")
+    typer.echo(f"saved {out} (final loss {record['final_loss']:.3f}, "
+               f"weights {record['weights_sha256']})")

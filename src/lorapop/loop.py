@@ -421,8 +421,9 @@ class SelfPlay:
             my_packs = [packs[j] for j in mine]
             if keep:  # a pack too wide to keep its activations goes in parts that fit
                 my_packs = split_packs(my_packs, prompts, comps, keep)
-            for rows, padded in pack_micro_batches(my_packs, pack_widths(my_packs, prompts, comps),
-                                                   max_tokens, tc.micro_batch_size, slot_list):
+            for rows, padded in pack_micro_batches(
+                    my_packs, pack_widths(my_packs, prompts, comps), max_tokens,
+                    tc.micro_batch_size, slot_list if tc.micro_batch_by_slot else None):
                 if keep is not None:  # checkpoint only what does not fit with activations kept
                     use_checkpointing(p.model, padded > keep)
                 part = [rollouts[i] for i in rows]

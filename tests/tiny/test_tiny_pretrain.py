@@ -120,13 +120,23 @@ def _run(tmp_path, corpus, seed: int, name: str) -> tuple[dict, dict]:
     return rec, load_file(tmp_path / name / "model.safetensors")
 
 
-def test_pretrain_is_deterministic_under_a_seed(tmp_path, corpus: list[Task]) -> None:
+def test_pretrain_is_deterministic_under_a_seed(tmp_path, corpus: list[Task], monkeypatch) -> None:
+    import lorapop.tiny.pretrain as pretrain
+
+    modes = []
+    train = pretrain.train
+    monkeypatch.setattr(pretrain, "train", lambda *a, **kw: modes.append(
+        torch.are_deterministic_algorithms_enabled()) or train(*a, **kw))
     a, wa = _run(tmp_path, corpus, 7, "a")
+    assert modes == [True]  # training runs on deterministic kernels
     b, wb = _run(tmp_path, corpus, 7, "b")
     c, _ = _run(tmp_path, corpus, 8, "c")
     assert a["loss_curve"] == b["loss_curve"] and a["final_loss"] == b["final_loss"]
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     assert a["final_loss"] != c["final_loss"]
+    # two builds compare by their digest (on the GPU, deterministic kernels make them equal)
+    assert a["deterministic"] and a["weights_sha256"] == b["weights_sha256"] != c["weights_sha256"]
+    assert not torch.are_deterministic_algorithms_enabled()  # the caller's setting is back
     # the saved directory is a standard transformers model + tokenizer; next to a Qwen2 config
     # AutoTokenizer builds a Qwen2Tokenizer, which must encode exactly as tokenizer.json does
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "a")

@@ -35,7 +35,9 @@ each (role, level) a share of the pool's tokens rather than of its examples (`bu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import hashlib
 import itertools
 import json
 import math
@@ -726,6 +728,34 @@ def optimizer(model: torch.nn.Module, lr: float, device: torch.device) -> torch.
 STOP_POLL = 10
 
 
+@contextlib.contextmanager
+def deterministic_kernels() -> Iterator[None]:
+    """Deterministic kernels while training, so a base is rebuilt bit for bit from its seed on
+    the same kind of machine and number of ranks. Without them the GPU's atomics (flash
+    attention's and the embedding's backward) made two 2-rank H100 builds of world-nocount-77m
+    end at losses 0.410 and 0.403 (session 21). cuBLAS needs a fixed workspace for it, which it
+    reads when the process first uses it: a build process sets it before any CUDA work. The
+    caller's settings come back afterwards."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    before = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before, warn_only=warn_only)
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """SHA-256 of the parameters' bytes in order (the first 16 hex digits): two builds of one
+    base compare by it (`training.json`, the build's last log line)."""
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 def train(
     model: torch.nn.Module,
     batches: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
@@ -970,9 +1000,10 @@ def pretrain_tiny(
     opt = optimizer(model, lr, dev)
     start, losses, t_before = part.load(model, opt, log)
     t_train = time.perf_counter()
-    losses += train(model, itertools.islice(batches, start, None), steps, dev, lr=lr, log=log,
-                    attention_mask=not pool, example_alpha=example_alpha, opt=opt, start=start,
-                    stop=stop, world=world)  # fmt: skip
+    with deterministic_kernels():
+        losses += train(model, itertools.islice(batches, start, None), steps, dev, lr=lr, log=log,
+                        attention_mask=not pool, example_alpha=example_alpha, opt=opt,
+                        start=start, stop=stop, world=world)  # fmt: skip
     t_train = time.perf_counter() - t_train + t_before
     if len(losses) < steps:
         if world.main:
@@ -1014,6 +1045,8 @@ def pretrain_tiny(
         "corpus_programs": len(corpus),
         "corpus_fingerprint": part.corpus,
         "final_loss": sum(losses[-50:]) / len(losses[-50:]),
+        "weights_sha256": weights_digest(model),
+        "deterministic": True,
         "loss_curve": {str(i): round(x, 4) for i, x in enumerate(losses) if i % 50 == 0},
         "corpus_s": round(t_corpus, 1),
         "train_s": round(t_train, 1),
