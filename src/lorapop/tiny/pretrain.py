@@ -733,17 +733,24 @@ def deterministic_kernels() -> Iterator[None]:
     """Deterministic kernels while training, so a base is rebuilt bit for bit from its seed on
     the same kind of machine and number of ranks. Without them the GPU's atomics (flash
     attention's and the embedding's backward) made two 2-rank H100 builds of world-nocount-77m
-    end at losses 0.410 and 0.403 (session 21). cuBLAS needs a fixed workspace for it, which it
-    reads when the process first uses it: a build process sets it before any CUDA work. The
-    caller's settings come back afterwards."""
+    end at losses 0.410 and 0.403 (session 21). An op with no deterministic kernel warns
+    rather than ending a long build; the weights digest says whether two builds match.
+    cuBLAS needs a fixed workspace, read when the process first uses it (a build sets it
+    before any CUDA work); uninitialised memory is not filled (no need: nothing reads it).
+    The caller's settings come back afterwards."""
+    from torch.utils import deterministic
+
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    before = torch.are_deterministic_algorithms_enabled()
-    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True)
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled(),
+              deterministic.fill_uninitialized_memory)  # fmt: skip
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    deterministic.fill_uninitialized_memory = False
     try:
         yield
     finally:
-        torch.use_deterministic_algorithms(before, warn_only=warn_only)
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        deterministic.fill_uninitialized_memory = before[2]
 
 
 def weights_digest(model: torch.nn.Module) -> str:
