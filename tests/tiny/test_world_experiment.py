@@ -439,3 +439,44 @@ def test_each_runs_sandbox_gets_its_share_of_the_cores_and_never_fewer_than_two(
     we = _module()
     assert we.sandbox_workers(16, 3) == 4  # 13 cores left after 3 trainers, over 3 runs
     assert we.sandbox_workers(64, 21) == 2 and we.sandbox_workers(2, 1) == 2
+
+
+def test_a_detached_session_outlives_its_call_and_is_started_once(tmp_path) -> None:
+    """benchmarks/world_detached.sh: the first call starts the pipeline in its own process
+    session and copy of the tree, and returns at CALL_S with the pipeline still running; the
+    pipeline survives the kill of everything the call left (as the device machine does); a
+    later call brings back its files once it ends, and a call after that starts nothing."""
+    import signal
+
+    tree, state = tmp_path / "tree", tmp_path / "state"
+    tree.mkdir()
+    stub = tmp_path / "pipeline.sh"  # stands for world_call.sh: writes where it ran, then results
+    stub.write_text('echo x >> "$(dirname $0)/starts"; sleep 5\n'
+                    'printf "%s\\n" "$PWD" "$*" > $OUT/results.json; echo done\n')
+
+    def call(out: str, call_s: int) -> str:
+        (tmp_path / out).mkdir()
+        env = {**os.environ, "OUT": str(tmp_path / out), "DETACHED": str(state),
+               "WORLD_CALL": f"bash {stub}"}
+        proc = subprocess.Popen(["bash", str(ROOT / "benchmarks" / "world_detached.sh"),
+                                 str(call_s), "500", "--arms", "single"], cwd=tree, env=env,
+                                stdout=subprocess.PIPE, text=True, start_new_session=True)
+        stdout = proc.communicate(timeout=60)[0]
+        try:  # what the call left running is ended, as on the device
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        return stdout
+
+    assert "call again within 30 s" in call("first", 1)
+    assert not (state / "out" / "results.json").exists()  # the call's output closed before it
+    assert "pipeline ended: exit 0" in call("second", 30)
+    where, args = (tmp_path / "second" / "results.json").read_text().splitlines()
+    assert where == str(state / "repo") and args == "410 --finish --arms single"
+    assert (tmp_path / "second" / "rc").read_text().strip() == "0"
+    assert "pipeline ended" in call("third", 30)
+    assert (tmp_path / "starts").read_text() == "x\n"  # started once
+    # a pipeline the machine ended after all: the next call goes on as a chained call
+    (state / "rc").unlink()
+    assert "going on as a chained call" in call("fourth", 30)
+    assert (tmp_path / "fourth" / "results.json").read_text().splitlines()[1] == "30 --arms single"
