@@ -135,7 +135,7 @@ def test_pretrain_is_deterministic_under_a_seed(tmp_path, corpus: list[Task], mo
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     assert a["final_loss"] != c["final_loss"]
     # two builds compare by their digest (on the GPU, deterministic kernels make them equal)
-    assert a["deterministic"] and a["weights_sha256"] == b["weights_sha256"] != c["weights_sha256"]
+    assert a["deterministic_kernels"] and a["weights_sha256"] == b["weights_sha256"] != c["weights_sha256"]
     assert not torch.are_deterministic_algorithms_enabled()  # the caller's setting is back
     # the saved directory is a standard transformers model + tokenizer; next to a Qwen2 config
     # AutoTokenizer builds a Qwen2Tokenizer, which must encode exactly as tokenizer.json does

@@ -446,6 +446,7 @@ def test_a_detached_session_outlives_its_call_and_is_started_once(tmp_path) -> N
     session and copy of the tree, and returns at CALL_S with the pipeline still running; the
     pipeline survives the kill of everything the call left (as the device machine does); a
     later call brings back its files once it ends, and a call after that starts nothing."""
+    import contextlib
     import signal
 
     tree, state = tmp_path / "tree", tmp_path / "state"
@@ -462,10 +463,8 @@ def test_a_detached_session_outlives_its_call_and_is_started_once(tmp_path) -> N
                                  str(call_s), "500", "--arms", "single"], cwd=tree, env=env,
                                 stdout=subprocess.PIPE, text=True, start_new_session=True)
         stdout = proc.communicate(timeout=60)[0]
-        try:  # what the call left running is ended, as on the device
+        with contextlib.suppress(ProcessLookupError):  # what the call left is ended, as there
             os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         return stdout
 
     assert "call again within 30 s" in call("first", 1)
