@@ -21,16 +21,17 @@ set -u
 T0=$(date +%s)
 CALL=${1:?CALL_S}; TOTAL=${2:?TOTAL_S}; shift 2
 P=${DETACHED:-/tmp/world_detached}  # the pipeline's tree, its OUT and its state, per machine
+SCORE=${SCORE_S:-90}
+export WORLD_CALL=${WORLD_CALL:-bash benchmarks/world_call.sh}  # (another command, for tests)
 if [ ! -f $P/started ]; then
   mkdir -p $P/repo $P/out
   # its own copy: a later call's copy of the working tree may replace files under this one
   tar cf - --exclude=./.git --exclude=./benchmarks/results . | tar xf - -C $P/repo || exit 1
   echo $T0 > $P/started
   # nothing of it may hold the call's output open, or the call would wait for it
-  # (WORLD_CALL: another pipeline command, for tests)
   cd $P/repo
-  OUT=$P/out setsid bash -c '${WORLD_CALL:-bash benchmarks/world_call.sh} "$@"; echo $? > "$0"' \
-      $P/rc $(( TOTAL - ${SCORE_S:-90} )) --finish "$@" > $P/pipeline.log 2>&1 < /dev/null &
+  OUT=$P/out setsid bash -c '$WORLD_CALL "$@"; echo $? > "$0"' \
+      $P/rc $(( TOTAL - SCORE )) --finish "$@" > $P/pipeline.log 2>&1 < /dev/null &
   echo $! > $P/pid
   cd - > /dev/null
   echo "$(date -u +%T) pipeline started (scored by ${TOTAL} s from now)"
@@ -41,8 +42,8 @@ elif [ ! -f $P/rc ] && ! ps -o stat= -p $(cat $P/pid) | grep -qv Z; then  # (a z
   LEFT=$(( $(cat $P/started) + TOTAL - $(date +%s) ))
   echo "the detached pipeline is gone; going on as a chained call ($LEFT s to the deadline)"
   cd $P/repo
-  if [ $LEFT -le $(( CALL + 30 )) ]; then END="$(( LEFT - ${SCORE_S:-90} )) --finish"; else END=$CALL; fi
-  ${WORLD_CALL:-bash benchmarks/world_call.sh} $END "$@"
+  if [ $LEFT -le $(( CALL + 30 )) ]; then END="$(( LEFT - SCORE )) --finish"; else END=$CALL; fi
+  $WORLD_CALL $END "$@"
   exit
 fi
 while [ ! -f $P/rc ] && [ $(( $(date +%s) - T0 )) -lt $CALL ]; do sleep 2; done

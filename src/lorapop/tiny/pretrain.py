@@ -752,7 +752,7 @@ def deterministic_kernels(probe: Callable[[], None]) -> Iterator[str | None]:
         try:
             probe()
         except RuntimeError as e:
-            if "determinis" not in str(e):
+            if "deterministic" not in str(e):
                 raise
             missing = str(e).strip().splitlines()[0]
             torch.use_deterministic_algorithms(True, warn_only=True)
@@ -772,7 +772,7 @@ def kernel_probe(model: torch.nn.Module, device: torch.device, attention_mask: b
         ids = torch.arange(32, device=device).remainder(model.config.vocab_size).view(2, 16)
         mask = torch.ones_like(ids)
         mask[0, -1] = 0
-        model.to(device).train()
+        model.train()
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
             out = model(input_ids=ids, attention_mask=mask if attention_mask else None,
                         use_cache=False)  # fmt: skip
