@@ -15,7 +15,8 @@
 # began by which the runs are scored (training stops SCORE_S, default 90, before it). Later calls
 # pass the same arguments (only the first call's start them). What comes back under $OUT: the
 # pipeline's own files (progress.tgz every 30 s, at the end results.json and world_experiment.*),
-# pipeline.log, and `rc` once it has ended. Should the machine end the pipeline when a call returns
+# pipeline.log, and `rc` once it has ended; they are copied every BRING_S (30) s while the call
+# waits, so a call ended early by the device's limit returns the last copy. Should the machine end the pipeline when a call returns
 # anyway, the next calls go on as chained world_call.sh calls (their output as world_call.sh's).
 set -u
 T0=$(date +%s)
@@ -46,10 +47,17 @@ elif [ ! -f $P/rc ] && ! ps -o stat= -p $(cat $P/pid) | grep -qv Z; then  # (a z
   $WORLD_CALL $END "$@"
   exit
 fi
-while [ ! -f $P/rc ] && [ $(( $(date +%s) - T0 )) -lt $CALL ]; do sleep 2; done
-cp $P/pipeline.log $OUT/ 2> /dev/null
-find $P/out -maxdepth 1 -type f ! -name '*.tmp' -exec cp {} $OUT/ \;
-[ -f $P/rc ] && cp $P/rc $OUT/
+bring() {  # also while waiting: a call its device limit ends early still returns the last copy
+  cp $P/pipeline.log $OUT/ 2> /dev/null
+  find $P/out -maxdepth 1 -type f ! -name '*.tmp' -exec cp {} $OUT/ \;
+  [ -f $P/rc ] && cp $P/rc $OUT/
+}
+LAST=$T0
+while [ ! -f $P/rc ] && [ $(( $(date +%s) - T0 )) -lt $CALL ]; do
+  sleep 1
+  if [ $(( $(date +%s) - LAST )) -ge ${BRING_S:-30} ]; then bring; LAST=$(date +%s); fi
+done
+bring
 tail -n 25 $P/pipeline.log 2> /dev/null
 if [ -f $P/rc ]; then echo "pipeline ended: exit $(cat $P/rc)"
 else echo "pipeline running, $(( $(date +%s) - $(cat $P/started) )) s in: call again within 30 s"; fi

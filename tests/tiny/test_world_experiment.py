@@ -445,30 +445,35 @@ def test_a_detached_session_outlives_its_call_and_is_started_once(tmp_path) -> N
     """benchmarks/world_detached.sh: the first call starts the pipeline in its own process
     session and copy of the tree, and returns at CALL_S with the pipeline still running; the
     pipeline survives the kill of everything the call left (as the device machine does); a
-    later call brings back its files once it ends, and a call after that starts nothing."""
+    call ended early (its device limit) still has the files copied while it waited; a later
+    call brings back its files once it ends, and a call after that starts nothing."""
     import contextlib
     import signal
 
     tree, state = tmp_path / "tree", tmp_path / "state"
     tree.mkdir()
     stub = tmp_path / "pipeline.sh"  # stands for world_call.sh: writes where it ran, then results
-    stub.write_text('echo x >> "$(dirname $0)/starts"; sleep 5\n'
+    stub.write_text('echo x >> "$(dirname $0)/starts"; echo 1 > $OUT/progress.tgz; sleep 6\n'
                     'printf "%s\\n" "$PWD" "$*" > $OUT/results.json; echo done\n')
 
-    def call(out: str, call_s: int) -> str:
+    def call(out: str, call_s: int, killed_after: float = 60) -> str:
         (tmp_path / out).mkdir()
         env = {**os.environ, "OUT": str(tmp_path / out), "DETACHED": str(state),
-               "WORLD_CALL": f"bash {stub}"}
+               "WORLD_CALL": f"bash {stub}", "BRING_S": "1"}
         proc = subprocess.Popen(["bash", str(ROOT / "benchmarks" / "world_detached.sh"),
                                  str(call_s), "500", "--arms", "single"], cwd=tree, env=env,
                                 stdout=subprocess.PIPE, text=True, start_new_session=True)
-        stdout = proc.communicate(timeout=60)[0]
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.communicate(timeout=killed_after)
         with contextlib.suppress(ProcessLookupError):  # what the call left is ended, as there
             os.killpg(proc.pid, signal.SIGKILL)
-        return stdout
+        return proc.communicate()[0] or ""
 
-    assert "call again within 30 s" in call("first", 1)
+    # a first call its device limit ends before CALL_S still returns the pipeline's files so far
+    call("first", 30, killed_after=3)
+    assert (tmp_path / "first" / "progress.tgz").read_text() == "1\n"
     assert not (state / "out" / "results.json").exists()  # the call's output closed before it
+    assert "call again within 30 s" in call("early", 1)
     assert "pipeline ended: exit 0" in call("second", 30)
     where, args = (tmp_path / "second" / "results.json").read_text().splitlines()
     assert where == str(state / "repo") and args == "410 --finish --arms single"
