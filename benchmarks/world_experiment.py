@@ -718,7 +718,7 @@ def run_all(args: argparse.Namespace) -> None:
         "level_table": table,
         "base_overrides": base,
         "seeds": args.seeds,
-        "arms": {arm: [n for n, _ in arm_runs(arm, 0, base)] for arm in args.arms},
+        "arms": {arm: [j["name"] for j in jobs if j["arm"] == arm] for arm in args.arms},
         "device": _device(),
         "cpus": os.cpu_count(),
         "gpus": args.gpus,
@@ -761,7 +761,8 @@ def merge_results(parts: list[dict]) -> dict:
                 cross.setdefault(arm, {}).setdefault(task_arm, []).extend(v)
     return {**parts[0], "command": [p["command"] for p in parts],
             "seeds": sorted({s for p in parts for s in p["seeds"]}),
-            "arms": {a: n for p in parts for a, n in p["arms"].items()},
+            "arms": {a: [n for p in parts for n in p["arms"].get(a, [])]
+                     for a in dict.fromkeys(a for p in parts for a in p["arms"])},
             "device": sorted({p["device"] for p in parts}), "wall_s": [p["wall_s"] for p in parts],
             "runs": [r for p in parts for r in p["runs"]], "crossplay": cross}  # fmt: skip
 

@@ -144,6 +144,7 @@ def test_a_finished_single_arm_reports_its_gate(tmp_path) -> None:
     assert res["level_table"] == "natural" and "tasks.live_code=true" in res["base_overrides"]
     assert (tmp_path / "level_table.txt").read_text() == "natural\n"
     (run,) = res["runs"]
+    assert res["arms"] == {"single": ["single_s0"]}
     assert run["done"] and len(run["heldout"]["grades"]["A0"]) == len(run["heldout_levels"]) == 15
     assert len(run["curves"]["solve_rate"]) == 2 and res["runs"][0]["steps"] == 2
 
@@ -255,7 +256,8 @@ def _results(seeds: list[int], shift: float) -> dict:
                          "select": {"grades": {"A0": g}, "pass@1": {"A0": fmean(g)}},
                          "curves": we.curves(rows), "heldout_levels": [1, 3, 4, 5]})  # fmt: skip
     return {"command": "x", "level_table": "short", "base_overrides": [], "seeds": seeds,
-            "arms": {"population": ["population_s0"], "single": ["single_s0"]}, "device": "cpu",
+            "arms": {a: [f"{a}_s{s}" for s in seeds] for a in ("population", "single")},
+            "device": "cpu",
             "cpus": 2, "gpus": 0, "wall_s": 1.0, "runs": runs,
             "crossplay": {"population": {"single": [0.5] * len(seeds)},
                           "single": {"population": [0.25] * len(seeds)}}}  # fmt: skip
@@ -333,7 +335,9 @@ def test_calls_of_other_seeds_merge_into_one_verdict(tmp_path) -> None:
     assert len(titles) == len(set(titles)) == 13 and "kl" in titles and "teacher reward" in titles
     assert titles[-1] == "coverage at equal valid programs"
     whole = _module().merge_results([_results([0, 1, 2], 0.0)])
-    assert _module().merge_results([_results([0], 0.0), _results([1, 2], 0.0)])["runs"] == whole["runs"]
+    parts = _module().merge_results([_results([0], 0.0), _results([1, 2], 0.0)])
+    assert parts["runs"] == whole["runs"] and parts["arms"] == whole["arms"]
+    assert whole["arms"]["single"] == ["single_s0", "single_s1", "single_s2"]
 
 
 def test_merge_refuses_a_run_given_twice_or_other_settings(tmp_path) -> None:
