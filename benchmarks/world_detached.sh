@@ -16,8 +16,9 @@
 # pass the same arguments (only the first call's start them). What comes back under $OUT: the
 # pipeline's own files (progress.tgz every 30 s, at the end results.json and world_experiment.*),
 # pipeline.log, and `rc` once it has ended; they are copied every BRING_S (30) s while the call
-# waits, so a call ended early by the device's limit returns the last copy. Should the machine end the pipeline when a call returns
-# anyway, the next calls go on as chained world_call.sh calls (their output as world_call.sh's).
+# waits, so a call ended early by the device's limit returns the last copy. Should the machine
+# end the pipeline when a call returns anyway, the next calls go on as chained world_call.sh
+# calls (their output as world_call.sh's).
 set -u
 T0=$(date +%s)
 CALL=${1:?CALL_S}; TOTAL=${2:?TOTAL_S}; shift 2
