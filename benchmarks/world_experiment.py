@@ -755,14 +755,15 @@ def merge_results(parts: list[dict]) -> dict:
         diff = sorted(set().union(*map(set, settings)) - set.intersection(*map(set, settings)))
         raise SystemExit(f"--merge: results of different settings: {', '.join(diff)}")
     cross: dict[str, dict[str, list[float]]] = {}
+    arms: dict[str, list[str]] = {}
     for p in parts:
         for arm, row in p["crossplay"].items():
             for task_arm, v in row.items():
                 cross.setdefault(arm, {}).setdefault(task_arm, []).extend(v)
+        for arm, runs in p["arms"].items():
+            arms.setdefault(arm, []).extend(runs)
     return {**parts[0], "command": [p["command"] for p in parts],
-            "seeds": sorted({s for p in parts for s in p["seeds"]}),
-            "arms": {a: [n for p in parts for n in p["arms"].get(a, [])]
-                     for a in dict.fromkeys(a for p in parts for a in p["arms"])},
+            "seeds": sorted({s for p in parts for s in p["seeds"]}), "arms": arms,
             "device": sorted({p["device"] for p in parts}), "wall_s": [p["wall_s"] for p in parts],
             "runs": [r for p in parts for r in p["runs"]], "crossplay": cross}  # fmt: skip
 
