@@ -36,6 +36,7 @@ import math
 import os
 import platform
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -259,6 +260,8 @@ def collapse(c: dict[str, list]) -> dict:
 
 #: the suffix of a run's cross-play job in jobs/ (beside its training job, `NAME.json`)
 CROSS_JOB = ".cross"
+#: a run directory's name, as `arm_runs` makes it
+RUN_NAME = re.compile(rf"(?P<arm>{'|'.join(ARMS)})_s(?P<seed>\d+)(_a\d+)?")
 PROBE_CURVES = ("solve_rate", "valid_rate", "cyclomatic", "loc", "partial_share",
                 "unsolved_share", "teacher_reward", "distinct_programs", "entropy", "kl")
 #: the probe's figure adds the solve rate split by task type (code_f's is what holds it down)
@@ -477,6 +480,11 @@ def partial_summary(out: Path) -> dict:
 
     recs = [json.loads(f.read_text()) for f in sorted((out / "jobs").glob("*.out.json"))
             if not f.name.endswith(f"{CROSS_JOB}.out.json")]  # cross-play records: not runs
+    known = {r["name"] for r in recs}
+    for d in sorted((out / "runs").glob("*")) if (out / "runs").is_dir() else []:
+        m = RUN_NAME.fullmatch(d.name)  # a run no call has ended yet has no record: its name
+        if m and d.name not in known:
+            recs.append({"name": d.name, "arm": m["arm"], "seed": int(m["seed"])})
     rows = {r["name"]: read_metrics(out / "runs" / r["name"])
             if (out / "runs" / r["name"] / "metrics.jsonl").is_file() else [] for r in recs}
     recs = [r for r in recs if rows[r["name"]]]
@@ -525,9 +533,13 @@ def partial_summary(out: Path) -> dict:
     res["not_scored"] = [a for a in arms if a not in scored]
     res["curves"] = {a: {str(s): c for s, c in cs.items()} for a, cs in full.items()}
     res["coverage_at_valid"] = _coverage_table(cut, seeds)
-    verdict = ("not tested: the gate failed (the single agent did not collapse)"
-               if "gate" in res and not res["gate"]["passed"] else
-               "incomplete: " + ", ".join(res["not_scored"]) + " not scored")  # fmt: skip
+    reached = sorted(res["steps"].values())
+    if "gate" in res and not res["gate"]["passed"]:  # final only once the single agent's runs end
+        ended = all(r.get("done") for r in recs if r["arm"] == "single")
+        verdict = ("not tested: the gate failed (the single agent did not collapse)" if ended else
+                   f"incomplete: the gate does not hold yet (runs at steps {reached[0]}-{reached[-1]})")
+    else:
+        verdict = "incomplete: " + ", ".join(res["not_scored"]) + " not scored"
     res["criterion"] = {"verdict": verdict}
     return res
 

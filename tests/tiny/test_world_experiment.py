@@ -313,6 +313,28 @@ def test_a_cut_chain_still_gives_the_gate_slopes_and_scored_end_points(tmp_path)
     assert proc.returncode == 1 and "no run with recorded steps" in proc.stderr
 
 
+def test_a_pipeline_cut_before_any_run_ended_is_read_from_its_run_directories(tmp_path) -> None:
+    """progress.tgz of a pipeline whose runs are all still training holds no job records: the runs'
+    names say their arm and seed, and the verdict says the run is incomplete, not failed."""
+    for arm, n in (("population", 12), ("single", 15)):
+        for s in (0, 1, 2):
+            d = tmp_path / "runs" / f"{arm}_s{s}"
+            d.mkdir(parents=True)
+            d.joinpath("metrics.jsonl").write_text(
+                "".join(json.dumps(_row(i, 0.4, 1.1, 1.0)) + "\n" for i in range(1, n + 1)))
+    (tmp_path / "runs" / "not_a_run").mkdir()
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "world_experiment.py"),
+                           "--out", str(tmp_path), "--partial"], capture_output=True, text=True,
+                          env=env, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads((tmp_path / "world_experiment_partial.json").read_text())
+    assert res["steps"] == {**{f"population_s{s}": 12 for s in (0, 1, 2)},
+                            **{f"single_s{s}": 15 for s in (0, 1, 2)}}  # fmt: skip
+    assert res["common_steps"] == 12 and not res["gate"]["passed"]
+    assert res["criterion"]["verdict"] == "incomplete: the gate does not hold yet (runs at steps 12-15)"
+
+
 def test_calls_of_other_seeds_merge_into_one_verdict(tmp_path) -> None:
     """Each seed's runs in its own call (its own machine); --merge gives what one call would."""
     a, b = tmp_path / "a.json", tmp_path / "b.json"
