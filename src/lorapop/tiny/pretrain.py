@@ -35,7 +35,6 @@ each (role, level) a share of the pool's tokens rather than of its examples (`bu
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import hashlib
 import itertools
@@ -59,6 +58,7 @@ import transformers
 from transformers import PreTrainedTokenizerFast
 
 from lorapop import dist
+from lorapop.engine.determinism import deterministic_kernels
 from lorapop.engine.model import TINY_DIR, random_qwen2, resolve_device
 from lorapop.tasks import Task, get_family
 from lorapop.tiny.corpus import generate_corpus, generate_variants_fast
@@ -726,40 +726,6 @@ def optimizer(model: torch.nn.Module, lr: float, device: torch.device) -> torch.
 
 #: Steps between a data-parallel build's `stop` polls (each one syncs the ranks with the host).
 STOP_POLL = 10
-
-
-@contextlib.contextmanager
-def deterministic_kernels(probe: Callable[[], None]) -> Iterator[str | None]:
-    """Deterministic kernels while training, so a base is rebuilt bit for bit from its seed on
-    the same kind of machine and number of ranks. Without them the GPU's atomics (flash
-    attention's backward among them) made two 2-rank H100 builds of world-nocount-77m end at
-    losses 0.410 and 0.403 (session 21). Strict mode, since flash attention's backward runs
-    its deterministic kernel only then; `probe` (one forward and backward of the training's
-    kernels) finds first whether some op has none, and then the build goes on warning instead,
-    and yields that op's error (None when strict). cuBLAS needs a fixed workspace, read when
-    the process first uses it (a build sets it before any CUDA work); uninitialised memory is
-    not filled (nothing reads it). The caller's settings come back afterwards."""
-    from torch.utils import deterministic
-
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    before = (torch.are_deterministic_algorithms_enabled(),
-              torch.is_deterministic_algorithms_warn_only_enabled(),
-              deterministic.fill_uninitialized_memory)  # fmt: skip
-    torch.use_deterministic_algorithms(True)
-    deterministic.fill_uninitialized_memory = False
-    missing = None
-    try:
-        try:
-            probe()
-        except RuntimeError as e:
-            if "deterministic" not in str(e):
-                raise
-            missing = str(e).strip().splitlines()[0]
-            torch.use_deterministic_algorithms(True, warn_only=True)
-        yield missing
-    finally:
-        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
-        deterministic.fill_uninitialized_memory = before[2]
 
 
 def kernel_probe(model: torch.nn.Module, device: torch.device, attention_mask: bool
