@@ -74,6 +74,7 @@ def test_backends_and_run_facts_written(run_dir):
     info = json.loads((run_dir / "run.json").read_text())["sessions"]
     assert len(info) == 1 and info[0]["command"].startswith("lorapop train")
     assert info[0]["last_step"] == 2 and info[0]["end_unix"] >= info[0]["start_unix"]
+    assert not info[0]["deterministic_kernels"] and info[0]["no_deterministic_kernel"] is None
     page = (run_dir / "report.html").read_text()
     assert "wall time" in page and html.escape(info[0]["command"]) in page
 
@@ -251,6 +252,40 @@ def test_train_on_a_world_base_plays_under_its_rules(tmp_path):
     want = TABLE_RULES["nojoin"]
     assert rules.banned_calls == want.banned_calls == ("count", "join")
     assert (rules.inputs, rules.outputs) == (want.inputs, want.outputs) and not rules.live_code
+
+
+@pytest.mark.parametrize("missing", [None, "foo_cuda does not have a deterministic implementation"])
+def test_deterministic_training_is_recorded_and_an_op_without_a_kernel_warns(
+        tmp_path, monkeypatch, missing):
+    """`train.deterministic=true`: run.json records whether the update's kernels were
+    deterministic; an op the probe finds without one is named in one line and in run.json, and
+    the update goes on warning instead of failing."""
+    import torch
+
+    from lorapop.loop import SelfPlay
+
+    def probe(self) -> None:
+        raise RuntimeError(f"{missing}, but you set 'torch.use_deterministic_algorithms(True)'\n.")
+
+    if missing:
+        monkeypatch.setattr(SelfPlay, "_kernel_probe", probe)
+    warn_only, update = [], SelfPlay.update
+    monkeypatch.setattr(SelfPlay, "update", lambda self, *a: warn_only.append(
+        torch.is_deterministic_algorithms_warn_only_enabled()) or update(self, *a))
+    result = run("train", TINY, "--steps", 1, "--out", tmp_path, *FAST, "train.deterministic=true",
+                 "--no-report")
+    assert result.exit_code == 0, result.output
+    (session,) = json.loads((tmp_path / "run.json").read_text())["sessions"]
+    assert session["deterministic_kernels"] is (missing is None)
+    assert warn_only == [missing is not None] and not torch.are_deterministic_algorithms_enabled()
+    if missing:
+        assert session["no_deterministic_kernel"] == f"{missing}, but you set " \
+            "'torch.use_deterministic_algorithms(True)'"
+        (line,) = [x for x in result.output.splitlines() if "no deterministic kernel" in x]
+        assert "foo_cuda" in line and "warn-only" in line
+    else:
+        assert session["no_deterministic_kernel"] is None
+        assert "deterministic kernel" not in result.output
 
 
 def test_rollouts_dumped_every_step_and_shown(run_dir):

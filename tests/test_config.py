@@ -30,11 +30,18 @@ def test_yaml_and_overrides(tmp_path):
         ("evolve.operators={copy: 0.0}", "bad value for 'evolve.operators'"),
         ("evolve.operators={copy: -1.0, mean: 2.0}", "weights must be >= 0"),
         ("train.clip_eps=0.2", "unknown key 'train.clip_eps'"),
+        ("train.deterministic=maybe", "bad value for 'train.deterministic'"),
+        ("train.deterministic=2", "bad value for 'train.deterministic'"),
     ],
 )
 def test_bad_keys_and_values_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("[", r"\[")):
         load_config(None, [override])
+
+
+def test_deterministic_kernels_are_off_unless_asked():
+    assert not load_config().train.deterministic
+    assert load_config(None, ["train.deterministic=true"]).train.deterministic is True
 
 
 def test_operator_names_are_the_evolve_operators():

@@ -329,3 +329,41 @@ def test_packed_answers_and_mixed_adapter_micro_batches_train_like_separate_rows
     assert not torch.equal(banks[0], torch.zeros_like(banks[0]))
     for other in banks[1:]:
         torch.testing.assert_close(banks[0], other, rtol=1e-4, atol=1e-6)
+
+
+def _kernel_modes(monkeypatch) -> list[tuple[bool, bool]]:
+    """(deterministic, warn only) while each update runs, as the list fills."""
+    modes, update = [], SelfPlay.update
+    monkeypatch.setattr(SelfPlay, "update", lambda self, *a: modes.append(
+        (torch.are_deterministic_algorithms_enabled(),
+         torch.is_deterministic_algorithms_warn_only_enabled())) or update(self, *a))
+    return modes
+
+
+def test_deterministic_runs_repeat_and_leave_the_settings_as_they_were(tmp_path, monkeypatch):
+    """`train.deterministic`: every update runs on strict deterministic kernels (on CPU the
+    probe finds one for each op), two runs of one seed give the same rows and adapters, and the
+    same as a run without it (CPU kernels are deterministic anyway: the probe changes nothing);
+    torch's settings are the caller's again after each run."""
+    from torch.utils import deterministic
+
+    modes = _kernel_modes(monkeypatch)
+    runs = []
+    for name, on in (("a", True), ("b", True), ("off", False)):
+        cfg = _cfg("tasks.types=[code_o, code_i]", "sampling.teacher_max_new_tokens=48",
+                   "sampling.student_max_new_tokens=8", "seed=1",  # (valid tasks: updates move)
+                   f"train.deterministic={str(on).lower()}")
+        sp = SelfPlay(cfg, tmp_path / name)
+        try:
+            sp.run(2)
+            runs.append((_rows(tmp_path / name), sp.parts.bank.weights.detach().clone(), sp.kernels))
+        finally:
+            sp.close()
+        assert not torch.are_deterministic_algorithms_enabled()
+        assert deterministic.fill_uninitialized_memory
+    assert modes == [(True, False)] * 4 + [(False, False)] * 2
+    (a, wa, ka), (b, wb, kb), (off, woff, koff) = runs
+    assert ka == kb == {"deterministic_kernels": True, "no_deterministic_kernel": None}
+    assert koff == {"deterministic_kernels": False, "no_deterministic_kernel": None}
+    assert a == b == off and torch.equal(wa, wb) and torch.equal(wa, woff)
+    assert any(m["grad_norm"] for r in a for m in r["members"].values())  # (the updates moved)

@@ -66,7 +66,10 @@ def one_rank(tmp_path_factory) -> Path:
 
 
 def test_two_ranks_sample_and_decide_exactly_as_one(one_rank, tmp_path):
-    cmd = _launch(2, [str(HERE / "dist_driver.py"), str(tmp_path), str(STEPS), *FAST])
+    """... with `train.deterministic` on the two ranks (each probes its kernels; on CPU the
+    mode changes nothing)."""
+    cmd = _launch(2, [str(HERE / "dist_driver.py"), str(tmp_path), str(STEPS), *FAST,
+                      "train.deterministic=true"])
     done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     want, got = torch.load(one_rank / "outcomes.pt"), torch.load(tmp_path / "outcomes.pt")

@@ -117,7 +117,11 @@ def _run(cfg: Config, run_dir: Path, resume: bool, command: str, world: World,
         sp = SelfPlay(cfg, run_dir, resume=resume, from_step=from_step, world=world)
     except (ModelLoadError, FileNotFoundError, ValueError, RuntimeError) as e:
         raise _fail(str(e), world) from None
-    hooks: list = [RunInfo(run_dir, command, sp.step_done)] if world.main else []
+    if sp.no_deterministic_kernel and world.main:
+        typer.echo(f"train.deterministic: an update op has no deterministic kernel "
+                   f"({sp.no_deterministic_kernel}); the update goes on in warn-only mode, "
+                   "so runs may differ in rounding", err=True)
+    hooks: list = [RunInfo(run_dir, command, sp.step_done, sp.kernels)] if world.main else []
     config = cfg.model_dump(mode="json")
     try:
         if cfg.run.tensorboard and world.main:

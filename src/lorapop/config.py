@@ -212,6 +212,15 @@ class TrainConfig(Section):
     teacher_format_penalty: float | None = None
     """AZR's composite reward: a valid proposal whose converted reward is not positive gets
     this instead (AZR: -0.5). None (PopuLoRA) keeps the 0."""
+    deterministic: bool = False
+    """Run each update on deterministic kernels (`engine/determinism`), so that a GPU run
+    repeats bit for bit from its seed on one kind of GPU and number of ranks: for debugging and
+    for studying a run's dynamics. Without them runs part from the second step, as the
+    update's backward (attention, the bank's gathers and indexing) sums with atomics. Slower
+    (unmeasured: GPU check pending). Generation keeps its kernels: GPU runs already agree at
+    their first step (sampling is seeded per row), and sampling's float cumsum has no
+    deterministic CUDA kernel. CPU runs are deterministic anyway. `run.json` records whether
+    the kernels were deterministic and which op, if any, lacked one."""
 
 
 class RunConfig(Section):

@@ -20,7 +20,7 @@ import time
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,11 @@ import torch
 from lorapop import dist
 from lorapop.checkpoint import load_checkpoint, resume_point, save_checkpoint, truncate_jsonl
 from lorapop.config import Config, dump_config
+from lorapop.engine.determinism import (
+    deterministic_algorithms,
+    fix_cublas_workspace,
+    missing_kernel,
+)
 from lorapop.engine.generate import Generation, SamplingParams, generate
 from lorapop.engine.logprobs import (
     HEAD_CHUNK,
@@ -94,6 +99,8 @@ class SelfPlay:
             raise ValueError(f"{self.run_dir} already holds a run: --resume it or pick another --out")
         ckpt = resume_point(self.run_dir, from_step) if resume else None
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if cfg.train.deterministic:
+            fix_cublas_workspace()  # before the model first touches CUDA
         self.parts = build(cfg)
         self.rewards = RewardScheme(teacher_conversion=cfg.train.teacher_conversion,
                                     teacher_format_penalty=cfg.train.teacher_format_penalty)
@@ -103,6 +110,9 @@ class SelfPlay:
                 self.step_done = load_checkpoint(self.run_dir, ckpt,
                                                  lambda folder: load_state(self.parts, folder))
             self.check_ranks("after loading", base=dist.fingerprint(self.parts.model.parameters()))
+            #: the first line of the error of an update op without a deterministic kernel
+            self.no_deterministic_kernel = (missing_kernel(self._kernel_probe)
+                                            if cfg.train.deterministic else None)
         except BaseException:
             self.parts.close()
             raise
@@ -133,7 +143,7 @@ class SelfPlay:
             verification = self.verification(s, proposals)
         with clock.phase("solving"):
             attempts = self.solving(s, pairs, proposals, verification.validities, clock)
-        with clock.phase("update"):
+        with clock.phase("update"), self._update_kernels():
             update = self.update(pairs, proposals, verification.validities, attempts)
         replacements: list[dict[str, Any]] = []
         if self.cfg.evolve.every and not self.parts.single and s % self.cfg.evolve.every == 0:
@@ -450,6 +460,46 @@ class SelfPlay:
         trained = set(slots.tolist())
         losses = {m: float(slot_loss[i]) for m, i in p.slot.items() if i in trained}
         return losses, {m: float(norms.get(i, 0.0)) for m, i in p.slot.items()}, per_rollout
+
+    @property
+    def kernels(self) -> dict[str, Any]:
+        """What `run.json` records of the update's kernels: deterministic (strict), and the op
+        that lacked a deterministic kernel (the update then ran warning: runs may differ)."""
+        op = self.no_deterministic_kernel
+        return {"deterministic_kernels": self.cfg.train.deterministic and op is None,
+                "no_deterministic_kernel": op}
+
+    def _update_kernels(self) -> AbstractContextManager[None]:
+        """The update's kernel mode: deterministic with `train.deterministic`, strictly unless
+        the probe found an op without such a kernel (generation keeps the default kernels:
+        see the config's docstring)."""
+        if not self.cfg.train.deterministic:
+            return nullcontext()
+        return deterministic_algorithms(warn_only=self.no_deterministic_kernel is not None)
+
+    def _kernel_probe(self) -> None:
+        """One forward and backward of `_policy_step`'s kernels on made-up tokens: rows of two
+        slots together (the bank's grouped routing) and of one slot (its plain one), answers
+        packed on a shared prompt when the config packs them, the loss. Gradients are dropped;
+        weights, optimizer and random state (LoRA dropout draws on it) are left as they were."""
+        p, tc = self.parts, self.cfg.train
+        dev = next(p.model.parameters()).device
+        prompts, comps = [[1, 2, 3]] * 3 + [[4, 5]], [[6, 7], [8], [9], [10, 11]]
+        slots = torch.tensor([0, 0, 0, len(p.slot) - 1], device=dev)
+        p.model.train()
+        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []), \
+                p.bank.held_copy(p.model.dtype):
+            for rows in ([0, 1, 2, 3], [0, 1, 2]):
+                idx = torch.tensor(rows, device=dev)
+                logprobs, mask = sequence_logprobs(
+                    p.model, p.bank, [prompts[i] for i in rows], [comps[i] for i in rows],
+                    slots[idx], share_prompts=tc.share_prompts)
+                counts = group_token_counts(mask, slots[idx], n_groups=len(p.slot))
+                loss, _ = policy_loss(logprobs.float(), torch.ones(len(rows), device=dev), mask,
+                                      groups=slots[idx], token_counts=counts)
+                loss.backward()
+        p.opt.zero_grad()
+        p.model.eval()
 
     def _update_memory_plan(self, longest: int) -> tuple[int | None, int]:
         """`(keep_tokens, micro_batch_tokens)`: with `auto`, micro-batches of at most

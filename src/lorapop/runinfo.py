@@ -1,8 +1,8 @@
 """What ran, where and for how long: RUN_DIR/run.json, shown at the top of the report.
 
 Each `lorapop train` session (the first and every `--resume`) appends its command, lorapop
-version and commit, machine and start time, and moves its end time on after every step, so a
-killed run still reports the wall time it used.
+version and commit, machine, the update's kernels (`train.deterministic`) and start time, and
+moves its end time on after every step, so a killed run still reports the wall time it used.
 """
 
 from __future__ import annotations
@@ -71,14 +71,16 @@ def wall_seconds(sessions: list[dict[str, Any]]) -> float:
 class RunInfo:
     """Records this session in RUN_DIR/run.json; call it with each metrics row."""
 
-    def __init__(self, run_dir: str | Path, command: str, first_step: int) -> None:
+    def __init__(self, run_dir: str | Path, command: str, first_step: int,
+                 facts: dict[str, Any] | None = None) -> None:
+        """`facts`: more of what ran, e.g. the update's kernels (`SelfPlay.kernels`)."""
         self.path = Path(run_dir) / FILE
         self.sessions = read(run_dir)
         t = time.time()
         self.session = {
             "command": command, "lorapop": lorapop.__version__, "commit": git_commit(),
-            "machine": machine(), "start": _now(), "start_unix": t, "end": _now(),
-            "end_unix": t, "first_step": first_step + 1, "last_step": first_step,
+            "machine": machine(), **(facts or {}), "start": _now(), "start_unix": t,
+            "end": _now(), "end_unix": t, "first_step": first_step + 1, "last_step": first_step,
         }
         self.sessions.append(self.session)
         self._write()
