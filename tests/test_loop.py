@@ -331,15 +331,6 @@ def test_packed_answers_and_mixed_adapter_micro_batches_train_like_separate_rows
         torch.testing.assert_close(banks[0], other, rtol=1e-4, atol=1e-6)
 
 
-def _kernel_modes(monkeypatch) -> list[tuple[bool, bool]]:
-    """(deterministic, warn only) while each update runs, as the list fills."""
-    modes, update = [], SelfPlay.update
-    monkeypatch.setattr(SelfPlay, "update", lambda self, *a: modes.append(
-        (torch.are_deterministic_algorithms_enabled(),
-         torch.is_deterministic_algorithms_warn_only_enabled())) or update(self, *a))
-    return modes
-
-
 def test_deterministic_runs_repeat_and_leave_the_settings_as_they_were(tmp_path, monkeypatch):
     """`train.deterministic`: every update runs on strict deterministic kernels (on CPU the
     probe finds one for each op), two runs of one seed give the same rows and adapters, and the
@@ -347,7 +338,10 @@ def test_deterministic_runs_repeat_and_leave_the_settings_as_they_were(tmp_path,
     torch's settings are the caller's again after each run."""
     from torch.utils import deterministic
 
-    modes = _kernel_modes(monkeypatch)
+    modes, update = [], SelfPlay.update  # (deterministic, warn only) while each update runs
+    monkeypatch.setattr(SelfPlay, "update", lambda self, *a: modes.append(
+        (torch.are_deterministic_algorithms_enabled(),
+         torch.is_deterministic_algorithms_warn_only_enabled())) or update(self, *a))
     runs = []
     for name, on in (("a", True), ("b", True), ("off", False)):
         cfg = _cfg("tasks.types=[code_o, code_i]", "sampling.teacher_max_new_tokens=48",
