@@ -106,8 +106,8 @@ pack() {  # small files only: no checkpoints or adapters; rollouts of the last $
       ls -v $r/step_*.jsonl.gz 2>/dev/null | tail -n $ROLLOUTS; done ) \
     | tar czf $OUT/progress.tgz.tmp -C $W -T - 2>/dev/null && mv $OUT/progress.tgz.tmp $OUT/progress.tgz; }
 ( while [ ! -f $W/stop ]; do
-    { date -u +%T; uptime; nvidia-smi --query-gpu=index,utilization.gpu,memory.used \
-        --format=csv,noheader 2>&1; } >> $W/load.log
+    { date -u +%T; uptime; ! command -v nvidia-smi > /dev/null || nvidia-smi \
+        --query-gpu=index,utilization.gpu,memory.used --format=csv,noheader 2>&1; } >> $W/load.log
     pack; sleep 30
   done ) &
 TP=$!
