@@ -41,12 +41,11 @@ def comparable(rows: list[dict]) -> list[dict]:
 
 
 def adapter_digests(run_dir: Path) -> dict[str, str]:
-    """SHA-256 (first 16 hex digits) of each adapter's weights in the last checkpoint (not its
-    adapter_config.json, whose target_modules PEFT writes in set order, different per process)."""
+    """SHA-256 (first 16 hex digits) of each file under the last checkpoint's adapters/."""
     ckpt = latest_checkpoint(run_dir)
     if ckpt is None:
         return {}
-    files = sorted((ckpt / "adapters").rglob("*.safetensors"))
+    files = sorted(p for p in (ckpt / "adapters").rglob("*") if p.is_file())
     return {str(p.relative_to(ckpt)): hashlib.sha256(p.read_bytes()).hexdigest()[:16]
             for p in files}  # fmt: skip
 

@@ -42,6 +42,11 @@ def test_export_writes_peft_keys_and_round_trips_exactly(arch, tmp_path):
     config = json.loads((out / "adapter_config.json").read_text())
     assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 4, 16)
     assert config["base_model_name_or_path"] == str(base_dir)
+    # the same file from every process (PEFT alone writes its module set in hash order)
+    assert config["target_modules"] == sorted(config["target_modules"])
+    assert export_slot(bank, 1, tmp_path / "a2", base_model_name_or_path=str(base_dir)
+                       ).joinpath("adapter_config.json").read_bytes() == (
+        out / "adapter_config.json").read_bytes()  # fmt: skip
     native = get_peft_model(
         tiny_model(arch), LoraConfig(r=4, target_modules=config["target_modules"])
     )

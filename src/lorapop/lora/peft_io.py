@@ -47,6 +47,12 @@ def export_slot(
         base_model_name_or_path=base_model_name_or_path or None,
     )
     config.save_pretrained(str(out))
+    # PEFT keeps target_modules as a set and writes it in hash order, different in every
+    # process: sorted, two exports of the same adapter are the same files
+    path = out / CONFIG_NAME
+    saved = json.loads(path.read_text())
+    saved["target_modules"] = sorted(saved["target_modules"])
+    path.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
     tensors = {}
     for name, ab in state.items():
         for key in ("A", "B"):
