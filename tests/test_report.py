@@ -117,6 +117,16 @@ def test_run_facts_and_config(tmp_path):
     for text in ("lorapop train configs/tiny.yaml --out run", "0.1.0", "wall time",
                  "machine", "torch", "seed: 3", "started"):
         assert text in facts, text
+    assert "update kernels" not in facts  # a run.json from before train.deterministic
+    for kernels, shown in (({"deterministic_kernels": True, "no_deterministic_kernel": None},
+                            "<pre>deterministic</pre>"),
+                           ({"deterministic_kernels": False, "no_deterministic_kernel": "cumsum"},
+                            "warn-only: no such kernel for cumsum"),
+                           ({"deterministic_kernels": False, "no_deterministic_kernel": None},
+                            "default (not bit-for-bit")):  # fmt: skip
+        RunInfo(run, "lorapop train --resume run", 12, kernels)({"step": 13})
+        page = report.write_report(run).read_text()
+        assert shown in page[page.index("id='facts'"):page.index("id='individuals'")], kernels
 
 
 def test_samples_from_rollout_dump_are_escaped(tmp_path):

@@ -1,8 +1,9 @@
 """`lorapop report RUN_DIR`: the page a researcher opens first, as one self-contained HTML file.
 
-From the top: run facts (command, config, version and commit, machine, start and wall time),
-the last steps' summary against the baseline, learning curves per individual and per arm,
-ratings, the matchup heat map, program complexity, phase timings, the replacement history,
+From the top: run facts (command, config, version and commit, machine, start and wall time,
+the update's kernels), the last steps' summary against the baseline, learning curves per
+individual and per arm, ratings, the matchup heat map, program complexity, phase timings, the
+replacement history,
 sampled tasks and answers from the rollout dumps, and `lorapop eval` results.
 
 Figures are SVG (embedded as data URIs, so the page can be mailed or attached); every time
@@ -484,6 +485,11 @@ def _facts(run_dir: Path, rows: list[dict]) -> str:
                 "; ".join(m.get("gpus", [])) or "no GPU", f"Python {m.get('python')}",
                 f"torch {m.get('torch')}") if x)),
         ]
+        if "deterministic_kernels" in last:  # (`train.deterministic`; older runs lack it)
+            op = last.get("no_deterministic_kernel")
+            facts.append(("update kernels", "deterministic" if last["deterministic_kernels"] else
+                          f"deterministic, but warn-only: no such kernel for {op}" if op else
+                          "default (not bit-for-bit repeatable on GPU)"))
     else:
         facts.append(("command, machine, wall time", "not recorded (run from before run.json)"))
     body = "".join(f"<tr><th>{html.escape(k)}</th><td><pre>{html.escape(v)}</pre></td></tr>"
