@@ -3,8 +3,8 @@
 From the top: run facts (command, config, version and commit, machine, start and wall time,
 the update's kernels), the last steps' summary against the baseline, learning curves per
 individual and per arm, ratings, the matchup heat map, program complexity, phase timings, the
-replacement history,
-sampled tasks and answers from the rollout dumps, and `lorapop eval` results.
+replacement history, sampled tasks and answers from the rollout dumps, and `lorapop eval`
+results.
 
 Figures are SVG (embedded as data URIs, so the page can be mailed or attached); every time
 plot shows the smoothed curve over the raw one drawn faint, and a dotted line at each
