@@ -263,6 +263,13 @@ def _results(seeds: list[int], shift: float) -> dict:
                           "single": {"population": [0.25] * len(seeds)}}}  # fmt: skip
 
 
+def _partial(out: Path) -> subprocess.CompletedProcess:
+    """`world_experiment.py --out OUT --partial`, as on an unpacked progress.tgz."""
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "world_experiment.py"),
+                           "--out", str(out), "--partial"], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")}, timeout=300)
+
+
 def test_a_cut_chain_still_gives_the_gate_slopes_and_scored_end_points(tmp_path) -> None:
     """--partial on what progress.tgz brings back: metrics of every run, out.json of each."""
     for s in (0, 1, 2):
@@ -286,10 +293,7 @@ def test_a_cut_chain_still_gives_the_gate_slopes_and_scored_end_points(tmp_path)
                     json.dumps({"single": {"tasks": 10}}))
     (tmp_path / "heldout.jsonl").write_text("".join(
         json.dumps({"meta": {"difficulty": lv}}) + "\n" for lv in (1, 3, 4, 5)))
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "world_experiment.py"),
-                           "--out", str(tmp_path), "--partial"], capture_output=True, text=True,
-                          env=env, timeout=300)  # fmt: skip
+    proc = _partial(tmp_path)
     assert proc.returncode == 0, proc.stderr
     res = json.loads((tmp_path / "world_experiment_partial.json").read_text())
     assert (tmp_path / "world_experiment_partial.png").is_file()
@@ -307,9 +311,7 @@ def test_a_cut_chain_still_gives_the_gate_slopes_and_scored_end_points(tmp_path)
     assert res["criterion"]["verdict"] == "incomplete: population not scored"
     empty = tmp_path / "empty"
     (empty / "jobs").mkdir(parents=True)
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "world_experiment.py"),
-                           "--out", str(empty), "--partial"], capture_output=True, text=True,
-                          env=env, timeout=300)  # fmt: skip
+    proc = _partial(empty)
     assert proc.returncode == 1 and "no run with recorded steps" in proc.stderr
 
 
@@ -323,10 +325,7 @@ def test_a_pipeline_cut_before_any_run_ended_is_read_from_its_run_directories(tm
             d.joinpath("metrics.jsonl").write_text(
                 "".join(json.dumps(_row(i, 0.4, 1.1, 1.0)) + "\n" for i in range(1, n + 1)))
     (tmp_path / "runs" / "not_a_run").mkdir()
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "world_experiment.py"),
-                           "--out", str(tmp_path), "--partial"], capture_output=True, text=True,
-                          env=env, timeout=300)  # fmt: skip
+    proc = _partial(tmp_path)
     assert proc.returncode == 0, proc.stderr
     res = json.loads((tmp_path / "world_experiment_partial.json").read_text())
     assert res["steps"] == {**{f"population_s{s}": 12 for s in (0, 1, 2)},
