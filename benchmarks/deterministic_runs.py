@@ -29,15 +29,9 @@ sys.path.insert(0, str(ROOT / "src"))
 from lorapop import runinfo  # noqa: E402
 from lorapop.checkpoint import latest_checkpoint  # noqa: E402
 from lorapop.report import read_metrics  # noqa: E402
+from lorapop.steplog import without_timings  # noqa: E402
 
-#: metrics fields that hold wall times: they differ between any two runs
-TIMING_KEYS = ("phase_s", "tokens_per_s", "generation")
 RUNS = (("deterministic_a", True), ("deterministic_b", True), ("default", False))
-
-
-def comparable(rows: list[dict]) -> list[dict]:
-    """The metrics rows without their timings."""
-    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rows]
 
 
 def adapter_digests(run_dir: Path) -> dict[str, str]:
@@ -63,7 +57,7 @@ def summarise(runs: dict[str, Path]) -> dict:
     default run parts from them, and each run's mean update and step seconds (first step left
     out: it compiles and captures)."""
     rows = {n: read_metrics(d) for n, d in runs.items()}
-    same = {n: comparable(r) for n, r in rows.items()}
+    same = {n: [without_timings(x) for x in r] for n, r in rows.items()}
     digests = {n: adapter_digests(d) for n, d in runs.items()}
     a, b, off = "deterministic_a", "deterministic_b", "default"
 

@@ -533,11 +533,11 @@ def partial_summary(out: Path) -> dict:
     res["not_scored"] = [a for a in arms if a not in scored]
     res["curves"] = {a: {str(s): c for s, c in cs.items()} for a, cs in full.items()}
     res["coverage_at_valid"] = _coverage_table(cut, seeds)
-    reached = sorted(res["steps"].values())
     if "gate" in res and not res["gate"]["passed"]:  # final only once the single agent's runs end
         ended = all(r.get("done") for r in recs if r["arm"] == "single")
+        steps = sorted(res["steps"].values())
         verdict = ("not tested: the gate failed (the single agent did not collapse)" if ended else
-                   f"incomplete: the gate does not hold yet (runs at steps {reached[0]}-{reached[-1]})")
+                   f"incomplete: the gate does not hold yet (runs at steps {steps[0]}-{steps[-1]})")
     else:
         verdict = "incomplete: " + ", ".join(res["not_scored"]) + " not scored"
     res["criterion"] = {"verdict": verdict}

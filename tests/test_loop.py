@@ -18,6 +18,7 @@ from lorapop.engine.logprobs import sequence_logprobs
 from lorapop.loop import SelfPlay, _Clock
 from lorapop.report import write_report
 from lorapop.rl import trr_advantages
+from lorapop.steplog import without_timings
 from lorapop.tasks.task import Outcome
 
 FAST = [
@@ -27,7 +28,6 @@ FAST = [
     "train.micro_batch_size=64", "evolve.every=2", "evolve.protect_matches=0", "run.save_every=2",
     "verify.timeout_s=5",
 ]
-TIMING = ("phase_s", "tokens_per_s", "generation")
 
 
 def _cfg(*extra):
@@ -36,7 +36,7 @@ def _cfg(*extra):
 
 def _rows(run_dir):
     rows = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+    return [without_timings(r) for r in rows]
 
 
 def _run(cfg, run_dir, steps: int) -> list[dict]:

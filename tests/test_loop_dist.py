@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from lorapop.checkpoint import latest_checkpoint
+from lorapop.steplog import without_timings
 from test_loop import _difference
 
 HERE = Path(__file__).parent
@@ -26,7 +27,7 @@ FAST = [
     "verify.timeout_s=5",
 ]
 STEPS = 2  # replacement runs at step 2
-PER_RANK = ("phase_s", "tokens_per_s", "generation", "ranks", "allreduce_s")
+PER_RANK = ("ranks", "allreduce_s")  # beside the wall times
 
 
 def _launch(ranks: int, args: list[str]) -> list[str]:
@@ -47,7 +48,7 @@ def _env() -> dict[str, str]:
 
 def _rows(run_dir: Path) -> list[dict]:
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if k not in PER_RANK} for r in rows]
+    return [without_timings(r, also=PER_RANK) for r in rows]
 
 
 def _adapters(run_dir: Path) -> dict[str, torch.Tensor]:

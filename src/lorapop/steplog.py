@@ -105,6 +105,15 @@ class MemberInfo:
     individual: str | None = None  # who holds the slot (`T0.g3`, `lorapop.league.lineage`)
 
 
+#: a row's wall-time fields: two runs that train alike still differ in them
+TIMINGS = ("phase_s", "tokens_per_s", "generation")
+
+
+def without_timings(row: dict[str, Any], also: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The row less its wall times (and the fields in `also`): what repeats between runs."""
+    return {k: v for k, v in row.items() if k not in TIMINGS and k not in also}
+
+
 def step_metrics(rec: StepRecord, league: dict[str, MemberInfo]) -> dict[str, Any]:
     """The metrics.jsonl row of one step: per member, per matchup, per task type."""
     valid = [v.valid for v in rec.verification.validities]
