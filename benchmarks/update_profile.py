@@ -23,6 +23,7 @@ import json
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -152,18 +153,43 @@ def packed_difference(parts, rows: tuple[list, list, list]) -> dict:
 
 AB_VARIANTS = {"norms": ("HF norms", "fused norms"), "head": ("eager head", "compiled head"),
                "swiglu": ("plain SwiGLU", "fused SwiGLU"),
-               "lora": ("grouped LoRA", "addmm LoRA")}
+               "lora": ("grouped LoRA", "addmm LoRA"),
+               "rotary": ("plain rotary", "fused rotary"),
+               "slotgrad": ("slot grads through autograd", "slot grads in place")}
+
+
+def _slot_weights_through_autograd(self, target, dtype, s):
+    """The bank's slot weights as before `_SlotView`: slot s of the whole (held or cast) A and
+    B, so autograd writes, casts and accumulates a gradient for every slot."""
+    a, b = self._compute_weights(target, dtype)
+    return a[s], b[s]
 
 
 def set_variant(parts, variant: str) -> None:
     """One `--ab` variant: the model's RMSNorms (the classes' own or the fused kernel), its
     SwiGLU MLPs (the classes' own or `_SwiGLU`: less memory, so larger micro-batches), the
     LM head's log-softmax (eager or compiled), or the LoRA of rows in runs of one slot (the
-    grouped kernel and an add, or the add in the expand GEMM: `routing.add_delta_by_runs`)."""
+    grouped kernel and an add, or the add in the expand GEMM: `routing.add_delta_by_runs`), the
+    rotary embedding of training forwards (the model's own or `fused._Rotary`), or the
+    gradient of a one-slot micro-batch's LoRA weights (through autograd, or `bank._SlotView`)."""
     import lorapop.engine.logprobs as logprobs
-    from lorapop.engine.fused import fuse_mlps, fuse_rms_norms, unfuse_mlps, unfuse_rms_norms
+    from lorapop.engine.fused import (
+        fuse_mlps,
+        fuse_rms_norms,
+        fuse_rotary,
+        unfuse_mlps,
+        unfuse_rms_norms,
+        unfuse_rotary,
+    )
 
-    if variant.endswith("norms"):
+    if variant.endswith("rotary"):
+        (fuse_rotary if variant == "fused rotary" else unfuse_rotary)(parts.model)
+    elif variant.startswith("slot grads"):
+        if variant == "slot grads in place":
+            vars(parts.bank).pop("_slot_weights", None)
+        else:
+            parts.bank._slot_weights = types.MethodType(_slot_weights_through_autograd, parts.bank)
+    elif variant.endswith("norms"):
         (fuse_rms_norms if variant == "fused norms" else unfuse_rms_norms)(parts.model)
     elif variant.endswith("SwiGLU"):
         (fuse_mlps if variant == "fused SwiGLU" else unfuse_mlps)(parts.model)
@@ -192,20 +218,20 @@ def paper_case(parts, args, write) -> dict:
              ("student", False, "auto", True), ("student", True, "auto", True),
              ("teacher", False, True, True), ("teacher", False, "auto", True),
              ("student", True, "auto", False), ("teacher", False, "auto", False)]
-    if args.ab:  # two variants of one part of the model, alternating
+    if args.ab:  # two variants of one part of the model, alternating; one part after another
         cases = [("student", True, "auto", True), ("teacher", False, "auto", True)]
-        variants = AB_VARIANTS[args.ab]
-        for variant in [*variants, *variants]:
-            set_variant(parts, variant)
-            for name, share, mode, held in cases:
-                rows = student if name == "student" else teacher
-                r = {"rows": name, "variant": variant,
-                     **update_pass(parts, rows, share, mode, args.max_tokens, False, held)}
-                print(json.dumps({k: v for k, v in r.items() if k not in ("kernels", "cpu_ops")}),
-                      flush=True)
-                out["runs"].append(r)
-                write()
-        set_variant(parts, variants[-1])
+        for variants in map(AB_VARIANTS.get, args.ab):
+            for variant in [*variants, *variants]:
+                set_variant(parts, variant)
+                for name, share, mode, held in cases:
+                    rows = student if name == "student" else teacher
+                    r = {"rows": name, "variant": variant,
+                         **update_pass(parts, rows, share, mode, args.max_tokens, False, held)}
+                    print(json.dumps({k: v for k, v in r.items() if k not in ("kernels", "cpu_ops")}),
+                          flush=True)
+                    out["runs"].append(r)
+                    write()
+            set_variant(parts, variants[-1])
         return out
     for name, share, mode, held in cases:
         rows = student if name == "student" else teacher
@@ -353,10 +379,12 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16384, help="train.micro_batch_tokens")
     ap.add_argument("--budgets", default="", help="tokens,... one micro-batch per budget")
     ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--ab", choices=sorted(AB_VARIANTS),
-                    help="paper and decode cases: only two variants, twice each: HF vs fused "
-                         "RMSNorms, plain vs fused SwiGLU, the eager vs compiled LM-head "
-                         "log-softmax, or grouped vs addmm LoRA")
+    ap.add_argument("--ab", type=lambda v: v.split(","), default=[],
+                    help=f"PART,... of {sorted(AB_VARIANTS)}: paper and decode cases: only two "
+                         "variants of each part, twice each: HF vs fused RMSNorms, plain vs fused "
+                         "SwiGLU, the eager vs compiled LM-head log-softmax, grouped vs addmm "
+                         "LoRA, plain vs fused rotary embedding, or a one-slot micro-batch's LoRA "
+                         "gradients through autograd (all slots) vs added in place")
     ap.add_argument("--decode", default="", help="ROWS:PROMPT,... decode cases (e.g. 192:1500)")
     ap.add_argument("--decode-new", type=int, default=96)
     ap.add_argument("--out", default="benchmarks/results/update_profile.json")
@@ -364,6 +392,8 @@ def main() -> None:
                     help="CPU check of the script: tiny random model (pass small sizes)")
     ap.add_argument("overrides", nargs="*", help="extra key.path=value")
     args = ap.parse_args()
+    if unknown := set(args.ab) - set(AB_VARIANTS):
+        ap.error(f"--ab: unknown part(s) {sorted(unknown)}; expected some of {sorted(AB_VARIANTS)}")
     if args.smoke:  # a CPU check of the script: tiny random model in bf16 (the held copy)
         args.overrides = [*SMOKE, *args.overrides]
     elif DEV != "cuda":
@@ -395,13 +425,14 @@ def main() -> None:
             write()
     for case in filter(None, args.decode.split(",")):
         rows, prompt = map(int, case.split(":"))
-        if args.ab:
-            for variant in [*AB_VARIANTS[args.ab], *AB_VARIANTS[args.ab]]:
+        for part in args.ab:
+            for variant in [*AB_VARIANTS[part], *AB_VARIANTS[part]]:
                 set_variant(parts, variant)
                 r = {"variant": variant, **decode_case(parts, rows, prompt, args.decode_new, False)}
                 print(json.dumps(r), flush=True)
                 result["decode"].append(r)
                 write()
+        if args.ab:
             continue
         r = decode_case(parts, rows, prompt, args.decode_new, profile=True)
         print(json.dumps({k: v for k, v in r.items() if k not in ("step_kernels",)}), flush=True)

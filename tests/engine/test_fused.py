@@ -1,4 +1,5 @@
-"""Fused RMSNorm and SwiGLU: the base model's outputs and gradients are unchanged."""
+"""Fused RMSNorm, SwiGLU and rotary embedding: the base model's outputs and gradients are
+unchanged."""
 
 from __future__ import annotations
 
@@ -8,15 +9,20 @@ import pytest
 import torch
 
 from lorapop.engine.fused import (
+    _rope,
+    _rope_grad,
     _silu_mul,
     _silu_mul_grad,
     compile_failures,
     compiled_call,
     fuse_mlps,
     fuse_rms_norms,
+    fuse_rotary,
     mlps_fused,
+    rotary_fused,
     unfuse_mlps,
     unfuse_rms_norms,
+    unfuse_rotary,
 )
 from lorapop.engine.model import load_base_model, load_tokenizer
 from tiny_models import VOCAB, tiny_model
@@ -113,3 +119,69 @@ def test_swiglu_passes_run_on_two_dimensional_views(monkeypatch):
         out.sum().backward()
         assert gate.grad.shape == up.grad.shape == shape
     assert seen == [(6, 4), (6, 4), (15, 4), (15, 4)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_rotary_gives_the_same_logits_and_gradients(arch, dtype, device, monkeypatch):
+    """Training forwards rotate q and k in one pass each way (compiled on CUDA): the logits
+    and input gradients of the model's own rotary embedding; inference runs the original."""
+    import lorapop.engine.fused as fused
+
+    model = tiny_model(arch).to(device=device, dtype=dtype)
+    layers = model.config.num_hidden_layers
+    was_fused = rotary_fused(model)  # (loading a base model fuses it for this process)
+    unfuse_rotary(model)
+    assert not rotary_fused(model)
+    try:
+        ref = _forward_backward(model, device)
+        calls = []
+        real = fused._Rotary.apply
+        monkeypatch.setattr(fused._Rotary, "apply", lambda *a: calls.append(1) or real(*a))
+        assert fuse_rotary(model) == fuse_rotary(model) == layers  # idempotent
+        assert rotary_fused(model)
+        got = _forward_backward(model, device)
+        assert len(calls) == layers  # the training forward only
+        tol = 1e-5 if dtype == torch.float32 else 3e-2  # one float32 rounding, not three
+        torch.testing.assert_close(got[0], ref[0], rtol=tol, atol=tol)
+        torch.testing.assert_close(got[1], ref[1], rtol=tol, atol=tol)
+        torch.testing.assert_close(got[2], ref[2], rtol=0, atol=0)  # the same kernels
+        assert not compile_failures
+    finally:
+        (fuse_rotary if was_fused else unfuse_rotary)(model)
+
+
+@pytest.mark.parametrize("cos_batch", [1, 2])
+def test_rotary_passes_equal_autograd_through_the_plain_formula(cos_batch):
+    """On the attention's layout (q and k: transposed views of [B, T, heads, D]), with cos
+    and sin per row or shared by the batch; the passes compiled for the CPU where they can be."""
+    from lorapop.engine.fused import _Rotary
+
+    gen = torch.Generator().manual_seed(2)
+    q0 = torch.randn(2, 5, 3, 8, generator=gen).transpose(1, 2)  # [B, heads, T, D]
+    k0 = torch.randn(2, 5, 1, 8, generator=gen).transpose(1, 2)
+    cos, sin = torch.randn(cos_batch, 5, 8), torch.randn(cos_batch, 5, 8)
+    gq, gk = torch.randn(2, 3, 5, 8), torch.randn(2, 1, 5, 8)
+
+    def rotate_half(x):
+        return torch.cat((-x[..., 4:], x[..., :4]), dim=-1)
+
+    def run(fn):
+        q, k = q0.clone().requires_grad_(), k0.clone().requires_grad_()
+        out = fn(q, k)
+        torch.autograd.backward(out, (gq, gk))
+        return (*out, q.grad, k.grad)
+
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    want = run(lambda q, k: (q * c + rotate_half(q) * s, k * c + rotate_half(k) * s))
+    got = run(lambda q, k: _Rotary.apply(q, k, cos, sin))
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape
+        torch.testing.assert_close(g, w)
+    if shutil.which("cc") or shutil.which("gcc"):
+        q3, k3, c3, s3 = torch.randn(10, 3, 8), torch.randn(10, 1, 8), *torch.randn(2, 10, 8)
+        for fn in (_rope, _rope_grad):
+            args = (q3, k3, c3, s3)
+            torch.testing.assert_close(compiled_call(fn, *args), fn(*args))
+        assert not compile_failures

@@ -13,6 +13,7 @@ original's up to the order of the fp32 sum.
 
 from __future__ import annotations
 
+import sys
 import types
 import warnings
 from typing import Any
@@ -154,3 +155,126 @@ def mlps_fused(model: nn.Module) -> bool:
 def unfuse_mlps(model: nn.Module) -> None:
     """Back to the classes' own forward (for side-by-side benchmarks)."""
     _unfuse(model, SWIGLU_MLPS)
+
+
+# ------------------------------------------------------------------ rotary embedding
+#: Attention classes whose module's `apply_rotary_pos_emb(q, k, cos, sin)` is the rotate-half
+#: formula q * cos + rotate_half(q) * sin, called with q [B, heads, T, D] and cos [B, T, D].
+ROTARY_ATTENTIONS = frozenset({
+    "LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention",
+    "Qwen2MoeAttention", "Qwen3MoeAttention",
+})
+#: On CUDA the rotary embedding's two passes are compiled, each one kernel (see `_Rotary`).
+COMPILE_ROTARY = True
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return (x.float() * cos + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)
+
+
+def _unrotate(grad: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The gradient of `_rotate` with respect to x: grad * cos + R^T(grad * sin), where
+    R(x) = [-x2, x1] has the transpose R^T(y) = [y2, -y1]."""
+    gs1, gs2 = (grad.float() * sin).chunk(2, dim=-1)
+    return (grad.float() * cos + torch.cat((gs2, -gs1), dim=-1)).to(grad.dtype)
+
+
+def _rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    c, s = cos.unsqueeze(1).float(), sin.unsqueeze(1).float()
+    return _rotate(q, c, s), _rotate(k, c, s)
+
+
+def _rope_grad(gq: torch.Tensor, gk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    c, s = cos.unsqueeze(1).float(), sin.unsqueeze(1).float()
+    return _unrotate(gq, c, s), _unrotate(gk, c, s)
+
+
+class _Rotary(torch.autograd.Function):
+    """The rotary embedding of q and k in one pass each way. Autograd through the plain
+    formula runs ~8 kernels forward over q- and k-sized tensors (two products with broadcast
+    cos/sin, a negation, a concatenation and an add each) and more backward: in the update's
+    profile at 7B they took ~5% of a micro-batch. Every pass computes in float32 and rounds
+    once; cos and sin take no gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        batch, _, tokens, dim = q.shape
+        cos, sin = (t.expand(batch, tokens, dim).reshape(batch * tokens, dim) for t in (cos, sin))
+        ctx.save_for_backward(cos, sin)
+        return _rotary_pass(_rope, q, k, cos, sin)
+
+    @staticmethod
+    def backward(ctx: Any, gq: torch.Tensor, gk: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, None, None]:
+        cos, sin = ctx.saved_tensors
+        dq, dk = _rotary_pass(_rope_grad, gq, gk, cos, sin)
+        return dq, dk, None, None
+
+
+def _rotary_pass(fn: Any, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fn` over [batch * tokens, heads, dim] views (cos, sin: [batch * tokens, dim]). The
+    attention's q and k are views of [batch, tokens, heads, dim] projections, so these are
+    free, and one compiled graph serves every batch: a batch of one would be a shape of its
+    own to the compiler (a recompile in the middle of an update)."""
+    batch, heads, tokens, dim = q.shape
+    q3, k3 = (t.transpose(1, 2).reshape(batch * tokens, t.shape[1], dim) for t in (q, k))
+    out = compiled_call(fn, q3, k3, cos, sin) if q.is_cuda and COMPILE_ROTARY else \
+        fn(q3, k3, cos, sin)
+    return tuple(o.view(batch, tokens, -1, dim).transpose(1, 2) for o in out)  # type: ignore[return-value]
+
+
+def _fused_rotary(original: Any) -> Any:
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):  # noqa: ANN001, ANN202
+        """`_Rotary` for training forwards of the usual shapes; anything else, the original."""
+        usual = (not args and not kwargs and q.dim() == k.dim() == 4 and cos.dim() == 3
+                 and cos.shape == sin.shape and cos.shape[-2:] == (q.shape[-2], q.shape[-1])
+                 and q.shape[-1] % 2 == 0 and not (cos.requires_grad or sin.requires_grad))
+        if usual and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+            return _Rotary.apply(q, k, cos, sin)
+        return original(q, k, cos, sin, *args, **kwargs)
+
+    apply_rotary_pos_emb.lorapop_original = original  # type: ignore[attr-defined]
+    return apply_rotary_pos_emb
+
+
+def fuse_rotary(model: nn.Module) -> int:
+    """Point the rotary embedding of `model`'s attention families at `_Rotary` for training
+    forwards (inference keeps the original kernels); returns how many attention modules use it.
+
+    The attention forward calls its module's global `apply_rotary_pos_emb`, so that global is
+    wrapped, once per module, for every model of the family in this process: the wrapper
+    takes the fused pass only under grad, for the shapes above, and is the same function up
+    to float32 rounding."""
+    n = 0
+    for module in model.modules():
+        if type(module).__name__ not in ROTARY_ATTENTIONS:
+            continue
+        source = sys.modules[type(module).__module__]
+        current = getattr(source, "apply_rotary_pos_emb", None)
+        if current is None:
+            continue
+        if not hasattr(current, "lorapop_original"):
+            source.apply_rotary_pos_emb = _fused_rotary(current)  # type: ignore[attr-defined]
+        n += 1
+    return n
+
+
+def rotary_fused(model: nn.Module) -> bool:
+    """Whether `model`'s attention modules rotate through `_Rotary` in training forwards."""
+    return any(type(m).__name__ in ROTARY_ATTENTIONS and hasattr(
+        getattr(sys.modules[type(m).__module__], "apply_rotary_pos_emb", None), "lorapop_original")
+        for m in model.modules())
+
+
+def unfuse_rotary(model: nn.Module) -> None:
+    """Back to the modules' own rotary embedding (for side-by-side benchmarks)."""
+    for module in model.modules():
+        source = sys.modules[type(module).__module__]
+        current = getattr(source, "apply_rotary_pos_emb", None)
+        if type(module).__name__ in ROTARY_ATTENTIONS and hasattr(current, "lorapop_original"):
+            source.apply_rotary_pos_emb = current.lorapop_original  # type: ignore[attr-defined]

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
-from lorapop.engine.fused import fuse_mlps, fuse_rms_norms
+from lorapop.engine.fused import fuse_mlps, fuse_rms_norms, fuse_rotary
 
 hf_logging.disable_progress_bar()  # a 3 MB model's "Loading weights" bar is noise in run logs
 
@@ -161,6 +161,7 @@ def load_base_model(
     model.eval()
     fuse_rms_norms(model)
     fuse_mlps(model)
+    fuse_rotary(model)
     return model
 
 

@@ -18,6 +18,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import Tensor, nn
@@ -90,6 +91,24 @@ class _HeldCast(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):  # type: ignore[override]
         return grad.to(ctx.dtype), None
+
+
+class _SlotView(torch.autograd.Function):
+    """`source[s]`, a view of one slot of `master` (itself, detached, or its held copy), whose
+    gradient is added straight into `grad_row` (master's gradient of slot s): one kernel,
+    where indexing the whole [N, ...] parameter makes autograd write a zero gradient for every
+    other slot, then cast and accumulate all N. `master` gets no gradient through autograd."""
+
+    @staticmethod
+    def forward(ctx, master: Tensor, source: Tensor, s: int, grad_row: Tensor  # type: ignore[override]
+                ) -> Tensor:
+        ctx.grad_row = grad_row
+        return source[s]
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # type: ignore[override]
+        ctx.grad_row.add_(grad)
+        return None, None, None, None
 
 
 class AdapterBank:
@@ -305,14 +324,17 @@ class AdapterBank:
                 tracing = torch.compiler.is_compiling()
                 cache = self.decode_cache(dt, check=not tracing)
                 return cache.add_delta(target.name, x, output, routing, True, tracing)
-            a, b = self._compute_weights(target, dt)
             if kernel in ("auto", "fused"):
                 if not one_token and routing.runs is not None:
-                    y = add_delta_by_runs(output, x.to(dt), a, b, routing.runs, self.scaling)
+                    grad = torch.is_grad_enabled() and any(
+                        t.requires_grad for t in (output, x, target.a, target.b))
+                    y = add_delta_by_runs(output, x.to(dt), partial(self._slot_weights, target, dt),
+                                          routing.runs, self.scaling, grad)
                     if y is not None:
                         return y
                 grouped = routing.is_sorted and self._grouped_ok.get(dt, False)
                 kernel = "dense" if one_token else "grouped" if grouped else "gather"
+            a, b = self._compute_weights(target, dt)
             delta = lora_delta(x.to(dt), a, b, routing, kernel, self.scaling)
             return output + delta.to(output.dtype)
 
@@ -321,15 +343,38 @@ class AdapterBank:
     def _compute_weights(self, target: _Target, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """A and B of every slot in `dtype`: views of the held copy if there is one in that
         dtype (refreshed if the weights changed), else casts."""
+        held = self._held_views(target, dtype)
+        if held is None:
+            return target.a.to(dtype), target.b.to(dtype)
+        return _HeldCast.apply(target.a, held[0]), _HeldCast.apply(target.b, held[1])
+
+    def _slot_weights(self, target: _Target, dtype: torch.dtype, s: int) -> tuple[Tensor, Tensor]:
+        """Slot s's A and B in `dtype`, from the held copy where there is one. Under grad their
+        gradients go straight into row s of `grads` (`_SlotView`)."""
+        held = self._held_views(target, dtype)
+        if not torch.is_grad_enabled():
+            return (target.a[s].to(dtype), target.b[s].to(dtype)) if held is None else \
+                (held[0][s], held[1][s])
+        out = []
+        for i, (p, sl) in enumerate(((target.a, target.a_slice), (target.b, target.b_slice))):
+            if held is None and p.dtype != dtype:
+                out.append(p[s].to(dtype))  # a cast per forward, as `_compute_weights`
+                continue
+            source = p.detach() if held is None else held[i]
+            out.append(_SlotView.apply(p, source, s, self.grads[s, sl].view(p.shape[1:])))
+        return out[0], out[1]
+
+    def _held_views(self, target: _Target, dtype: torch.dtype) -> tuple[Tensor, Tensor] | None:
+        """The target's A and B in the held copy, if there is one in `dtype` (refreshed first
+        if the weights changed since it was made)."""
         held = self._held
         if held is None or held.dtype != dtype:
-            return target.a.to(dtype), target.b.to(dtype)
+            return None
         if held.stamp != self._stamp():
             with torch.no_grad():
                 held.flat.copy_(self.weights)
             held.stamp = self._stamp()
-        a, b = held.views[target.name]
-        return _HeldCast.apply(target.a, a), _HeldCast.apply(target.b, b)
+        return held.views[target.name]
 
     @contextmanager
     def held_copy(self, dtype: torch.dtype) -> Iterator[None]:

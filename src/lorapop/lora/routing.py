@@ -28,6 +28,7 @@ launch (5-10 us on an H100/H200) more than its bytes, so fewer kernels is what c
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -155,30 +156,30 @@ def slot_runs(ids: Tensor) -> list[tuple[int, int, int]]:
 
 
 def add_delta_by_runs(
-    out: Tensor, x: Tensor, a: Tensor, b: Tensor, runs: list[tuple[int, int, int]],
-    scaling: float,
+    out: Tensor, x: Tensor, weights: Callable[[int], tuple[Tensor, Tensor]],
+    runs: list[tuple[int, int, int]], scaling: float, grad: bool,
 ) -> Tensor | None:
     """out + scaling * B[s] @ A[s] @ x for multi-token rows x [B, T, in] that come in `runs`
     of one slot, with the add in the expand GEMM (addmm): the delta, a full-width tensor per
-    projection, is never written and read back. None where this does not apply: several runs
-    under autograd (an in-place add into slices of `out` would make autograd copy the whole
-    gradient of `out` for each), or `out` not in the compute dtype.
+    projection, is never written and read back. `weights(s)`: slot s's A [r, in] and B
+    [out, r] in x's dtype; `grad`: whether this forward is differentiated. None where this does
+    not apply: several runs under grad (an in-place add into slices of `out` would make
+    autograd copy the whole gradient of `out` for each), or `out` not in the compute dtype.
     """
     if runs[-1][2] != x.shape[0]:
         raise ValueError(f"AdapterBank: batch has {x.shape[0]} rows but the routing has "
                          f"{runs[-1][2]} slot ids")
-    if out.dtype != x.dtype:
+    if out.dtype != x.dtype or (grad and len(runs) > 1):
         return None
     x2, out2 = x.reshape(-1, x.shape[-1]), out.reshape(-1, out.shape[-1])
     if len(runs) == 1:
-        s = runs[0][0]
-        return torch.addmm(out2, x2 @ a[s].t(), b[s].t(), alpha=scaling).view(out.shape)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (out, x, a, b)):
-        return None
+        a, b = weights(runs[0][0])
+        return torch.addmm(out2, x2 @ a.t(), b.t(), alpha=scaling).view(out.shape)
     tokens = x2.shape[0] // x.shape[0]
     for s, first, end in runs:
         rows = slice(first * tokens, end * tokens)
-        out2[rows].addmm_(x2[rows] @ a[s].t(), b[s].t(), alpha=scaling)
+        a, b = weights(s)
+        out2[rows].addmm_(x2[rows] @ a.t(), b.t(), alpha=scaling)
     return out
 
 
