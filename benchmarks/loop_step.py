@@ -167,9 +167,10 @@ class UpdateCount:
 
 
 def warm_compiled(model) -> float:
-    """Compile the update's compiled passes (the LM head's log-softmax and, where the MLPs
-    are fused, the SwiGLU; forward and backward, at one position and at several) before
-    timing: a one-off cost per process, not a step's. Seconds taken (0 without CUDA)."""
+    """Compile the update's compiled passes (the LM head's log-softmax and, where they are
+    fused, the SwiGLU and the rotary embedding; forward and backward, at one position and at
+    several) before timing: a one-off cost per process, not a step's. Seconds taken (0
+    without CUDA)."""
     from lorapop.engine import fused, logprobs
 
     if not torch.cuda.is_available():
@@ -186,8 +187,27 @@ def warm_compiled(model) -> float:
             gate, up = (torch.randn(positions, width, device="cuda", dtype=head.weight.dtype,
                                     requires_grad=True) for _ in range(2))
             fused._SwiGLU.apply(gate, up).sum().backward()
+    if fused.rotary_fused(model):  # [batch x tokens, heads, dim]: one graph for all shapes
+        cfg, dt = model.config, head.weight.dtype
+        dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        q, k = (torch.randn(1, heads, 32, dim, device="cuda", dtype=dt, requires_grad=True)
+                for heads in (cfg.num_attention_heads, cfg.num_key_value_heads))
+        cos, sin = torch.randn(2, 1, 32, dim, device="cuda", dtype=dt)
+        sum(t.sum() for t in fused._Rotary.apply(q, k, cos, sin)).backward()
     torch.cuda.synchronize()
     return time.perf_counter() - t0
+
+
+def hold_all_but(gib: float) -> torch.Tensor | None:
+    """A tensor holding the card's memory beyond `gib` GiB (None if the card is no larger):
+    the free memory the engine reads (`engine/memory.free_memory`) is then a smaller card's."""
+    _, total = torch.cuda.mem_get_info()
+    extra = total - int(gib * 2**30)
+    if extra <= 0:
+        return None
+    print(f"[card] holding {extra / 2**30:.1f} of {total / 2**30:.1f} GiB: sized as a "
+          f"{gib:g} GiB card", flush=True)
+    return torch.empty(extra, dtype=torch.uint8, device="cuda")
 
 
 def _peak() -> str:
@@ -466,8 +486,13 @@ def main() -> None:
     ap.add_argument("--update-trace", action="store_true",
                     help="after the timed steps, run the last step's update again with "
                          "micro-batches 10-13 profiled (kernel time by kind, GPU busy share)")
+    ap.add_argument("--card-gib", type=float,
+                    help="hold all but this many GiB of the GPU first, so the engine sizes its "
+                         "batches and micro-batches as on a smaller card (e.g. 79.6: an H100 "
+                         "80GB's 81,559 MiB, on an H200; same GEMM rate, faster memory)")
     ap.add_argument("overrides", nargs="*", help="extra key.path=value for both runs")
     args = ap.parse_args()
+    ballast = hold_all_but(args.card_gib) if args.card_gib and torch.cuda.is_available() else None
     if args.and_static and (args.static or not args.paper):
         ap.error("--and-static needs --paper and runs the static batches itself (no --static)")
     if not torch.cuda.is_available() and not args.smoke:
@@ -497,6 +522,7 @@ def main() -> None:
         "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d"),
         "skip_update": args.skip_update,
+        "card_gib": args.card_gib if ballast is not None else None,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -185,3 +185,28 @@ def test_rotary_passes_equal_autograd_through_the_plain_formula(cos_batch):
             args = (q3, k3, c3, s3)
             torch.testing.assert_close(compiled_call(fn, *args), fn(*args))
         assert not compile_failures
+
+
+def test_fused_rotary_leaves_other_calls_to_the_original(monkeypatch):
+    """A call of another layout or signature (here [B, T, heads, D] with `unsqueeze_dim=2`)
+    runs the model's own function, under grad too."""
+    import transformers.models.qwen2.modeling_qwen2 as qwen2
+
+    import lorapop.engine.fused as fused
+
+    model = tiny_model("qwen2")
+    was_fused = rotary_fused(model)
+    fuse_rotary(model)
+    calls = []
+    real = fused._Rotary.apply
+    monkeypatch.setattr(fused._Rotary, "apply", lambda *a: calls.append(1) or real(*a))
+    try:
+        q, k = torch.randn(2, 5, 3, 8, requires_grad=True), torch.randn(2, 5, 1, 8, requires_grad=True)
+        cos, sin = torch.randn(2, 5, 8), torch.randn(2, 5, 8)
+        got = qwen2.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
+        want = qwen2.apply_rotary_pos_emb.lorapop_original(q, k, cos, sin, unsqueeze_dim=2)
+        assert not calls
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g, w)
+    finally:
+        (fuse_rotary if was_fused else unfuse_rotary)(model)

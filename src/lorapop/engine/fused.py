@@ -225,15 +225,17 @@ def _rotary_pass(fn: Any, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     q3, k3 = (t.transpose(1, 2).reshape(batch * tokens, t.shape[1], dim) for t in (q, k))
     out = compiled_call(fn, q3, k3, cos, sin) if q.is_cuda and COMPILE_ROTARY else \
         fn(q3, k3, cos, sin)
-    return tuple(o.view(batch, tokens, -1, dim).transpose(1, 2) for o in out)  # type: ignore[return-value]
+    return tuple(o.reshape(batch, tokens, -1, dim).transpose(1, 2) for o in out)  # type: ignore[return-value]
 
 
 def _fused_rotary(original: Any) -> Any:
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):  # noqa: ANN001, ANN202
         """`_Rotary` for training forwards of the usual shapes; anything else, the original."""
         usual = (not args and not kwargs and q.dim() == k.dim() == 4 and cos.dim() == 3
-                 and cos.shape == sin.shape and cos.shape[-2:] == (q.shape[-2], q.shape[-1])
-                 and q.shape[-1] % 2 == 0 and not (cos.requires_grad or sin.requires_grad))
+                 and k.shape[0] == q.shape[0] and k.shape[2:] == q.shape[2:]
+                 and cos.shape == sin.shape and cos.shape[0] in (1, q.shape[0])
+                 and cos.shape[1:] == q.shape[2:] and q.shape[-1] % 2 == 0
+                 and not (cos.requires_grad or sin.requires_grad))
         if usual and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
             return _Rotary.apply(q, k, cos, sin)
         return original(q, k, cos, sin, *args, **kwargs)
