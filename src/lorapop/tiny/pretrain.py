@@ -1011,9 +1011,12 @@ def pretrain_tiny(
                         attention_mask=not pool, example_alpha=example_alpha, opt=opt,
                         start=start, stop=stop, world=world)  # fmt: skip
     t_train = time.perf_counter() - t_train + t_before
+    # rank 0 writes while the others wait: a rank that left first and closed its process
+    # group while rank 0 still wrote aborted now and then (gloo, 2 CPU ranks)
     if len(losses) < steps:
         if world.main:
             part.save(model, opt, losses, t_train)
+        dist.barrier(world)
         return {"stopped_at": len(losses), "steps": steps, "partial": str(part.dir)}
     if world.main:
         out.mkdir(parents=True, exist_ok=True)
@@ -1065,6 +1068,7 @@ def pretrain_tiny(
     }
     if world.main:
         (out / "training.json").write_text(json.dumps(record, indent=1) + "\n")
+    dist.barrier(world)
     return record
 
 
