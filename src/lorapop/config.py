@@ -216,11 +216,12 @@ class TrainConfig(Section):
     """Run each update on deterministic kernels (`engine/determinism`), so that a GPU run
     repeats bit for bit from its seed on one kind of GPU and number of ranks: for debugging and
     for studying a run's dynamics. Without them runs part from the second step, as the
-    update's backward (attention, the bank's gathers and indexing) sums with atomics. Slower
-    (unmeasured: GPU check pending). Generation keeps its kernels: GPU runs already agree at
-    their first step (sampling is seeded per row), and sampling's float cumsum has no
-    deterministic CUDA kernel. CPU runs are deterministic anyway. `run.json` records whether
-    the kernels were deterministic and which op, if any, lacked one."""
+    update's backward (attention, the bank's gathers and indexing) sums with atomics. Checked
+    on an H200 (session 24, `benchmarks/deterministic_runs.py`): two runs repeated bit for bit,
+    and the cost was within the spread between runs. Generation keeps its kernels: GPU runs
+    already agree at their first step (sampling is seeded per row), and sampling's float
+    cumsum has no deterministic CUDA kernel. CPU runs are deterministic anyway. `run.json`
+    records whether the kernels were deterministic and which op, if any, lacked one."""
 
 
 class RunConfig(Section):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import sys
 import types
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -244,6 +245,17 @@ def _fused_rotary(original: Any) -> Any:
     return apply_rotary_pos_emb
 
 
+def _rotary_sources(model: nn.Module) -> Iterator[tuple[types.ModuleType, Any]]:
+    """For each attention module of the families above: the Python module its forward reads
+    `apply_rotary_pos_emb` from, and that function as it stands."""
+    for module in model.modules():
+        if type(module).__name__ in ROTARY_ATTENTIONS:
+            source = sys.modules[type(module).__module__]
+            current = getattr(source, "apply_rotary_pos_emb", None)
+            if current is not None:
+                yield source, current
+
+
 def fuse_rotary(model: nn.Module) -> int:
     """Point the rotary embedding of `model`'s attention families at `_Rotary` for training
     forwards (inference keeps the original kernels); returns how many attention modules use it.
@@ -253,13 +265,7 @@ def fuse_rotary(model: nn.Module) -> int:
     takes the fused pass only under grad, for the shapes above, and is the same function up
     to float32 rounding."""
     n = 0
-    for module in model.modules():
-        if type(module).__name__ not in ROTARY_ATTENTIONS:
-            continue
-        source = sys.modules[type(module).__module__]
-        current = getattr(source, "apply_rotary_pos_emb", None)
-        if current is None:
-            continue
+    for source, current in _rotary_sources(model):
         if not hasattr(current, "lorapop_original"):
             source.apply_rotary_pos_emb = _fused_rotary(current)  # type: ignore[attr-defined]
         n += 1
@@ -268,15 +274,11 @@ def fuse_rotary(model: nn.Module) -> int:
 
 def rotary_fused(model: nn.Module) -> bool:
     """Whether `model`'s attention modules rotate through `_Rotary` in training forwards."""
-    return any(type(m).__name__ in ROTARY_ATTENTIONS and hasattr(
-        getattr(sys.modules[type(m).__module__], "apply_rotary_pos_emb", None), "lorapop_original")
-        for m in model.modules())
+    return any(hasattr(current, "lorapop_original") for _, current in _rotary_sources(model))
 
 
 def unfuse_rotary(model: nn.Module) -> None:
     """Back to the modules' own rotary embedding (for side-by-side benchmarks)."""
-    for module in model.modules():
-        source = sys.modules[type(module).__module__]
-        current = getattr(source, "apply_rotary_pos_emb", None)
-        if type(module).__name__ in ROTARY_ATTENTIONS and hasattr(current, "lorapop_original"):
+    for source, current in _rotary_sources(model):
+        if hasattr(current, "lorapop_original"):
             source.apply_rotary_pos_emb = current.lorapop_original  # type: ignore[attr-defined]

@@ -1011,8 +1011,8 @@ def pretrain_tiny(
                         attention_mask=not pool, example_alpha=example_alpha, opt=opt,
                         start=start, stop=stop, world=world)  # fmt: skip
     t_train = time.perf_counter() - t_train + t_before
-    # rank 0 writes while the others wait: a rank that left first and closed its process
-    # group while rank 0 still wrote aborted now and then (gloo, 2 CPU ranks)
+    # rank 0 writes while the others wait, so no rank closes its process group while rank 0
+    # still writes (a 2-rank CPU test's rank 1 once aborted at exit, gloo)
     if len(losses) < steps:
         if world.main:
             part.save(model, opt, losses, t_train)
