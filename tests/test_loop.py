@@ -361,3 +361,17 @@ def test_deterministic_runs_repeat_and_leave_the_settings_as_they_were(tmp_path,
     assert koff == {"deterministic_kernels": False, "no_deterministic_kernel": None}
     assert a == b == off and torch.equal(wa, wb) and torch.equal(wa, woff)
     assert any(m["grad_norm"] for r in a for m in r["members"].values())  # (the updates moved)
+
+
+def test_kept_decoders_leave_the_run_as_it_was(tmp_path):
+    """Generation shapes kept from step to step (their graphs captured once on a GPU) change
+    no sample, reward or update of the run."""
+    want = _run(_cfg(), tmp_path / "fresh", 2)
+    sp = SelfPlay(_cfg("sampling.keep_decoders=3"), tmp_path / "kept")
+    try:
+        sp.run(2)
+        assert sp.decoders.reused > 0 and len(sp.decoders.decoders) <= 3
+    finally:
+        sp.close()
+    for got, ref in zip(_rows(tmp_path / "kept"), want, strict=True):
+        assert _difference(got, ref) is None, _difference(got, ref)

@@ -35,7 +35,7 @@ from lorapop.engine.determinism import (
     fix_cublas_workspace,
     missing_kernel,
 )
-from lorapop.engine.generate import Generation, SamplingParams, generate
+from lorapop.engine.generate import Generation, KeptDecoders, SamplingParams, generate
 from lorapop.engine.logprobs import (
     HEAD_CHUNK,
     attention_pair_weight,
@@ -89,6 +89,8 @@ class SelfPlay:
         self.cfg = cfg
         self.world = world
         self.allreduce_s = 0.0  # the last step's bank-gradient all-reduce
+        keep = cfg.sampling.keep_decoders
+        self.decoders = KeptDecoders(keep) if keep else None  # generation shapes kept
         if world.distributed and cfg.lora.dropout > 0:
             warnings.warn("lora.dropout > 0 under torchrun: dropout masks depend on how rows are "
                           "split across ranks, so results depend on the number of ranks",
@@ -370,7 +372,7 @@ class SelfPlay:
                            [slots[i] for i in idx], params, seed=seed, batch_size=sp.batch_size,
                            compile=None if sp.compile else False, row_keys=idx,
                            prefill_tokens=sp.prefill_tokens, cuda_graph=sp.cuda_graph,
-                           timing=timing)
+                           timing=timing, decoders=self.decoders)
             clock.generation_s += time.perf_counter() - t0
             acc = clock.generation.setdefault(clock.current, {})
             for k in ("prefill_s", "capture_s", "decode_s", "steps"):

@@ -10,7 +10,7 @@ import torch
 from torch._dynamo.testing import CompileCounter
 
 from lorapop.engine.byte_tokenizer import byte_tokenizer
-from lorapop.engine.generate import compile_buckets, generate
+from lorapop.engine.generate import KeptDecoders, compile_buckets, generate
 from lorapop.engine.logprobs import sequence_logprobs
 from lorapop.engine.sampling import SamplingParams, row_uniforms, sample
 from lorapop.lora.bank import AdapterBank
@@ -352,3 +352,73 @@ def test_compiled_step_notices_a_bank_attached_later(tok, monkeypatch):
     bank.detach()  # and back: the plain model's compiled step again
     _same(generate(model, None, tok, PROMPTS[:3], slots, GREEDY, compile=True), base)
     torch._dynamo.reset()
+
+
+def _shift_bank(bank, seed: int) -> None:
+    """Change every slot's B in place, as an update step does."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for t in bank.targets.values():
+            t.b.add_(torch.randn(t.b.shape, generator=gen).to(t.b) * 0.3)
+
+
+def test_kept_decoders_reuse_a_shape_and_follow_the_bank(setup, tok):
+    """A kept decoder serves a later call of the same shape after the adapters changed, with
+    the samples and timings a fresh call gives."""
+    model, bank = setup
+    saved = {n: t.b.clone() for n, t in bank.targets.items()}
+    slots = [0, 1, 2, 1, 0]
+    kept = KeptDecoders(2)
+    try:
+        got, want, timings = [], [], []
+        for call in range(2):
+            timing: dict[str, float] = {}
+            got.append(generate(model, bank, tok, PROMPTS, slots, SAMPLED, seed=3,
+                                decoders=kept, timing=timing))
+            timings.append(timing)
+            timing = {}
+            want.append(generate(model, bank, tok, PROMPTS, slots, SAMPLED, seed=3,
+                                 timing=timing))
+            timings.append(timing)
+            _shift_bank(bank, call)
+        assert (kept.made, kept.reused, len(kept.decoders)) == (1, 1, 1)
+        for g, w in zip(got, want, strict=True):
+            _same(g, w)
+        assert [g.token_ids for g in got[0]] != [g.token_ids for g in got[1]]
+        # each call reports its own share of the decoder's clock, not the running total
+        assert len({t["steps"] for t in timings}) == 1
+        assert [t["batch"] for t in timings] == [8, 5, 8, 5]  # kept: rounded up to a bucket
+    finally:
+        with torch.no_grad():
+            for n, t in bank.targets.items():
+                t.b.copy_(saved[n])
+
+
+def test_kept_decoders_drop_the_least_recently_used_shape(setup, tok):
+    model, bank = setup
+    kept = KeptDecoders(1)
+    short = replace(SAMPLED, max_new_tokens=4)
+    for params in (SAMPLED, short, SAMPLED, SAMPLED):
+        generate(model, bank, tok, PROMPTS[:2], [0, 1], params, decoders=kept)
+    assert (kept.made, kept.reused, len(kept.decoders)) == (3, 1, 1)
+    with pytest.raises(ValueError, match="capacity"):
+        KeptDecoders(0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_kept_cuda_graphs_replay_the_changed_adapters_bit_for_bit(tok):
+    """Graphs captured in one call and replayed in the next, after the adapters changed in
+    place, sample what a decoder captured anew for that call samples."""
+    model = tiny_model("llama", len(tok)).to("cuda", torch.bfloat16).requires_grad_(False)
+    bank = AdapterBank(model, n_slots=3, rank=4, alpha=8.0)
+    _shift_bank(bank, 0)
+    prompts, slots = PROMPTS * 3, [0, 1, 2] * 5
+    params = replace(SAMPLED, max_new_tokens=40)
+    kept = KeptDecoders(2)
+    generate(model, bank, tok, prompts, slots, params, seed=5, decoders=kept)
+    _shift_bank(bank, 1)
+    again = generate(model, bank, tok, prompts, slots, params, seed=5, decoders=kept)
+    fresh = generate(model, bank, tok, prompts, slots, params, seed=5, decoders=KeptDecoders(2))
+    assert kept.reused == 1 and next(iter(kept.decoders.values())).graphs
+    assert [g.token_ids for g in again] == [g.token_ids for g in fresh]
+    assert [g.logprobs for g in again] == [g.logprobs for g in fresh]

@@ -496,7 +496,7 @@ class Decoder:
             except Exception as e:  # noqa: BLE001 - any compiler failure: run uncompiled
                 warnings.warn(f"torch.compile of the decode step failed: {e}", stacklevel=3)
                 self.compiled = None
-        if self.use_graph and self.width not in self.graphs:
+        if self.use_graph and (self.rows, self.width) not in self.graphs:
             self._capture()
         for x, s in zip(state, saved, strict=True):
             x.copy_(s)
