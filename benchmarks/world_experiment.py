@@ -405,6 +405,19 @@ def _gate(single: dict[int, dict], seeds: list[int]) -> dict:
                     f"in >= {need} of {len(seeds)} seeds"}  # fmt: skip
 
 
+#: complexity measures whose slopes are reported beside C1's cyclomatic one, not scored: in a
+#: table of branch-free programs (session 25) cyclomatic complexity sits at its floor, 1.0
+REPORTED_COMPLEXITY = ("ast_depth", "loc")
+
+
+def _reported_slopes(arm_curves: dict[str, dict[int, dict]], seeds: list[int]) -> dict:
+    """Per 100 steps, each arm's and seed's slope of the `REPORTED_COMPLEXITY` measures."""
+    per_100 = {m: {a: {s: slope(c[s][m]) for s in seeds} for a, c in arm_curves.items()}
+               for m in REPORTED_COMPLEXITY}  # fmt: skip
+    return {m: {a: {s: None if v is None else 100 * v for s, v in sl.items()}
+                for a, sl in arms.items()} for m, arms in per_100.items()}  # fmt: skip
+
+
 def _c1(slopes: dict[str, dict[int, float | None]], seeds: list[int]) -> dict:
     """C1: the population's complexity slope above the single agent's, and >= 0, in a
     majority of seeds."""
@@ -463,6 +476,7 @@ def summarize(runs: list[dict], cross: dict, levels: list[int], seeds: list[int]
         "criterion": {"C1_complexity": {"holds": c1, "slopes": slopes},
                       "C2_weakest_vs_single_levels_3_5": {**c2, "verdict": c2_verdict},
                       "verdict": verdict},
+        "complexity_reported_per_100_steps": _reported_slopes(arm_curves, seeds),
         "heldout_pass@1": passk,
         "endpoints": endpoints,
         "crossplay": cross,
@@ -508,9 +522,11 @@ def partial_summary(out: Path) -> dict:
     slopes = {a: {s: slope(cut[a][s]["cyclomatic"]) for s in seeds} for a in arms}
     res["complexity_slope_per_100_steps"] = {
         a: {s: None if v is None else 100 * v for s, v in sl.items()} for a, sl in slopes.items()}
+    res["complexity_reported_per_100_steps"] = _reported_slopes(cut, seeds)
     if {"population", "single"} <= set(arms):
         res["C1_complexity"] = _c1(slopes, seeds)
-    firstlast = ("solve_rate", "cyclomatic", "loc", "entropy", "partial_share", "valid_rate")
+    firstlast = ("solve_rate", "cyclomatic", "ast_depth", "loc", "entropy", "partial_share",
+                 "valid_rate")
     res["first_last_10pct"] = {
         a: {s: {k: [window(cut[a][s][k], False), window(cut[a][s][k], True)] for k in firstlast}
             for s in seeds} for a in arms}  # fmt: skip

@@ -305,6 +305,7 @@ def test_a_cut_chain_still_gives_the_gate_slopes_and_scored_end_points(tmp_path)
     assert abs(slopes["population"]["0"] - 1.0) < 1e-6 and abs(slopes["single"]["0"] + 2.0) < 1e-6
     assert res["C1_complexity"] == {"holds": True, "population_above_single": 3,
                                     "population_rising": 3}  # fmt: skip
+    assert res["complexity_reported_per_100_steps"]["loc"]["single"]["0"] == 0.0
     assert res["heldout_pass@1"]["single"]["mean"] == {"all": 0.75, "level_1": 1.0, "level_3": 0.0,
                                                        "level_4": 1.0, "level_5": 1.0}  # fmt: skip
     assert res["not_scored"] == ["population"]
@@ -349,6 +350,10 @@ def test_calls_of_other_seeds_merge_into_one_verdict(tmp_path) -> None:
     assert (tmp_path / "m" / "world_experiment.png").is_file()
     assert merged["seeds"] == [0, 1, 2] and merged["gate"]["passed"] is True
     assert merged["criterion"]["C1_complexity"]["holds"] is True
+    # the other complexity measures' slopes beside C1's, per arm and seed (constant here)
+    reported = merged["complexity_reported_per_100_steps"]
+    assert set(reported) == {"ast_depth", "loc"}
+    assert reported["ast_depth"]["population"] == {"0": 0.0, "1": 0.0, "2": 0.0}
     c2 = merged["criterion"]["C2_weakest_vs_single_levels_3_5"]
     assert c2["diff"] == pytest.approx(1.0) and c2["verdict"] == "supported"
     assert merged["crossplay"] == {"population": {"single": 0.5}, "single": {"population": 0.25}}
