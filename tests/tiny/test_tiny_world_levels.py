@@ -243,13 +243,15 @@ def test_tables_without_calls_are_the_direct_stream_less_those_calls(table, bann
     assert not any(f".{name}(" in t.program for t in corpus + variants + held for name in banned)
 
 
-def test_world_nocount_77m_is_world_nocount_three_times_larger() -> None:
-    """The larger base differs from `world-nocount` in its shape alone (so a gate on it tests
+@pytest.mark.parametrize("table", ["nocount", "nojoin"])
+def test_a_77m_world_base_is_its_26m_recipe_three_times_larger(table: str) -> None:
+    """The larger base differs from its 26M recipe in its shape alone (so a gate on it tests
     the student's size), at ~77M parameters: too large to carry, built where it is gated."""
     from lorapop.engine.model import TINY_DIR, load_tokenizer
     from lorapop.tiny.pretrain import build_model
 
-    big, base = SIZES["world-nocount-77m"], SIZES["world-nocount"]
+    big, base = SIZES[f"world-{table}-77m"], SIZES[f"world-{table}"]
+    assert big.levels == table
     assert {k: v for k, v in big.__dict__.items() if k != "size"} == \
         {k: v for k, v in base.__dict__.items() if k != "size"}
     tok = load_tokenizer(str(TINY_DIR))

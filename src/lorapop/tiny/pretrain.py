@@ -254,8 +254,12 @@ SIZES["world-nojoin"] = Recipe(**SIZES["world-direct-exec"].__dict__ | {"levels"
 # holds (2 of 3, session 20), though its loss ends above the 26M's (0.410 against 0.344). Built
 # data parallel on 2 H100s (torchrun): 442 s of training. At 154 MB in bf16 it does not fit a
 # device call's carry, so it is built and played on one machine
-SIZES["world-nocount-77m"] = Recipe(**SIZES["world-nocount"].__dict__ | {
-    "size": ModelSize(hidden=768, layers=12, heads=12, kv_heads=4, intermediate=2048)})
+_SIZE_77M = ModelSize(hidden=768, layers=12, heads=12, kv_heads=4, intermediate=2048)
+SIZES["world-nocount-77m"] = Recipe(**SIZES["world-nocount"].__dict__ | {"size": _SIZE_77M})
+# `world-nojoin` at 77M: in session 25's verdict arms on `world-nocount-77m` the single agent's
+# solve rate fell back in 2 of 3 seeds, in seed 0 on `''.join(map(str, xs))` tasks (71% of its
+# last steps' code_o/code_i tasks; its students solved 0.56 of their inverses). Not built yet
+SIZES["world-nojoin-77m"] = Recipe(**SIZES["world-nojoin"].__dict__ | {"size": _SIZE_77M})
 
 
 # -- the corpus and its examples --------------------------------------------------------------
