@@ -180,6 +180,22 @@ def test_pretrain_tiny_refuses_a_bad_size_and_never_overwrites_the_shipped_model
     assert len(device.output.strip().splitlines()) == 1
 
 
+def test_pretrain_tiny_refuses_a_batch_the_cpu_cannot_hold_before_any_work(monkeypatch, tmp_path):
+    """A GPU recipe on a laptop: one line before the corpus is made, where the kernel would
+    otherwise kill the build mid-way without a word."""
+    import lorapop.tiny.pretrain as pretrain
+
+    monkeypatch.setattr(pretrain, "host_memory_free", lambda: 16 * 2**30)
+    monkeypatch.setattr(pretrain, "generate_corpus", _raising(AssertionError("work began")))
+    result = run("pretrain-tiny", "--size", "world-nocount-77m", "--out", tmp_path / "m",
+                 "--device", "cpu")
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines()[-1] == (
+        "error: one batch of 81,920 tokens needs ~73 GiB to train this model on the CPU, and 16 "
+        "GiB are free: build it on a GPU (--device cuda)")
+    assert not (tmp_path / "m").exists()
+
+
 def _raising(error):
     def fail(*args, **kwargs):
         raise error
