@@ -412,10 +412,14 @@ REPORTED_COMPLEXITY = ("ast_depth", "loc")
 
 def _reported_slopes(arm_curves: dict[str, dict[int, dict]], seeds: list[int]) -> dict:
     """Per 100 steps, each arm's and seed's slope of the `REPORTED_COMPLEXITY` measures."""
-    per_100 = {m: {a: {s: slope(c[s][m]) for s in seeds} for a, c in arm_curves.items()}
-               for m in REPORTED_COMPLEXITY}  # fmt: skip
-    return {m: {a: {s: None if v is None else 100 * v for s, v in sl.items()}
-                for a, sl in arms.items()} for m, arms in per_100.items()}  # fmt: skip
+    return {m: _per_100({a: {s: slope(c[s][m]) for s in seeds} for a, c in arm_curves.items()})
+            for m in REPORTED_COMPLEXITY}
+
+
+def _per_100(slopes: dict[str, dict[int, float | None]]) -> dict[str, dict[int, float | None]]:
+    """Slopes per step as slopes per 100 steps."""
+    return {a: {s: None if v is None else 100 * v for s, v in sl.items()}
+            for a, sl in slopes.items()}
 
 
 def _c1(slopes: dict[str, dict[int, float | None]], seeds: list[int]) -> dict:
@@ -520,8 +524,7 @@ def partial_summary(out: Path) -> dict:
         res["gate"] = {**_gate(full["single"], seeds),
                        "at_common_steps": [{"seed": s, **collapse(cut["single"][s])} for s in seeds]}
     slopes = {a: {s: slope(cut[a][s]["cyclomatic"]) for s in seeds} for a in arms}
-    res["complexity_slope_per_100_steps"] = {
-        a: {s: None if v is None else 100 * v for s, v in sl.items()} for a, sl in slopes.items()}
+    res["complexity_slope_per_100_steps"] = _per_100(slopes)
     res["complexity_reported_per_100_steps"] = _reported_slopes(cut, seeds)
     if {"population", "single"} <= set(arms):
         res["C1_complexity"] = _c1(slopes, seeds)

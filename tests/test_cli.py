@@ -185,13 +185,13 @@ def test_pretrain_tiny_refuses_a_batch_the_cpu_cannot_hold_before_any_work(monke
     otherwise kill the build mid-way without a word."""
     import lorapop.tiny.pretrain as pretrain
 
-    monkeypatch.setattr(pretrain, "host_memory_free", lambda: 16 * 2**30)
+    monkeypatch.setattr(pretrain, "host_free_memory", lambda: 16 * 2**30)
     monkeypatch.setattr(pretrain, "generate_corpus", _raising(AssertionError("work began")))
     result = run("pretrain-tiny", "--size", "world-nocount-77m", "--out", tmp_path / "m",
                  "--device", "cpu")
     assert result.exit_code == 2, result.output
     assert result.output.strip().splitlines()[-1] == (
-        "error: one batch of 81,920 tokens needs ~73 GiB to train this model on the CPU, and 16 "
+        "error: one batch of 81,920 tokens needs ~60 GiB to train this model on the CPU, and 16 "
         "GiB are free: build it on a GPU (--device cuda)")
     assert not (tmp_path / "m").exists()
 

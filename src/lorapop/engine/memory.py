@@ -1,5 +1,6 @@
 """How many decode rows fit, and whether the update may keep every activation: upper
-estimates of the generation and update phases' device memory.
+estimates of the generation and update phases' device memory (and the host's free memory, for
+training on a CPU).
 
 Generation holds, per row, the KV cache of `length` tokens, the sampler's float copies of a
 vocabulary-wide logit row (twice: the captured decode step's pool and the prefill's), the
@@ -22,6 +23,7 @@ memory is short.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
@@ -109,13 +111,37 @@ def fit_batch(
     return int(min(want, fit))
 
 
+def activation_bytes_per_token(layers: int, hidden: int, inter: int, kv_heads: int,
+                               head_dim: int, item: int, kept_inter: int = 4) -> int:
+    """Activation bytes one token keeps through a training forward without checkpointing, for
+    a model of these dimensions (the module's note: ~10 hidden-wide and `kept_inter`
+    intermediate-wide values a layer, keys and values once per head group)."""
+    return layers * (10 * hidden + kept_inter * inter + 2 * kv_heads * head_dim) * item
+
+
 def update_bytes_per_token(model: Any) -> int:
     """Activation bytes one token keeps through an update forward without checkpointing."""
     hidden, inter, *_ = _dims(model)
     layers, kv_heads, head_dim = kv_shape(model)
     item = next(model.parameters()).dtype.itemsize
     kept_inter = 3 if mlps_fused(model) else 4  # the fused SwiGLU keeps no silu(gate)
-    return layers * (10 * hidden + kept_inter * inter + 2 * kv_heads * head_dim) * item
+    return activation_bytes_per_token(layers, hidden, inter, kv_heads, head_dim, item,
+                                      kept_inter)
+
+
+def host_free_memory() -> int | None:
+    """Bytes of host memory available now (Linux), else the machine's total; None: unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def update_fixed_bytes(model: Any, head_chunk: int) -> int:
