@@ -748,6 +748,7 @@ def run_all(args: argparse.Namespace) -> None:
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "level_table": table,
         "base_overrides": base,
+        "base_weights_sha256": base_digest(model),
         "seeds": args.seeds,
         "arms": {arm: [j["name"] for j in jobs if j["arm"] == arm] for arm in args.arms},
         "device": _device(),
@@ -766,8 +767,26 @@ def run_all(args: argparse.Namespace) -> None:
 
 
 def _settings(overrides: list[str]) -> list[str]:
-    """A call's config overrides less the paths of its machine (the base model, the seed tasks)."""
-    return [o for o in overrides if o.split("=", 1)[0] not in ("model.name_or_path", "tasks.seed_tasks")]
+    """A call's config overrides less the folders of its machine: the base model and the seed
+    tasks keep their file names (`world-nojoin-77m`, `seed_tasks_levels12345.jsonl`), which
+    say which recipe and which seed levels the runs played."""
+    out = []
+    for o in overrides:
+        key, _, value = o.partition("=")
+        out.append(f"{key}={Path(value).name}" if key in ("model.name_or_path", "tasks.seed_tasks")
+                   else o)  # fmt: skip
+    return out
+
+
+def base_digest(model: str) -> str | None:
+    """The base's `weights_sha256` (pretrain-tiny's `training.json`), None for other models:
+    two builds of one recipe on other GPU kinds or rank counts differ, and runs on them must not
+    be merged as one experiment."""
+    record = Path(model) / "training.json"
+    try:
+        return json.loads(record.read_text()).get("weights_sha256")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def merge_results(parts: list[dict]) -> dict:
@@ -781,6 +800,14 @@ def merge_results(parts: list[dict]) -> dict:
         raise SystemExit(f"--merge: runs in more than one results.json: {', '.join(dup)}")
     if len({p["level_table"] for p in parts}) > 1:
         raise SystemExit("--merge: results of different level tables")
+    digests = {p.get("base_weights_sha256") for p in parts}
+    if len(digests - {None}) > 1:
+        raise SystemExit("--merge: results of different builds of the base (weights "
+                         f"{', '.join(sorted(digests - {None}))}): rebuild it on the GPU kind "
+                         "and number of ranks of the first")  # fmt: skip
+    if None in digests and len(digests) > 1:
+        print("--merge: a results.json records no base digest; check its build log's "
+              "`weights` against the others'", file=sys.stderr)  # fmt: skip
     settings = [sorted(_settings(p.get("base_overrides", []))) for p in parts]
     if any(x != settings[0] for x in settings):
         diff = sorted(set().union(*map(set, settings)) - set.intersection(*map(set, settings)))
@@ -793,7 +820,8 @@ def merge_results(parts: list[dict]) -> dict:
                 cross.setdefault(arm, {}).setdefault(task_arm, []).extend(v)
         for arm, runs in p["arms"].items():
             arms.setdefault(arm, []).extend(runs)
-    return {**parts[0], "command": [p["command"] for p in parts],
+    return {**parts[0], "base_weights_sha256": min(digests - {None}, default=None),
+            "command": [p["command"] for p in parts],
             "seeds": sorted({s for p in parts for s in p["seeds"]}), "arms": arms,
             "device": sorted({p["device"] for p in parts}), "wall_s": [p["wall_s"] for p in parts],
             "runs": [r for p in parts for r in p["runs"]], "crossplay": cross}  # fmt: skip

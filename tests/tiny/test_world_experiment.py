@@ -377,6 +377,27 @@ def test_merge_refuses_a_run_given_twice_or_other_settings(tmp_path) -> None:
         we.merge_results([a, b])
     b["base_overrides"][1] = "train.lr=0.001"  # another machine's paths are the same settings
     assert len(we.merge_results([a, b])["runs"]) == 4
+    # ... but the seed tasks' file name says the levels the buffers started from
+    a["base_overrides"].append("tasks.seed_tasks=/tmp/wx/seed_tasks_levels12345.jsonl")
+    b["base_overrides"].append("tasks.seed_tasks=/y/seed_tasks.jsonl")
+    with pytest.raises(SystemExit, match="seed_tasks.jsonl, tasks.seed_tasks=seed_tasks_levels"):
+        we.merge_results([a, b])
+    b["base_overrides"][-1] = "tasks.seed_tasks=/y/seed_tasks_levels12345.jsonl"
+    # and two builds of one recipe (another GPU kind or rank count) are not one experiment
+    a["base_weights_sha256"], b["base_weights_sha256"] = "aec6d279f43748ed", "4f1dba07c05c7463"
+    with pytest.raises(SystemExit, match="different builds of the base"):
+        we.merge_results([a, b])
+    b["base_weights_sha256"] = None  # (an older results.json: merged, with a note)
+    assert we.merge_results([b, a])["base_weights_sha256"] == "aec6d279f43748ed"
+
+
+def test_results_record_the_digest_of_a_pretrained_base(tmp_path) -> None:
+    we = _module()
+    assert we.base_digest("tiny") is None and we.base_digest(str(tmp_path)) is None
+    (tmp_path / "training.json").write_text(json.dumps({"weights_sha256": "aec6d279f43748ed"}))
+    assert we.base_digest(str(tmp_path)) == "aec6d279f43748ed"
+    (tmp_path / "training.json").write_text("[1, 2")  # a broken record is no digest, not a crash
+    assert we.base_digest(str(tmp_path)) is None
 
 
 def test_merge_of_a_single_arm_or_a_broken_file_is_a_one_line_error(tmp_path) -> None:

@@ -259,7 +259,8 @@ _SIZE_77M = ModelSize(hidden=768, layers=12, heads=12, kv_heads=4, intermediate=
 SIZES["world-nocount-77m"] = Recipe(**SIZES["world-nocount"].__dict__ | {"size": _SIZE_77M})
 # `world-nojoin` at 77M: in session 25's verdict arms on `world-nocount-77m` the single agent's
 # solve rate fell back in 2 of 3 seeds, in seed 0 on `''.join(map(str, xs))` tasks (71% of its
-# last steps' code_o/code_i tasks; its students solved 0.56 of their inverses). Not built yet
+# last steps' code_o/code_i tasks; its students solved 0.56 of their inverses). On it the gate
+# holds in 3 of 3 seeds (session 26: 2 ranks on H200s, final loss 0.422)
 SIZES["world-nojoin-77m"] = Recipe(**SIZES["world-nojoin"].__dict__ | {"size": _SIZE_77M})
 
 
