@@ -535,3 +535,38 @@ def test_a_detached_session_outlives_its_call_and_is_started_once(tmp_path) -> N
     (state / "rc").unlink()
     assert "going on as a chained call" in call("fourth", 30)
     assert (tmp_path / "fourth" / "results.json").read_text().splitlines()[1] == "30 --arms single"
+
+
+def test_arms_c_and_d_from_a_later_call_join_the_verdict_call(tmp_path) -> None:
+    """Issue 15's plan: arms (a) and (b) in one call, (c) and (d) in another on the same base;
+    --merge reports the population against all three controls, the verdict unchanged."""
+    we = _module()
+    ab = _results([0, 1, 2], 0.0)
+    cd = _results([0, 1, 2], 0.0)
+    runs = []
+    for r in cd["runs"]:
+        if r["arm"] == "population":  # (d): the population's curves, its students a bit weaker
+            g = [1.0, 1.0, 0.0, 0.0]
+            runs.append({**r, "name": f"noevolve_s{r['seed']}", "arm": "noevolve",
+                         "heldout": {"grades": {"A0": g}, "pass@1": {"A0": fmean(g)}}})  # fmt: skip
+        else:  # (c): four single agents a seed, their curves averaged into one
+            runs += [{**r, "name": f"independent_s{r['seed']}_a{j}", "arm": "independent"}
+                     for j in range(4)]  # fmt: skip
+    cd["runs"] = runs
+    cd["arms"] = {a: sorted({r["name"] for r in runs if r["arm"] == a}) for a in ("independent", "noevolve")}
+    cd["crossplay"] = {"noevolve": {"independent": [0.4] * 3}, "independent": {"noevolve": [0.3] * 3}}
+    for p in (ab, cd):
+        p["base_weights_sha256"] = "aec6d279f43748ed"
+    merged = we.merge_results([ab, cd])
+    assert set(merged["arms"]) == {"population", "single", "independent", "noevolve"}
+    we.write_summary([ab, cd], tmp_path / "m" / "world_experiment.json")
+    res = json.loads((tmp_path / "m" / "world_experiment.json").read_text())
+    assert set(res["curves"]) == {"population", "single", "independent", "noevolve"}
+    alone = json.loads(json.dumps(we.summarize(ab["runs"], {}, [1, 2, 3, 4, 5], [0, 1, 2])))
+    assert res["gate"] == alone["gate"] and res["criterion"]["verdict"] == "supported"
+    assert res["criterion"]["C2_weakest_vs_single_levels_3_5"] == alone["criterion"][
+        "C2_weakest_vs_single_levels_3_5"]
+    vs_d = res["endpoints"]["population_weakest_vs_noevolve"]["levels_3_5"]
+    vs_c = res["endpoints"]["population_mean_vs_independent"]["levels_3_5"]
+    assert vs_d["diff"] == pytest.approx(2 / 3) and vs_c["diff"] == pytest.approx(1.0)
+    assert res["crossplay"]["noevolve"] == {"independent": pytest.approx(0.4)}
