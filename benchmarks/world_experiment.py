@@ -673,7 +673,7 @@ def run_all(args: argparse.Namespace) -> None:
     (out / "jobs").mkdir(parents=True, exist_ok=True)
     model = ensure_model(args)
     from lorapop.engine.model import TINY_DIR
-    from lorapop.tiny.world import rule_overrides, world_of
+    from lorapop.tiny.world import rule_overrides, training_record, world_of
 
     try:
         world = world_of(TINY_DIR if model == "tiny" else model)  # what the base was made for
@@ -748,7 +748,7 @@ def run_all(args: argparse.Namespace) -> None:
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "level_table": table,
         "base_overrides": base,
-        "base_weights_sha256": base_digest(model),
+        "base_weights_sha256": training_record(model).get("weights_sha256"),
         "seeds": args.seeds,
         "arms": {arm: [j["name"] for j in jobs if j["arm"] == arm] for arm in args.arms},
         "device": _device(),
@@ -776,17 +776,6 @@ def _settings(overrides: list[str]) -> list[str]:
         out.append(f"{key}={Path(value).name}" if key in ("model.name_or_path", "tasks.seed_tasks")
                    else o)  # fmt: skip
     return out
-
-
-def base_digest(model: str) -> str | None:
-    """The base's `weights_sha256` (pretrain-tiny's `training.json`), None for other models:
-    two builds of one recipe on other GPU kinds or rank counts differ, and runs on them must not
-    be merged as one experiment."""
-    record = Path(model) / "training.json"
-    try:
-        return json.loads(record.read_text()).get("weights_sha256")
-    except (OSError, ValueError, AttributeError):
-        return None
 
 
 def merge_results(parts: list[dict]) -> dict:
@@ -820,7 +809,7 @@ def merge_results(parts: list[dict]) -> dict:
                 cross.setdefault(arm, {}).setdefault(task_arm, []).extend(v)
         for arm, runs in p["arms"].items():
             arms.setdefault(arm, []).extend(runs)
-    return {**parts[0], "base_weights_sha256": min(digests - {None}, default=None),
+    return {**parts[0], "base_weights_sha256": next(iter(digests - {None}), None),
             "command": [p["command"] for p in parts],
             "seeds": sorted({s for p in parts for s in p["seeds"]}), "arms": arms,
             "device": sorted({p["device"] for p in parts}), "wall_s": [p["wall_s"] for p in parts],

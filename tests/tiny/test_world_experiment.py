@@ -392,12 +392,16 @@ def test_merge_refuses_a_run_given_twice_or_other_settings(tmp_path) -> None:
 
 
 def test_results_record_the_digest_of_a_pretrained_base(tmp_path) -> None:
-    we = _module()
-    assert we.base_digest("tiny") is None and we.base_digest(str(tmp_path)) is None
+    from lorapop.tiny.world import training_record
+
+    def digest(model: str) -> str | None:  # what run_all records in results.json
+        return training_record(model).get("weights_sha256")
+
+    assert digest("tiny") is None and digest(str(tmp_path)) is None
     (tmp_path / "training.json").write_text(json.dumps({"weights_sha256": "aec6d279f43748ed"}))
-    assert we.base_digest(str(tmp_path)) == "aec6d279f43748ed"
+    assert digest(str(tmp_path)) == "aec6d279f43748ed"
     (tmp_path / "training.json").write_text("[1, 2")  # a broken record is no digest, not a crash
-    assert we.base_digest(str(tmp_path)) is None
+    assert digest(str(tmp_path)) is None
 
 
 def test_merge_of_a_single_arm_or_a_broken_file_is_a_one_line_error(tmp_path) -> None:

@@ -65,17 +65,24 @@ def world_pools(
     }  # fmt: skip
 
 
+def training_record(model_dir: str | Path) -> dict[str, Any]:
+    """A base's `training.json` (pretrain-tiny's record: level table, references, weights
+    digest, ...); {} where there is none or it does not read as an object (hub ids, older
+    models)."""
+    try:
+        rec = json.loads((Path(model_dir) / "training.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return rec if isinstance(rec, dict) else {}
+
+
 def world_of(model_dir: str | Path) -> dict[str, Any]:
     """The world a base model was pretrained for, from its training.json: `levels` (its level
     table: the levels of its measurement, held-out set and seed tasks) and `references` (the
     most references its teacher prompts showed: what the loop should show). Defaults (the
     shipped model, older records): the standard table and 2. ValueError (one line) for a level
     table this code does not know."""
-    try:
-        rec = json.loads((Path(model_dir) / "training.json").read_text())
-    except (OSError, ValueError):
-        rec = {}
-    rec = rec if isinstance(rec, dict) else {}
+    rec = training_record(model_dir)
     table = rec.get("levels", "standard")
     refs = rec.get("max_refs", 2)
     if not isinstance(table, str) or table not in LEVEL_TABLES:
