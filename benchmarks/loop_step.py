@@ -198,13 +198,19 @@ def warm_compiled(model) -> float:
     return time.perf_counter() - t0
 
 
+#: Bytes `hold_all_but` holds: peaks are reported net of them (what the step itself needs)
+_BALLAST_BYTES = 0
+
+
 def hold_all_but(gib: float) -> torch.Tensor | None:
     """A tensor holding the card's memory beyond `gib` GiB (None if the card is no larger):
     the free memory the engine reads (`engine/memory.free_memory`) is then a smaller card's."""
+    global _BALLAST_BYTES
     _, total = torch.cuda.mem_get_info()
     extra = total - int(gib * 2**30)
     if extra <= 0:
         return None
+    _BALLAST_BYTES = extra
     print(f"[card] holding {extra / 2**30:.1f} of {total / 2**30:.1f} GiB: sized as a "
           f"{gib:g} GiB card", flush=True)
     return torch.empty(extra, dtype=torch.uint8, device="cuda")
@@ -219,7 +225,12 @@ def _peak() -> str:
         clock = f"; SM {torch.cuda.clock_rate()} MHz"
     except Exception:  # noqa: BLE001 - no NVML bindings: memory only
         clock = ""
-    return f"; peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB{clock}"
+    return f"; peak {_peak_gib():.1f} GiB{clock}"
+
+
+def _peak_gib() -> float:
+    """The process's peak allocated GPU memory, less `hold_all_but`'s ballast."""
+    return (torch.cuda.max_memory_allocated() - _BALLAST_BYTES) / 2**30
 
 
 def _kernel_events(prof) -> list:
@@ -439,7 +450,7 @@ def measure(config: str, overrides: list[str], warmup: int, steps: int, run_dir:
         "phase_s": phases,
         "generated_tokens": rows[0]["generated_tokens"],
         "tokens_per_s": median(r["tokens_per_s"] for r in rows),
-        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        "peak_memory_gib": _peak_gib() if cuda else None,  # (net of a --card-gib ballast)
         "compile_s": compile_s,
         "allocator_events": alloc,  # over the timed steps
         "update_ab": ab or None,
@@ -523,6 +534,7 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"),
         "skip_update": args.skip_update,
         "card_gib": args.card_gib if ballast is not None else None,
+        "ballast_gib": _BALLAST_BYTES / 2**30 if ballast is not None else None,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
