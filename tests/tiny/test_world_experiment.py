@@ -6,6 +6,7 @@ import gzip
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -501,7 +502,8 @@ def test_a_detached_session_outlives_its_call_and_is_started_once(tmp_path) -> N
     session and copy of the tree, and returns at CALL_S with the pipeline still running; the
     pipeline survives the kill of everything the call left (as the device machine does); a
     call ended early (its device limit) still has the files copied while it waited; a later
-    call brings back its files once it ends, and a call after that starts nothing."""
+    call brings back its files once it ends, and a call after that starts nothing. A call on a
+    fresh machine after files came back (BACK) says the machine was lost and starts nothing."""
     import contextlib
     import signal
 
@@ -511,10 +513,13 @@ def test_a_detached_session_outlives_its_call_and_is_started_once(tmp_path) -> N
     stub.write_text('echo x >> "$(dirname $0)/starts"; echo 1 > $OUT/progress.tgz; sleep 6\n'
                     'printf "%s\\n" "$PWD" "$*" > $OUT/results.json; echo done\n')
 
-    def call(out: str, call_s: int, killed_after: float = 60) -> str:
+    back = tree / "back"  # where the caller keeps what calls brought back (carried)
+    back.mkdir()
+
+    def call(out: str, call_s: int, killed_after: float = 60, machine: Path = state) -> str:
         (tmp_path / out).mkdir()
-        env = {**os.environ, "OUT": str(tmp_path / out), "DETACHED": str(state),
-               "WORLD_CALL": f"bash {stub}", "BRING_S": "1"}
+        env = {**os.environ, "OUT": str(tmp_path / out), "DETACHED": str(machine),
+               "WORLD_CALL": f"bash {stub}", "BRING_S": "1", "BACK": "back"}
         proc = subprocess.Popen(["bash", str(ROOT / "benchmarks" / "world_detached.sh"),
                                  str(call_s), "500", "--arms", "single"], cwd=tree, env=env,
                                 stdout=subprocess.PIPE, text=True, start_new_session=True)
@@ -527,6 +532,8 @@ def test_a_detached_session_outlives_its_call_and_is_started_once(tmp_path) -> N
     # a first call its device limit ends before CALL_S still returns the pipeline's files so far
     call("first", 30, killed_after=3)
     assert (tmp_path / "first" / "progress.tgz").read_text() == "1\n"
+    shutil.copytree(tmp_path / "first", back / "first")  # as the caller keeps them
+    assert (back / "first" / "pipeline.log").exists()
     assert not (state / "out" / "results.json").exists()  # the call's output closed before it
     assert "call again within 30 s" in call("early", 1)
     assert "pipeline ended: exit 0" in call("second", 30)
@@ -535,6 +542,9 @@ def test_a_detached_session_outlives_its_call_and_is_started_once(tmp_path) -> N
     assert (tmp_path / "second" / "rc").read_text().strip() == "0"
     assert "pipeline ended" in call("third", 30)
     assert (tmp_path / "starts").read_text() == "x\n"  # started once
+    lost = call("lost", 30, machine=tmp_path / "fresh")  # the machine went back meanwhile
+    assert lost.startswith("machine lost") and not (tmp_path / "fresh" / "started").exists()
+    assert (tmp_path / "starts").read_text() == "x\n"
     # a pipeline the machine ended after all: the next call goes on as a chained call
     (state / "rc").unlink()
     assert "going on as a chained call" in call("fourth", 30)
