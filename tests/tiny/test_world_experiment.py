@@ -6,9 +6,9 @@ import gzip
 import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from statistics import fmean
 
@@ -502,8 +502,9 @@ def test_a_detached_session_outlives_its_call_and_is_started_once(tmp_path) -> N
     session and copy of the tree, and returns at CALL_S with the pipeline still running; the
     pipeline survives the kill of everything the call left (as the device machine does); a
     call ended early (its device limit) still has the files copied while it waited; a later
-    call brings back its files once it ends, and a call after that starts nothing. A call on a
-    fresh machine after files came back (BACK) says the machine was lost and starts nothing."""
+    call brings back its files once it ends, and a call after that starts nothing. A later call
+    that lands on a fresh machine (SESSION_T0 long past) says the machine was lost and starts
+    nothing."""
     import contextlib
     import signal
 
@@ -513,13 +514,13 @@ def test_a_detached_session_outlives_its_call_and_is_started_once(tmp_path) -> N
     stub.write_text('echo x >> "$(dirname $0)/starts"; echo 1 > $OUT/progress.tgz; sleep 6\n'
                     'printf "%s\\n" "$PWD" "$*" > $OUT/results.json; echo done\n')
 
-    back = tree / "back"  # where the caller keeps what calls brought back (carried)
-    back.mkdir()
+    t0 = int(time.time())  # the session's first call
 
-    def call(out: str, call_s: int, killed_after: float = 60, machine: Path = state) -> str:
+    def call(out: str, call_s: int, killed_after: float = 60, machine: Path = state,
+             session_t0: int = t0) -> str:
         (tmp_path / out).mkdir()
         env = {**os.environ, "OUT": str(tmp_path / out), "DETACHED": str(machine),
-               "WORLD_CALL": f"bash {stub}", "BRING_S": "1", "BACK": "back"}
+               "WORLD_CALL": f"bash {stub}", "BRING_S": "1", "SESSION_T0": str(session_t0)}
         proc = subprocess.Popen(["bash", str(ROOT / "benchmarks" / "world_detached.sh"),
                                  str(call_s), "500", "--arms", "single"], cwd=tree, env=env,
                                 stdout=subprocess.PIPE, text=True, start_new_session=True)
@@ -532,8 +533,6 @@ def test_a_detached_session_outlives_its_call_and_is_started_once(tmp_path) -> N
     # a first call its device limit ends before CALL_S still returns the pipeline's files so far
     call("first", 30, killed_after=3)
     assert (tmp_path / "first" / "progress.tgz").read_text() == "1\n"
-    shutil.copytree(tmp_path / "first", back / "first")  # as the caller keeps them
-    assert (back / "first" / "pipeline.log").exists()
     assert not (state / "out" / "results.json").exists()  # the call's output closed before it
     assert "call again within 30 s" in call("early", 1)
     assert "pipeline ended: exit 0" in call("second", 30)
@@ -542,7 +541,8 @@ def test_a_detached_session_outlives_its_call_and_is_started_once(tmp_path) -> N
     assert (tmp_path / "second" / "rc").read_text().strip() == "0"
     assert "pipeline ended" in call("third", 30)
     assert (tmp_path / "starts").read_text() == "x\n"  # started once
-    lost = call("lost", 30, machine=tmp_path / "fresh")  # the machine went back meanwhile
+    # 10 minutes into the session, a call lands on a fresh machine (the last one went back)
+    lost = call("lost", 30, machine=tmp_path / "fresh", session_t0=t0 - 600)
     assert lost.startswith("machine lost") and not (tmp_path / "fresh" / "started").exists()
     assert (tmp_path / "starts").read_text() == "x\n"
     # a pipeline the machine ended after all: the next call goes on as a chained call
