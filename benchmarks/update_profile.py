@@ -60,6 +60,7 @@ def update_pass(parts, rows: tuple[list, list, list], share: bool, mode: bool | 
     """The loop's update over `rows` (`SelfPlay._policy_step` minus advantages and the
     optimizer): timed, with its peak memory; `profile` tabulates the first micro-batch;
     `held=False` casts the bank in every forward (round 1) instead of holding one copy."""
+    from lorapop import transfer
     from lorapop.engine.logprobs import (
         HEAD_CHUNK,
         pack_micro_batches,
@@ -70,6 +71,7 @@ def update_pass(parts, rows: tuple[list, list, list], share: bool, mode: bool | 
     from lorapop.engine.memory import free_memory, plan_update, update_bytes_per_token
     from lorapop.engine.model import use_checkpointing
     from lorapop.rl.loss import policy_loss
+    from lorapop.transfer import host_to_device
 
     model = parts.model
     prompts, comps, slot_list = rows
@@ -79,9 +81,11 @@ def update_pass(parts, rows: tuple[list, list, list], share: bool, mode: bool | 
     adv = torch.randn(len(comps), device=DEV, generator=torch.Generator(DEV).manual_seed(0))
 
     def micro(idx: list[int]) -> None:
-        i = torch.tensor(idx, device=DEV)
+        # as the loop: host slot ids and queued copies (`--ab transfer`: as before, waiting)
+        i = host_to_device(torch.tensor(idx), DEV)
+        ids = [slot_list[j] for j in idx] if transfer.QUEUED else slots[i]
         lp, mask = sequence_logprobs(model, parts.bank, [prompts[j] for j in idx],
-                                     [comps[j] for j in idx], slots[i], share_prompts=share)
+                                     [comps[j] for j in idx], ids, share_prompts=share)
         loss, _ = policy_loss(lp.float(), adv[i], mask, groups=slots[i])
         loss.backward()
 
@@ -155,7 +159,8 @@ AB_VARIANTS = {"norms": ("HF norms", "fused norms"), "head": ("eager head", "com
                "swiglu": ("plain SwiGLU", "fused SwiGLU"),
                "lora": ("grouped LoRA", "addmm LoRA"),
                "rotary": ("plain rotary", "fused rotary"),
-               "slotgrad": ("slot grads through autograd", "slot grads in place")}
+               "slotgrad": ("slot grads through autograd", "slot grads in place"),
+               "transfer": ("waiting copies", "queued copies")}
 
 
 def _slot_weights_through_autograd(self, target, dtype, s):
@@ -165,13 +170,17 @@ def _slot_weights_through_autograd(self, target, dtype, s):
     return a[s], b[s]
 
 
+_LAID_OUT = None  # pack_attention.laid_out, kept while `--ab transfer` swaps it out
+
+
 def set_variant(parts, variant: str) -> None:
     """One `--ab` variant: the model's RMSNorms (the classes' own or the fused kernel), its
     SwiGLU MLPs (the classes' own or `_SwiGLU`: less memory, so larger micro-batches), the
     LM head's log-softmax (eager or compiled), or the LoRA of rows in runs of one slot (the
     grouped kernel and an add, or the add in the expand GEMM: `routing.add_delta_by_runs`), the
-    rotary embedding of training forwards (the model's own or `fused._Rotary`), or the
-    gradient of a one-slot micro-batch's LoRA weights (through autograd, or `bank._SlotView`)."""
+    rotary embedding of training forwards (the model's own or `fused._Rotary`), the
+    gradient of a one-slot micro-batch's LoRA weights (through autograd, or `bank._SlotView`),
+    or how a micro-batch's inputs reach the GPU (copies that wait for it, or queued ones)."""
     import lorapop.engine.logprobs as logprobs
     from lorapop.engine.fused import (
         fuse_mlps,
@@ -182,7 +191,16 @@ def set_variant(parts, variant: str) -> None:
         unfuse_rotary,
     )
 
-    if variant.endswith("rotary"):
+    if variant.endswith("copies"):  # the micro-batch's inputs: waiting copies, device slot
+        # ids read back and the packs' mask step as before, or none of these waits
+        import lorapop.engine.pack_attention as pack_attention
+        from lorapop import transfer
+
+        global _LAID_OUT
+        _LAID_OUT = _LAID_OUT or pack_attention.laid_out
+        transfer.QUEUED = variant == "queued copies"
+        pack_attention.laid_out = _LAID_OUT if transfer.QUEUED else contextlib.nullcontext
+    elif variant.endswith("rotary"):
         (fuse_rotary if variant == "fused rotary" else unfuse_rotary)(parts.model)
     elif variant.startswith("slot grads"):
         if variant == "slot grads in place":

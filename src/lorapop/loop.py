@@ -73,6 +73,7 @@ from lorapop.steplog import (
     step_metrics,
 )
 from lorapop.tasks.task import Grade, Task, Validity
+from lorapop.transfer import host_to_device
 
 
 class SelfPlay:
@@ -439,10 +440,12 @@ class SelfPlay:
                 if keep is not None:  # checkpoint only what does not fit with activations kept
                     use_checkpointing(p.model, padded > keep)
                 part = [rollouts[i] for i in rows]
-                idx = torch.tensor(rows, device=dev)
+                # host ids and queued copies: nothing here waits for the GPU, which runs the
+                # last micro-batch's backward while this one is laid out
+                idx = host_to_device(torch.tensor(rows), dev)
                 logprobs, mask = sequence_logprobs(
                     p.model, p.bank, [r.prompt_ids for r in part], [r.token_ids for r in part],
-                    slots[idx], share_prompts=tc.share_prompts,
+                    [slot_list[i] for i in rows], share_prompts=tc.share_prompts,
                 )
                 loss, row_loss = policy_loss(logprobs.float(), adv_all[idx], mask, groups=slots[idx],
                                              token_counts=token_counts)

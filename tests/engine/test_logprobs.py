@@ -222,3 +222,53 @@ def test_attention_pair_weight_is_attention_flops_over_weight_flops():
     assert attention_pair_weight(model) == pytest.approx(
         2 * cfg.num_hidden_layers * cfg.hidden_size / params)
     assert attention_pair_weight(torch.nn.Linear(3, 3)) == 0.0  # no config: tokens alone
+
+
+def test_a_laid_out_forward_builds_no_mask_and_a_plain_one_still_does(monkeypatch):
+    """Packed prompts attend through their layout, so the model's mask step builds nothing
+    for them (building one reads the padding mask back to the host, a wait for the GPU);
+    lone rows on the same model, after the packs installed their attention, get SDPA's."""
+    import lorapop.engine.pack_attention as pack_mod
+
+    built = []
+    real = pack_mod.sdpa_mask
+    monkeypatch.setattr(pack_mod, "sdpa_mask", lambda *a, **k: built.append(1) or real(*a, **k))
+    model = tiny_model()
+    bank = AdapterBank(model, n_slots=2, rank=4, alpha=8.0)
+    with torch.no_grad():
+        bank.weights.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(5))
+    prompts, completions = [[5, 6, 7]] * 2 + [[8, 9]], [[11, 12], [13], [14, 15, 16]]
+    packed, _ = sequence_logprobs(model, bank, prompts, completions, [0, 0, 1],
+                                  share_prompts=True)
+    assert built == []
+    alone, _ = sequence_logprobs(model, bank, prompts, completions, [0, 0, 1])
+    assert built  # outside a layout: SDPA's own masks
+    torch.testing.assert_close(packed, alone, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="host-device waits exist on CUDA only")
+@pytest.mark.parametrize("share", [False, True])
+def test_an_update_micro_batch_never_waits_for_the_gpu(share):
+    """Given slot ids on the host, the forward and backward of a micro-batch queue their
+    copies instead of waiting for the GPU, so the host lays out the next micro-batch while
+    the GPU runs this one (torch raises on any synchronising call in "error" mode)."""
+    model = tiny_model().cuda()
+    model.train()
+    bank = AdapterBank(model, n_slots=2, rank=4, alpha=8.0)
+    prompts = [[5, 6, 7]] * 3 + [[8, 9]]
+    completions = [[11, 12], [13], [14, 15, 16], [17, 18]]
+    slots = [0, 0, 0, 1]
+
+    def micro_batch() -> None:
+        lp, mask = sequence_logprobs(model, bank, prompts, completions, slots,
+                                     share_prompts=share)
+        (lp * mask).sum().backward()  # (lp[mask] would read the mask back)
+
+    micro_batch()  # compiles, allocates
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        micro_batch()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    bank.zero_grad()

@@ -22,6 +22,7 @@ once. Rows sharing nothing keep the plain causal path.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 from lorapop.engine import pack_attention
 from lorapop.engine.decoder import route
 from lorapop.engine.fused import compiled_call
+from lorapop.transfer import host_to_device
 
 HEAD_CHUNK = 2048  # positions whose logits are formed at once (memory.update_fixed_bytes)
 
@@ -210,6 +212,8 @@ def sequence_logprobs(
     completion token j and `mask` marks real tokens (padding has logprob 0). Differentiable
     when called with grad enabled. `chunk_size` bounds how many positions' logits (over all
     rows) are formed at once. `share_prompts` packs rows of one prompt and slot together.
+    Given `slot_ids` on the host (a list), the call never waits for the GPU, so a loop of
+    micro-batches keeps it busy; a device tensor of ids is read back first.
     """
     b = len(prompt_ids)
     if len(completion_ids) != b or len(slot_ids) != b:
@@ -246,20 +250,23 @@ def sequence_logprobs(
             at[i, 0] = s * width + len(p) - 1  # the first token follows the prompt
             mask[i, : len(c)] = True
             start = end
-    ids, target, at, mask = (x.to(dev) for x in (ids, target, at, mask))
+    # queued copies: the host lays out the next micro-batch while the GPU runs this one
+    ids, target, at, mask = (host_to_device(x, dev) for x in (ids, target, at, mask))
     extra: dict[str, Any] = {}
-    if shared:  # the layout does the masking; an all-ones padding mask makes transformers
-        # build none (with None it would infer a block mask from the restarting positions)
+    if shared:  # the layout does the masking, so no mask is built (`laid_out`); an all-ones
+        # padding mask stops transformers inferring a block mask from the restarting positions
         pack_attention.install(model)
         extra["pack_layout"] = pack_attention.PackLayout.build(
             [len(prompt_ids[g[0]]) for g in packs],
             [[len(completion_ids[i]) for i in g] for g in packs], width, dev)
         extra["attention_mask"] = torch.ones(n, width, dtype=torch.long, device=dev)
-        pos = pos.to(dev)
+        pos = host_to_device(pos, dev)
     else:  # one row per sequence: positions run on into the padding, as generated
         pos = torch.arange(width, device=dev).expand(n, -1)
-    slots = torch.as_tensor([slot_list[g[0]] for g in packs], dtype=torch.long, device=dev)
-    with route(bank, slots):
+    # slot ids on the host: route checks them there and queues their copy
+    slots = torch.as_tensor([slot_list[g[0]] for g in packs], dtype=torch.long)
+    layout = pack_attention.laid_out() if shared else nullcontext()
+    with route(bank, slots), layout:
         hidden = model.get_decoder()(
             input_ids=ids, position_ids=pos, use_cache=False, **extra,
         ).last_hidden_state

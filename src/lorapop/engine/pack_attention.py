@@ -20,7 +20,9 @@ under `NAME` and installed on the model once (`install`); every forward without 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +32,8 @@ from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from lorapop.transfer import host_to_device
 
 NAME = "lorapop_packs"
 
@@ -59,6 +63,9 @@ class PackLayout:
               device: torch.device) -> PackLayout:
         """Layout of packs whose sequence s is [prompt of `prompts[s]` tokens, completions of
         `completions[s]` tokens in order, right padding to `width`]."""
+        def put(x: torch.Tensor) -> torch.Tensor:
+            return host_to_device(x, device)
+
         by_prompt: dict[int, list[int]] = {}
         for s, p in enumerate(prompts):
             by_prompt.setdefault(int(p), []).append(s)
@@ -68,7 +75,7 @@ class PackLayout:
             comps = [(s, s * width + start, n) for s in rows
                      for start, n in _spans(p, completions[s]) if n > 0]
             if not comps:
-                groups.append(_Group(torch.tensor(rows, device=device), p, None, None, None))
+                groups.append(_Group(put(torch.tensor(rows)), p, None, None, None))
                 continue
             lens = torch.tensor([n for *_, n in comps])
             j = torch.arange(int(lens.max()))
@@ -77,9 +84,9 @@ class PackLayout:
             prompt_keys = torch.tensor([s * width for s, *_ in comps])[:, None] + torch.arange(p)
             real = (j < lens[:, None]).flatten().nonzero().flatten()
             written.append(queries.flatten()[real])
-            groups.append(_Group(torch.tensor(rows, device=device), p, queries.to(device),
-                                 torch.cat([prompt_keys, queries], 1).to(device), real.to(device)))
-        return cls(width, groups, torch.cat(written).to(device))
+            groups.append(_Group(put(torch.tensor(rows)), p, put(queries),
+                                 put(torch.cat([prompt_keys, queries], 1)), put(real)))
+        return cls(width, groups, put(torch.cat(written)))
 
 
 def _spans(prompt: int, lengths: Sequence[int]) -> list[tuple[int, int]]:
@@ -148,8 +155,29 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
     return attend(pack_layout, query, key, value, scaling, dropout), None
 
 
+#: Set while a laid-out forward builds its masks (`laid_out`)
+_LAID_OUT: ContextVar[bool] = ContextVar("lorapop_laid_out", default=False)
+
+
+@contextmanager
+def laid_out() -> Iterator[None]:
+    """Forwards inside the block carry a `pack_layout`: their mask step builds no mask."""
+    token = _LAID_OUT.set(True)
+    try:
+        yield
+    finally:
+        _LAID_OUT.reset(token)
+
+
+def _mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+    """SDPA's masks, except for a laid-out forward, whose attention (`attend`) takes none:
+    building one from its all-ones padding mask would read that back to the host, which
+    waits for the GPU to finish the work queued before it."""
+    return None if _LAID_OUT.get() else sdpa_mask(*args, **kwargs)
+
+
 AttentionInterface.register(NAME, _attention)
-AttentionMaskInterface.register(NAME, sdpa_mask)  # without a layout: exactly SDPA's masks
+AttentionMaskInterface.register(NAME, _mask)  # without a layout: exactly SDPA's masks
 
 
 def install(model: Any) -> None:

@@ -32,6 +32,7 @@ from lorapop.lora.routing import (
     lora_delta,
     slot_runs,
 )
+from lorapop.transfer import host_to_device
 
 DEFAULT_TARGETS: tuple[str, ...] = (
     "q_proj",
@@ -229,7 +230,8 @@ class AdapterBank:
     def route(self, slot_ids: Sequence[int] | Tensor) -> Iterator[None]:
         """Route row b of every forward inside the block to slot `slot_ids[b]`.
 
-        Validates the ids (this may synchronise with the device); the previous routing is
+        Validates the ids on the host: ids on the device are read back (the host waits for
+        the GPU), ids on the host are not (their copy is queued). The previous routing is
         restored on exit. For CUDA-graph decoding use `set_slot_ids_` instead.
         """
         ids = torch.as_tensor(slot_ids, dtype=torch.long).reshape(-1)
@@ -242,7 +244,7 @@ class AdapterBank:
         is_sorted = bool((host[1:] >= host[:-1]).all())
         prev = self._active
         saved = None if prev is None else (prev.ids.clone(), prev.is_sorted, prev.runs)
-        self.set_slot_ids_(ids.to(self.device), is_sorted=is_sorted,
+        self.set_slot_ids_(host_to_device(ids, self.device), is_sorted=is_sorted,
                            runs=slot_runs(host) if is_sorted else None)
         try:
             yield
