@@ -170,7 +170,7 @@ def _slot_weights_through_autograd(self, target, dtype, s):
     return a[s], b[s]
 
 
-_LAID_OUT = None  # pack_attention.laid_out, kept while `--ab transfer` swaps it out
+_MASKLESS = None  # pack_attention.maskless, kept while `--ab transfer` swaps it out
 
 
 def set_variant(parts, variant: str) -> None:
@@ -192,14 +192,14 @@ def set_variant(parts, variant: str) -> None:
     )
 
     if variant.endswith("copies"):  # the micro-batch's inputs: waiting copies, device slot
-        # ids read back and the packs' mask step as before, or none of these waits
+        # ids read back and a mask step as before, or none of these waits
         import lorapop.engine.pack_attention as pack_attention
         from lorapop import transfer
 
-        global _LAID_OUT
-        _LAID_OUT = _LAID_OUT or pack_attention.laid_out
+        global _MASKLESS
+        _MASKLESS = _MASKLESS or pack_attention.maskless
         transfer.QUEUED = variant == "queued copies"
-        pack_attention.laid_out = _LAID_OUT if transfer.QUEUED else contextlib.nullcontext
+        pack_attention.maskless = _MASKLESS if transfer.QUEUED else contextlib.nullcontext
     elif variant.endswith("rotary"):
         (fuse_rotary if variant == "fused rotary" else unfuse_rotary)(parts.model)
     elif variant.startswith("slot grads"):

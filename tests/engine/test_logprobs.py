@@ -224,10 +224,11 @@ def test_attention_pair_weight_is_attention_flops_over_weight_flops():
     assert attention_pair_weight(torch.nn.Linear(3, 3)) == 0.0  # no config: tokens alone
 
 
-def test_a_laid_out_forward_builds_no_mask_and_a_plain_one_still_does(monkeypatch):
-    """Packed prompts attend through their layout, so the model's mask step builds nothing
-    for them (building one reads the padding mask back to the host, a wait for the GPU);
-    lone rows on the same model, after the packs installed their attention, get SDPA's."""
+def test_the_update_forward_builds_no_mask_and_other_forwards_still_do(monkeypatch):
+    """Packed prompts attend through their layout and lone rows causally, so the model's mask
+    step builds nothing for them (building one reads the padding mask back to the host, a wait
+    for the GPU), with the same log-probs either way; other forwards of the model, after the
+    update installed its attention, still get SDPA's masks."""
     import lorapop.engine.pack_attention as pack_mod
 
     built = []
@@ -240,10 +241,17 @@ def test_a_laid_out_forward_builds_no_mask_and_a_plain_one_still_does(monkeypatc
     prompts, completions = [[5, 6, 7]] * 2 + [[8, 9]], [[11, 12], [13], [14, 15, 16]]
     packed, _ = sequence_logprobs(model, bank, prompts, completions, [0, 0, 1],
                                   share_prompts=True)
-    assert built == []
     alone, _ = sequence_logprobs(model, bank, prompts, completions, [0, 0, 1])
-    assert built  # outside a layout: SDPA's own masks
+    assert built == []
     torch.testing.assert_close(packed, alone, atol=1e-5, rtol=1e-5)
+    ids = torch.tensor([[5, 6, 7, 13, 0], [8, 9, 14, 15, 16]])
+    with bank.route([0, 1]):
+        logits = model(input_ids=ids, attention_mask=torch.tensor([[1] * 4 + [0], [1] * 5])).logits
+    assert built  # a forward outside the update: SDPA's own (padding) mask
+    # ... which scores the real tokens as the update did
+    lp = torch.log_softmax(logits.float(), -1)
+    torch.testing.assert_close(lp[1, 2:4].gather(-1, ids[1, 3:5, None]).squeeze(-1),
+                               alone[2, 1:], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="host-device waits exist on CUDA only")

@@ -22,7 +22,6 @@ once. Rows sharing nothing keep the plain causal path.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -252,21 +251,21 @@ def sequence_logprobs(
             start = end
     # queued copies: the host lays out the next micro-batch while the GPU runs this one
     ids, target, at, mask = (host_to_device(x, dev) for x in (ids, target, at, mask))
-    extra: dict[str, Any] = {}
-    if shared:  # the layout does the masking, so no mask is built (`laid_out`); an all-ones
-        # padding mask stops transformers inferring a block mask from the restarting positions
-        pack_attention.install(model)
+    # no mask step (`maskless`): the all-ones padding mask only stops transformers searching
+    # the position ids for packed sequences; packs attend through their layout, lone rows
+    # causally (padding only follows real tokens)
+    pack_attention.install(model)
+    extra: dict[str, Any] = {"attention_mask": torch.ones(n, width, dtype=torch.long, device=dev)}
+    if shared:
         extra["pack_layout"] = pack_attention.PackLayout.build(
             [len(prompt_ids[g[0]]) for g in packs],
             [[len(completion_ids[i]) for i in g] for g in packs], width, dev)
-        extra["attention_mask"] = torch.ones(n, width, dtype=torch.long, device=dev)
         pos = host_to_device(pos, dev)
     else:  # one row per sequence: positions run on into the padding, as generated
         pos = torch.arange(width, device=dev).expand(n, -1)
     # slot ids on the host: route checks them there and queues their copy
     slots = torch.as_tensor([slot_list[g[0]] for g in packs], dtype=torch.long)
-    layout = pack_attention.laid_out() if shared else nullcontext()
-    with route(bank, slots), layout:
+    with route(bank, slots), pack_attention.maskless():
         hidden = model.get_decoder()(
             input_ids=ids, position_ids=pos, use_cache=False, **extra,
         ).last_hidden_state

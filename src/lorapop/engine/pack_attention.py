@@ -155,25 +155,27 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
     return attend(pack_layout, query, key, value, scaling, dropout), None
 
 
-#: Set while a laid-out forward builds its masks (`laid_out`)
-_LAID_OUT: ContextVar[bool] = ContextVar("lorapop_laid_out", default=False)
+#: Set while forwards that need no mask run (`maskless`)
+_MASKLESS: ContextVar[bool] = ContextVar("lorapop_maskless", default=False)
 
 
 @contextmanager
-def laid_out() -> Iterator[None]:
-    """Forwards inside the block carry a `pack_layout`: their mask step builds no mask."""
-    token = _LAID_OUT.set(True)
+def maskless() -> Iterator[None]:
+    """Forwards inside the block build no attention mask: packs attend through their layout,
+    and rows whose padding only follows their real tokens attend causally (SDPA's causal
+    kernel). With an all-ones padding mask passed (so transformers does not search the
+    position ids for packed sequences), their mask step then reads nothing back to the host,
+    where it would wait for the GPU to finish everything queued before it."""
+    token = _MASKLESS.set(True)
     try:
         yield
     finally:
-        _LAID_OUT.reset(token)
+        _MASKLESS.reset(token)
 
 
 def _mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
-    """SDPA's masks, except for a laid-out forward, whose attention (`attend`) takes none:
-    building one from its all-ones padding mask would read that back to the host, which
-    waits for the GPU to finish the work queued before it."""
-    return None if _LAID_OUT.get() else sdpa_mask(*args, **kwargs)
+    """SDPA's masks, or none inside `maskless`."""
+    return None if _MASKLESS.get() else sdpa_mask(*args, **kwargs)
 
 
 AttentionInterface.register(NAME, _attention)
