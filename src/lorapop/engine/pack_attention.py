@@ -15,7 +15,8 @@ The layout travels as the `pack_layout` keyword of the model call: transformers 
 keywords to the attention function, and its activation checkpointing replays them, so the
 recomputed forward attends exactly as the first one. The attention function is registered
 under `NAME` and installed on the model once (`install`); every forward without a layout
-(rows that share nothing, other callers) runs transformers' own SDPA path with its own masks.
+(rows that share nothing, other callers) runs transformers' own SDPA path, with its own masks
+except inside `maskless` (the update's forwards: causal rows need none).
 """
 
 from __future__ import annotations
@@ -179,7 +180,7 @@ def _mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
 
 
 AttentionInterface.register(NAME, _attention)
-AttentionMaskInterface.register(NAME, _mask)  # without a layout: exactly SDPA's masks
+AttentionMaskInterface.register(NAME, _mask)  # outside `maskless`: exactly SDPA's masks
 
 
 def install(model: Any) -> None:
