@@ -63,6 +63,7 @@ def update_pass(parts, rows: tuple[list, list, list], share: bool, mode: bool | 
     from lorapop import transfer
     from lorapop.engine.logprobs import (
         HEAD_CHUNK,
+        head_compiled,
         pack_micro_batches,
         pack_widths,
         sequence_logprobs,
@@ -96,7 +97,8 @@ def update_pass(parts, rows: tuple[list, list, list], share: bool, mode: bool | 
     t0 = time.perf_counter()
     with parts.bank.held_copy(model.dtype) if held else contextlib.nullcontext():
         # as the loop: the copy is made before the memory plan
-        keep, cap = (plan_update(model, max(widths), max_tokens, HEAD_CHUNK, free_memory(model))
+        keep, cap = (plan_update(model, max(widths), max_tokens, HEAD_CHUNK, free_memory(model),
+                                 head_compiled(model))
                      if mode == "auto" else (None, max_tokens))
         ckpt = bool(mode) if keep is None else keep < max(widths)
         model.train()

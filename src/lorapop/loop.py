@@ -39,6 +39,7 @@ from lorapop.engine.generate import Generation, KeptDecoders, SamplingParams, ge
 from lorapop.engine.logprobs import (
     HEAD_CHUNK,
     attention_pair_weight,
+    head_compiled,
     micro_batches,
     pack_costs,
     pack_micro_batches,
@@ -514,7 +515,8 @@ class SelfPlay:
         if mode != "auto":
             return None, max_tokens
         model = self.parts.model
-        return plan_update(model, longest, max_tokens, HEAD_CHUNK, free_memory(model))
+        return plan_update(model, longest, max_tokens, HEAD_CHUNK, free_memory(model),
+                           head_compiled(model))
 
     def _base_program(self, type_: str, rng: random.Random) -> Task | None:
         """code_f writes inputs for a program taken from the other buffers (AZR)."""

@@ -101,6 +101,40 @@ def test_compiled_head_passes_equal_the_eager_ones_on_cpu():
             torch.testing.assert_close(compiled, eager)
 
 
+def test_the_head_counts_as_compiled_on_cuda_only_and_until_its_compiler_fails(monkeypatch):
+    from lorapop.engine.logprobs import head_compiled
+
+    model = tiny_model()
+    assert not head_compiled(model)  # CPU: eager passes
+    param = next(model.parameters())
+    monkeypatch.setattr(type(param), "is_cuda", property(lambda self: True))
+    assert head_compiled(model)
+    monkeypatch.setattr(logprobs_mod, "compile_failures", {"_logits_grad"})
+    assert not head_compiled(model)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled head runs on CUDA only")
+def test_the_compiled_head_needs_no_more_memory_than_the_plan_reserves():
+    """`memory.update_fixed_bytes(..., compiled_head=True)` against the compiled passes' peak,
+    forward and backward, at a vocabulary and chunk large enough to dwarf the rest."""
+    from lorapop.engine.logprobs import head_logprobs
+    from lorapop.engine.memory import update_fixed_bytes
+
+    model = tiny_model(vocab=32_000).cuda().to(torch.bfloat16)
+    head = model.get_output_embeddings()
+    rows = 2048
+    hidden = torch.randn(1, rows, head.in_features, device="cuda", dtype=torch.bfloat16,
+                         requires_grad=True)
+    target = torch.randint(0, head.out_features, (1, rows), device="cuda")
+    head_logprobs(head, hidden, target).sum().backward()  # compiles
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    head_logprobs(head, hidden, target).sum().backward()
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - base <= 1.1 * update_fixed_bytes(model, rows, True)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled head runs on CUDA only")
 def test_compiled_head_gives_the_eager_logprobs_and_gradients(monkeypatch):
     """The LM head's compiled log-softmax: same values and bank gradients as eager, at

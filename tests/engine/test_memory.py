@@ -107,3 +107,18 @@ def test_update_keeps_activations_of_what_fits_the_budget(caplog, monkeypatch):
     assert caplog.text.count(" with activation checkpointing, micro-batches of <= 250") == 2
     assert caplog.text.count("partly with activation checkpointing, micro-batches of <= 3000") == 1
     assert "(no memory limit, longest sequence 100)" in caplog.text
+
+
+def test_a_compiled_head_reserves_its_logits_and_their_gradient_alone():
+    """The compiled LM-head passes keep their float32 work inside fused kernels, so the plan
+    reserves the [positions, vocabulary] logits and gradient in the model's dtype, a quarter
+    of the eager passes' bytes in bf16, and fits more tokens of activations in one budget."""
+    model = tiny_model().to(torch.bfloat16)
+    vocab = model.config.vocab_size
+    eager, compiled = update_fixed_bytes(model, 64), update_fixed_bytes(model, 64, True)
+    assert eager == 64 * vocab * (2 * 2 + 3 * 4) and compiled == 64 * vocab * 2 * 2
+    per_token = update_bytes_per_token(model)
+    budget = eager + 500 * per_token
+    keep, _ = plan_update(model, 100, 10**6, 64, budget)
+    keep_compiled, _ = plan_update(model, 100, 10**6, 64, budget, compiled_head=True)
+    assert keep == 500 and keep_compiled == 500 + (eager - compiled) // per_token

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from lorapop.engine import pack_attention
 from lorapop.engine.decoder import route
-from lorapop.engine.fused import compiled_call
+from lorapop.engine.fused import compile_failures, compiled_call
 from lorapop.transfer import host_to_device
 
 HEAD_CHUNK = 2048  # positions whose logits are formed at once (memory.update_fixed_bytes)
@@ -157,6 +157,14 @@ def _logits_grad(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
 #: update micro-batch at 7B with a 152k vocabulary); compiled, the forward is one reduction
 #: and the gradient one elementwise kernel. CPU stays eager (no compiler needed).
 COMPILE_HEAD = True
+
+
+def head_compiled(model: Any) -> bool:
+    """Whether `model`'s LM-head passes run compiled (on CUDA, unless the compiler failed on
+    them): `memory.update_fixed_bytes` then reserves a quarter of the eager passes' memory."""
+    on_cuda = next(model.parameters()).is_cuda
+    failed = {_pick_and_lse.__qualname__, _logits_grad.__qualname__} & compile_failures
+    return on_cuda and COMPILE_HEAD and not failed
 
 
 def _pass(fn: Any, compiled: bool, *args: torch.Tensor) -> Any:
