@@ -34,6 +34,7 @@ from loop_step import (  # noqa: E402
     ROOT,
     bench_overrides,
     flop_params,
+    hold_all_but,
     kernel_kinds,
     kernel_table,
     sync_cuda,
@@ -98,7 +99,7 @@ def update_pass(parts, rows: tuple[list, list, list], share: bool, mode: bool | 
     with parts.bank.held_copy(model.dtype) if held else contextlib.nullcontext():
         # as the loop: the copy is made before the memory plan
         keep, cap = (plan_update(model, max(widths), max_tokens, HEAD_CHUNK, free_memory(model),
-                                 head_compiled(model))
+                                 head_compiled(model) and PLAN_COMPILED_HEAD)
                      if mode == "auto" else (None, max_tokens))
         ckpt = bool(mode) if keep is None else keep < max(widths)
         model.train()
@@ -162,7 +163,10 @@ AB_VARIANTS = {"norms": ("HF norms", "fused norms"), "head": ("eager head", "com
                "lora": ("grouped LoRA", "addmm LoRA"),
                "rotary": ("plain rotary", "fused rotary"),
                "slotgrad": ("slot grads through autograd", "slot grads in place"),
-               "transfer": ("waiting copies", "queued copies")}
+               "transfer": ("waiting copies", "queued copies"),
+               "headplan": ("eager head planned", "compiled head planned")}
+#: False: the memory plan reserves the eager LM head's bytes (`--ab headplan`)
+PLAN_COMPILED_HEAD = True
 
 
 def _slot_weights_through_autograd(self, target, dtype, s):
@@ -182,7 +186,8 @@ def set_variant(parts, variant: str) -> None:
     grouped kernel and an add, or the add in the expand GEMM: `routing.add_delta_by_runs`), the
     rotary embedding of training forwards (the model's own or `fused._Rotary`), the
     gradient of a one-slot micro-batch's LoRA weights (through autograd, or `bank._SlotView`),
-    or how a micro-batch's inputs reach the GPU (copies that wait for it, or queued ones)."""
+    how a micro-batch's inputs reach the GPU (copies that wait for it, or queued ones), or
+    what the memory plan reserves for the LM head (the eager passes' bytes or the compiled)."""
     import lorapop.engine.logprobs as logprobs
     from lorapop.engine.fused import (
         fuse_mlps,
@@ -193,7 +198,10 @@ def set_variant(parts, variant: str) -> None:
         unfuse_rotary,
     )
 
-    if variant.endswith("copies"):  # the micro-batch's inputs: waiting copies, device slot
+    global PLAN_COMPILED_HEAD
+    if variant.endswith("planned"):  # fewer, larger micro-batches where memory is short
+        PLAN_COMPILED_HEAD = variant == "compiled head planned"
+    elif variant.endswith("copies"):  # the micro-batch's inputs: waiting copies, device slot
         # ids read back and a mask step as before, or none of these waits
         import lorapop.engine.pack_attention as pack_attention
         from lorapop import transfer
@@ -404,7 +412,12 @@ def main() -> None:
                          "variants of each part, twice each: HF vs fused RMSNorms, plain vs fused "
                          "SwiGLU, the eager vs compiled LM-head log-softmax, grouped vs addmm "
                          "LoRA, plain vs fused rotary embedding, or a one-slot micro-batch's LoRA "
-                         "gradients through autograd (all slots) vs added in place")
+                         "gradients through autograd (all slots) vs added in place, waiting vs "
+                         "queued copies of a micro-batch's inputs, or the memory plan's eager vs "
+                         "compiled LM-head bytes (with --card-gib: micro-batch sizes)")
+    ap.add_argument("--card-gib", type=float, default=None,
+                    help="hold all but this many GiB of the GPU first (as loop_step.py): "
+                         "micro-batches sized as on a smaller card, e.g. 79.6 for an H100 80GB")
     ap.add_argument("--decode", default="", help="ROWS:PROMPT,... decode cases (e.g. 192:1500)")
     ap.add_argument("--decode-new", type=int, default=96)
     ap.add_argument("--out", default="benchmarks/results/update_profile.json")
@@ -424,7 +437,8 @@ def main() -> None:
     seeds = Path(tempfile.mkdtemp())
     cfg = load_config(ROOT / args.config, [*bench_overrides(seeds, 4), *args.overrides])
     parts = build(cfg)
-    result = {"benchmark": "update_profile", "command": " ".join([Path(sys.executable).name, *sys.argv]),
+    ballast = hold_all_but(args.card_gib) if args.card_gib and DEV == "cuda" else None
+    result = {"benchmark": "update_profile", "card_gib": args.card_gib if ballast is not None else None, "command": " ".join([Path(sys.executable).name, *sys.argv]),
               "device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu", "torch": torch.__version__,
               "date": time.strftime("%Y-%m-%d"), "paper": None, "update": [], "decode": []}
     out = Path(args.out)
