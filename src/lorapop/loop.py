@@ -444,14 +444,15 @@ class SelfPlay:
                 # host ids and queued copies: nothing here waits for the GPU, which runs the
                 # last micro-batch's backward while this one is laid out
                 idx = host_to_device(torch.tensor(rows), dev)
+                row_slots = slots[idx]
                 logprobs, mask = sequence_logprobs(
                     p.model, p.bank, [r.prompt_ids for r in part], [r.token_ids for r in part],
                     [slot_list[i] for i in rows], share_prompts=tc.share_prompts,
                 )
-                loss, row_loss = policy_loss(logprobs.float(), adv_all[idx], mask, groups=slots[idx],
+                loss, row_loss = policy_loss(logprobs.float(), adv_all[idx], mask, groups=row_slots,
                                              token_counts=token_counts)
                 loss.backward()
-                slot_loss.index_add_(0, slots[idx], row_loss)
+                slot_loss.index_add_(0, row_slots, row_loss)
         if self.world.distributed:
             p.bank.bind_grads_()
             t0 = time.perf_counter()
