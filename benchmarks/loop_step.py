@@ -464,7 +464,9 @@ def measure(config: str, overrides: list[str], warmup: int, steps: int, run_dir:
             "flop_params": n_params,
             "gradient_checkpointing": ckpt,
             "mfu": model_flops / update_s / (peak * 1e12) if update_s and peak else None,
-            "hfu_with_recompute": (model_flops * (1.5 if ckpt else 1.0)) / update_s
+            # a checkpointed micro-batch runs its forward twice: 2N more of its 4N a token
+            "hfu_with_recompute": model_flops * (1 + 0.5 * counter.checkpointed
+                                                 / max(counter.micro_batches, 1)) / update_s
             / (peak * 1e12) if update_s and peak else None,
         },
     }

@@ -39,6 +39,10 @@ def main() -> None:
     ap.add_argument("--answers", type=int, default=8, help="answers per valid task")
     ap.add_argument("--references", type=int,
                     help="default: as many as the model's teacher prompts showed (at most)")
+    ap.add_argument("--code-f-inputs", type=int,
+                    help="inputs a code_f proposal gives (tasks.code_f_inputs; even ones are "
+                    "shown to students, odd ones check them); default: the one count the model "
+                    "was pretrained on (its training.json), else 4")
     ap.add_argument("--pool-per-level", type=int, default=40, help="reference pool per type/level")
     ap.add_argument("--levels", type=int, nargs="+", default=[1, 2, 3, 4, 5])
     ap.add_argument("--level-table", choices=sorted(LEVEL_TABLES),
@@ -60,17 +64,19 @@ def main() -> None:
         ap.error(str(e))
     table = a.level_table or world["levels"]
     references = a.references or world["references"]
+    code_f_inputs = a.code_f_inputs or world["code_f_inputs"] or 4
     dev = resolve_device(a.device)
     tok = load_tokenizer(a.model)
     tok.padding_side = "left"
     model = load_base_model(a.model, tok, str(dev), a.dtype, a.seed).eval()
     t0 = time.perf_counter()
     with Sandbox(workers=a.workers, timeout_s=2.0) as sb:
-        pools = world_pools(a.pool_per_level, sb, levels=a.levels, table=table)
+        pools = world_pools(a.pool_per_level, sb, levels=a.levels, table=table,
+                            code_f_inputs=code_f_inputs)
         t1 = time.perf_counter()
         m = measure_world(model, tok, sb, pools, proposals=a.proposals, answers=a.answers,
                           references=references, teacher_max_new_tokens=a.teacher_max_new_tokens,
-                          batch_size=a.batch_size, seed=a.seed,
+                          batch_size=a.batch_size, seed=a.seed, code_f_inputs=code_f_inputs,
                           rules=TABLE_RULES.get(table))  # fmt: skip
         m["settings"]["level_table"] = table
         t2 = time.perf_counter()

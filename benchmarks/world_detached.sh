@@ -20,18 +20,19 @@
 # end the pipeline when a call returns anyway, the next calls go on as chained world_call.sh
 # calls (their output as world_call.sh's).
 # SESSION_T0=EPOCH (env, optional): when the caller made (or is about to make) its session's
-# first call. A call later than LATE_S (120) s after it that finds no pipeline on its machine
+# first call. A call later than LATE_S (300) s after it that finds no pipeline on its machine
 # has landed on a fresh one (the last went back idle, with the base and the runs): it prints
 # "machine lost" and exits 3 at once instead of starting again, since a restart could not
 # finish in the device time the session has left and a ~440 s rebuild of the base would
-# spend it. A new SESSION_T0 starts over.
+# spend it. A new SESSION_T0 starts over. (300 s: a second call comes CALL_S after the first,
+# while the first may wait a few minutes on its caller and a cold machine's start.)
 set -u
 T0=$(date +%s)
 CALL=${1:?CALL_S}; TOTAL=${2:?TOTAL_S}; shift 2
 P=${DETACHED:-/tmp/world_detached}  # the pipeline's tree, its OUT and its state, per machine
 SCORE=${SCORE_S:-90}
 export WORLD_CALL=${WORLD_CALL:-bash benchmarks/world_call.sh}  # (another command, for tests)
-if [ ! -f $P/started ] && [ -n "${SESSION_T0:-}" ] && [ $T0 -gt $(( SESSION_T0 + ${LATE_S:-120} )) ]; then
+if [ ! -f $P/started ] && [ -n "${SESSION_T0:-}" ] && [ $T0 -gt $(( SESSION_T0 + ${LATE_S:-300} )) ]; then
   echo "machine lost: no pipeline on this machine $(( T0 - SESSION_T0 )) s after the session's" \
        "first call; not starting it again (a new SESSION_T0 starts over)"
   exit 3

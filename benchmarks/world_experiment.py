@@ -689,6 +689,7 @@ def run_all(args: argparse.Namespace) -> None:
     base = [f"model.name_or_path={Path(model).resolve() if Path(model).exists() else model}",
             f"tasks.seed_tasks={Path(paths['seed_tasks']).resolve()}",
             f"tasks.references={world['references']}", *rule_overrides(table),
+            *([f"tasks.code_f_inputs={world['code_f_inputs']}"] if world["code_f_inputs"] else []),
             *([] if types == TYPES else [f"tasks.types=[{','.join(types)}]"]), *args.overrides]
     jobs = []
     for arm in args.arms:

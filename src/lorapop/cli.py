@@ -401,7 +401,9 @@ def pretrain_tiny(
         "tables and their world rules), world-direct-exec (world-direct, 1.35x the steps, "
         "most for students executing level-1 programs), world-nocount (world-direct-exec "
         "without count calls), world-nojoin (world-nocount without join calls), "
-        "world-nocount-77m, world-nojoin-77m (those two at 77M parameters)."
+        "world-nocount-77m, world-nojoin-77m (those two at 77M parameters), "
+        "world-nojoin-f3-77m (world-nojoin-77m for 3 code_f inputs, more level-5 teacher "
+        "tokens)."
     ),
     seed: int = typer.Option(0, help="Seed for the corpus, tokenizer and training."),
     steps: int = typer.Option(None, help="Optimizer steps (default: the size's)."),

@@ -289,14 +289,19 @@ def test_the_update_forward_builds_no_mask_and_other_forwards_still_do(monkeypat
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="host-device waits exist on CUDA only")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("share", [False, True])
-def test_an_update_micro_batch_never_waits_for_the_gpu(share):
+def test_an_update_micro_batch_never_waits_for_the_gpu(share, dtype):
     """Given slot ids on the host, the forward and backward of a micro-batch queue their
     copies instead of waiting for the GPU, so the host lays out the next micro-batch while
-    the GPU runs this one (torch raises on any synchronising call in "error" mode)."""
-    model = tiny_model().cuda()
+    the GPU runs this one (torch raises on any synchronising call in "error" mode). In bf16
+    (rank 8: grouped_mm's alignment) the LoRA layers run grouped_mm where torch has its
+    kernels (H100/H200); in fp32 its fallback would wait, so the bank gathers instead."""
+    model = tiny_model().cuda().to(dtype)
     model.train()
-    bank = AdapterBank(model, n_slots=2, rank=4, alpha=8.0)
+    bank = AdapterBank(model, n_slots=2, rank=8, alpha=8.0)
+    if torch.cuda.get_device_capability()[0] in (9, 10):  # torch's grouped_mm kernels
+        assert bank._grouped_ok[torch.bfloat16] and not bank._grouped_ok[torch.float32]
     prompts = [[5, 6, 7]] * 3 + [[8, 9]]
     completions = [[11, 12], [13], [14, 15, 16], [17, 18]]
     slots = [0, 0, 0, 1]

@@ -280,7 +280,7 @@ def test_budgeted_world_recipe_fills_one_pass_and_records_its_budget(tmp_path, c
                                          if k.startswith("teacher")), abs=1e-3)  # fmt: skip
     assert cells["student/code_o@1"]["share"] == pytest.approx(
         r.token_shares["student/code_o"] * 2 / 4, abs=1e-3)
-    assert world_of(tmp_path / "m") == {"levels": "world", "references": 1}
+    assert world_of(tmp_path / "m") == {"levels": "world", "references": 1, "code_f_inputs": None}
     for bad, match in (({"levels": "moon"}, "level table"), ({"max_refs": 0}, "max_refs"),
                        ({"token_shares": {"teacher/code_x": 1.0}}, "token budget")):
         with pytest.raises(ValueError, match=match):
@@ -317,3 +317,16 @@ def test_a_build_stopped_and_resumed_equals_one_built_in_one_go(tmp_path, corpus
     a, b = (load_file(tmp_path / d / "model.safetensors") for d in ("whole", "parts"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert not any((tmp_path / "parts").glob("partial*"))
+
+
+def test_a_recipe_s_code_f_input_count_sets_its_code_f_teacher_examples(corpus) -> None:
+    """A world played with 3 code_f inputs (`tasks.code_f_inputs`) has a base pretrained on
+    proposals of 3 (`Recipe.code_f_ns`), not of the default 4 or 6."""
+    ex = Examples(corpus, random.Random(0), teacher_max_level=5,
+                  role_weights=(0, 0, 1, 0, 0, 0), code_f_ns=(3,))  # fmt: skip
+    for _ in range(20):
+        role, prompt, completion = ex.draw()
+        assert role == "teacher/code_f" and "propose code_f n=3" in prompt
+        assert completion.count("</i>") == 3
+    with pytest.raises(ValueError, match="code_f_ns"):
+        Examples(corpus, random.Random(0), code_f_ns=(7,))

@@ -81,11 +81,18 @@ def test_world_heldout_keeps_levels_1_to_3_and_the_heldout_side(tiny_sandbox) ->
 
 
 def test_world_of_a_model_reads_its_training_record(tmp_path) -> None:
-    assert world_of(tmp_path) == {"levels": "standard", "references": 2}  # no record
+    none = {"code_f_inputs": None}
+    assert world_of(tmp_path) == {"levels": "standard", "references": 2} | none  # no record
     (tmp_path / "training.json").write_text(json.dumps({"levels": "world", "max_refs": 1}))
-    assert world_of(tmp_path) == {"levels": "world", "references": 1}
-    (tmp_path / "training.json").write_text(json.dumps({"levels": "world", "max_refs": 0}))
-    assert world_of(tmp_path) == {"levels": "world", "references": 2}
+    assert world_of(tmp_path) == {"levels": "world", "references": 1} | none
+    (tmp_path / "training.json").write_text(json.dumps({"levels": "world", "max_refs": 0,
+                                                        "code_f_ns": [4, 6]}))
+    assert world_of(tmp_path) == {"levels": "world", "references": 2} | none
+    # a base whose code_f examples all asked for 3 inputs is played with 3, unless set
+    (tmp_path / "training.json").write_text(json.dumps({"levels": "nojoin", "code_f_ns": [3]}))
+    assert world_of(tmp_path)["code_f_inputs"] == 3
+    assert base_rule_overrides(tmp_path, ())[1][-1] == "tasks.code_f_inputs=3"
+    assert "tasks.code_f_inputs=3" not in base_rule_overrides(tmp_path, {"code_f_inputs"})[1]
     (tmp_path / "training.json").write_text(json.dumps({"levels": "moon"}))
     with pytest.raises(ValueError, match="level table 'moon'"):
         world_of(tmp_path)

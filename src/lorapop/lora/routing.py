@@ -28,6 +28,7 @@ launch (5-10 us on an H100/H200) more than its bytes, so fewer kernels is what c
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -436,10 +437,33 @@ def _probe(device: torch.device, dtype: torch.dtype) -> str | None:
         return "backward: no gradient"
     ok = torch.allclose(gx.float(), x.grad.float(), atol=tol * 8, rtol=tol)
     ok = ok and torch.allclose(gw.float(), w.grad.float(), atol=tol * 32, rtol=tol)
-    return None if ok else "backward: wrong gradient"
+    if not ok:
+        return "backward: wrong gradient"
+    if device.type == "cuda" and _waits(lambda: GROUPED_MM(x, w.transpose(1, 2), offs=ends)):
+        # torch's fallback (dtypes and GPUs without its CUTLASS kernels, e.g. fp32) reads the
+        # group ends back on the host: a wait in every LoRA layer; gathering never waits
+        return "grouped_mm waits for the GPU here (torch's fallback for this dtype or GPU)"
+    return None
+
+
+def _waits(fn: Callable[[], object]) -> bool:
+    """Whether `fn` makes a synchronising CUDA call (torch's sync debug mode, "error")."""
+    torch.cuda.synchronize()
+    before = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings():  # ("a prototype feature")
+        warnings.simplefilter("ignore")
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with torch.no_grad():
+                fn()
+        except RuntimeError as err:
+            return "synchroniz" in str(err)
+        finally:
+            torch.cuda.set_sync_debug_mode(before)
+    return False
 
 
 def grouped_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether grouped_mm runs forward and backward here (probed on tiny tensors at each call;
-    the bank calls it once per dtype when it is built)."""
+    """Whether grouped_mm runs forward and backward here without waiting for the GPU (probed
+    on tiny tensors at each call; the bank calls it once per dtype when it is built)."""
     return grouped_probe(device, dtype) is None

@@ -79,7 +79,8 @@ ROLES = (
 T = TypeVar("T")
 #: The grammar's string alphabet (both cases): the world's tokenizer never merges these.
 STRING_CHARS = ALPHABET + ALPHABET.upper()
-#: code_f teacher prompts ask for this many inputs (the corpus has 6 pairs per program).
+#: code_f teacher prompts ask for one of these many inputs (the corpus has 6 pairs per program),
+#: unless a recipe says otherwise (`Recipe.code_f_ns`).
 CODE_F_NS = (4, 6)
 
 
@@ -140,6 +141,7 @@ class Recipe:
     # ROLES), split over levels by `token_levels[role or "teacher"/"student"]` (`budget_cells`)
     token_shares: dict[str, float] | None = None
     token_levels: dict[str, dict[int, float]] | None = None
+    code_f_ns: tuple[int, ...] = CODE_F_NS  # code_f examples ask for one of these many inputs
 
 
 SIZES: dict[str, Recipe] = {
@@ -262,6 +264,16 @@ SIZES["world-nocount-77m"] = Recipe(**SIZES["world-nocount"].__dict__ | {"size":
 # last steps' code_o/code_i tasks; its students solved 0.56 of their inverses). On it the gate
 # holds in 3 of 3 seeds (session 26: 2 ranks on H200s, final loss 0.422)
 SIZES["world-nojoin-77m"] = Recipe(**SIZES["world-nojoin"].__dict__ | {"size": _SIZE_77M})
+# `world-nojoin-77m` for a world of 3 code_f inputs (2 shown, 1 checking) and with more level-5
+# teacher tokens: it passed 3 of the 5 regime checks (session 26). Its code_o/code_i proposals
+# were valid 0.38 / 0.48 at level 5 (0.75-0.93 below it) and its code_f ones 0.72 at levels 1-4,
+# nearly all for duplicate inputs (one argument of 0-9: 4 random draws repeat one half the
+# time, 3 over a quarter of it), and it solved 0.087 of code_f (>= 0.1 asked). Level 5 gets 2.25x
+# the teacher tokens of levels 1-3 (34% of them, from 20%); the shares per role stay
+SIZES["world-nojoin-f3-77m"] = Recipe(**SIZES["world-nojoin-77m"].__dict__ | {
+    "code_f_ns": (3,),
+    "token_levels": {"teacher": {1: 1, 2: 1, 3: 1, 4: 1.25, 5: 2.25},
+                     "student": SIZES["world-nojoin-77m"].token_levels["student"]}})  # fmt: skip
 
 
 # -- the corpus and its examples --------------------------------------------------------------
@@ -349,8 +361,12 @@ class Examples:
         variants: Sequence[tuple[Task, Task]] = (), variant_share: float = 0.0,
         level_refs: bool = False, role_weights: Sequence[float] | None = None,
         student_level_weights: Mapping[int, float] | None = None,
+        code_f_ns: Sequence[int] = CODE_F_NS,
     ) -> None:  # fmt: skip
         self.rng, self.max_refs, self.level_refs = rng, max_refs, level_refs
+        if not code_f_ns or min(code_f_ns) < 2 or max(code_f_ns) > 6:
+            raise ValueError("code_f_ns: input counts in 2..6 (the corpus has 6 pairs a program)")
+        self.code_f_ns = tuple(code_f_ns)
         self.role_weights = list(role_weights) if role_weights else None
         if self.role_weights is not None and len(self.role_weights) != len(ROLES):
             raise ValueError(f"role_weights: one weight per role of {ROLES}")
@@ -448,7 +464,7 @@ class Examples:
         """(prompt, completion) of `role` on program `src` (a teacher's with references of
         its level)."""
         who, kind = role.split("/")
-        n = self.rng.choice(CODE_F_NS)
+        n = self.rng.choice(self.code_f_ns)
         task = as_type(src, kind, self.rng.randrange(len(src.inputs)), n)
         refs = self._refs(kind, n, _level(src)) if who == "teacher" else []
         return prompt(role, task, refs), completion(role, task)
@@ -906,6 +922,7 @@ def pretrain_tiny(
     max_refs: int = 2,
     token_shares: Mapping[str, float] | None = None,
     token_levels: Mapping[str, Mapping[int, float]] | None = None,
+    code_f_ns: Sequence[int] = CODE_F_NS,
     workers: int = 2,
     corpus: Sequence[Task] | None = None,
     command: str | None = None,
@@ -929,7 +946,8 @@ def pretrain_tiny(
     the example mix (`Examples`), `example_alpha` the loss (`example_weighted_loss`);
     `tokenizer_programs` > 0 trains the tokenizer on that many programs spread over the corpus,
     never merging `single_chars` (`train_tokenizer`). `levels` names the corpus's level table
-    (`grammar.LEVEL_TABLES`); `max_refs` bounds the references of a teacher prompt.
+    (`grammar.LEVEL_TABLES`); `max_refs` bounds the references of a teacher prompt;
+    `code_f_ns` are the input counts code_f examples ask for (a world's `tasks.code_f_inputs`).
     `token_shares` (with `token_levels`, see `budget_cells`) draws examples by a token budget
     per role and level instead of the weights above (`Examples.budget`) into a pool of `pool`
     examples, or with `pool` 0 of about `steps` x `batch_tokens` tokens (one pass).
@@ -990,7 +1008,8 @@ def pretrain_tiny(
     examples = Examples(corpus, random.Random(f"pretrain/{seed}"), teacher_max_level=teacher_max_level,
                         variants=variants, variant_share=variant_share, level_refs=level_refs,
                         ref_max_chars=ref_max_chars, role_weights=role_weights,
-                        student_level_weights=student_level_weights, max_refs=max_refs)  # fmt: skip
+                        student_level_weights=student_level_weights, max_refs=max_refs,
+                        code_f_ns=code_f_ns)  # fmt: skip
     budget = None
     if cells:
         means = examples.budget(cells, tok, max_len, seed=f"pretrain/{seed}/budget")
@@ -1065,6 +1084,7 @@ def pretrain_tiny(
         "single_chars": single_chars,
         "levels": levels,
         "max_refs": max_refs,
+        "code_f_ns": list(code_f_ns),
         "token_budget": budget,
         "level_refs": level_refs,
         "ref_max_chars": ref_max_chars,

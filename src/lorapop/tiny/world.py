@@ -79,16 +79,19 @@ def training_record(model_dir: str | Path) -> dict[str, Any]:
 def world_of(model_dir: str | Path) -> dict[str, Any]:
     """The world a base model was pretrained for, from its training.json: `levels` (its level
     table: the levels of its measurement, held-out set and seed tasks) and `references` (the
-    most references its teacher prompts showed: what the loop should show). Defaults (the
-    shipped model, older records): the standard table and 2. ValueError (one line) for a level
-    table this code does not know."""
+    most references its teacher prompts showed: what the loop should show) and `code_f_inputs`
+    (the one input count its code_f teacher examples asked for; None where they asked for
+    several: the config's). Defaults (the shipped model, older records): the standard table, 2
+    and None. ValueError (one line) for a level table this code does not know."""
     rec = training_record(model_dir)
     table = rec.get("levels", "standard")
     refs = rec.get("max_refs", 2)
+    ns = rec.get("code_f_ns")
     if not isinstance(table, str) or table not in LEVEL_TABLES:
         raise ValueError(f"{model_dir} was pretrained on level table {table!r}; known: "
                          f"{', '.join(LEVEL_TABLES)}")  # fmt: skip
-    return {"levels": table, "references": refs if isinstance(refs, int) and refs >= 1 else 2}
+    return {"levels": table, "references": refs if isinstance(refs, int) and refs >= 1 else 2,
+            "code_f_inputs": ns[0] if isinstance(ns, list) and len(ns) == 1 else None}
 
 
 def rule_overrides(table: str, skip: Iterable[str] = ()) -> list[str]:
@@ -108,14 +111,17 @@ def rule_overrides(table: str, skip: Iterable[str] = ()) -> list[str]:
 
 def base_rule_overrides(model: str | Path, tasks_set: Iterable[str]) -> tuple[str, list[str]]:
     """The level table a local base was pretrained for (its training.json) and its world rules
-    as overrides (`rule_overrides`), less the `tasks` keys in `tasks_set` (those a config gives
-    itself). A hub id, or a directory without training.json, has no table: ("standard", []).
-    ValueError (one line) for a table this code does not know."""
+    as overrides (`rule_overrides`), and the code_f input count it was pretrained on where it
+    was one, less the `tasks` keys in `tasks_set` (those a config gives itself). A hub id, or a
+    directory without training.json, has no table: ("standard", []). ValueError (one line) for
+    a table this code does not know."""
     path = Path(model)
     if not (path / "training.json").is_file():
         return "standard", []
-    table = world_of(path)["levels"]
-    return table, rule_overrides(table, skip=tasks_set)
+    world = world_of(path)
+    n = world["code_f_inputs"] if "code_f_inputs" not in set(tasks_set) else None
+    return world["levels"], [*rule_overrides(world["levels"], skip=tasks_set),
+                             *([f"tasks.code_f_inputs={n}"] if n else [])]
 
 
 @dataclass(frozen=True)
