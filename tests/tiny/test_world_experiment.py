@@ -197,6 +197,11 @@ def test_seed_levels_choose_the_buffers_start_and_reuse_the_sets(tmp_path) -> No
     for paths, levels in ((high, {4, 5}), (low, {1, 2, 3})):
         tasks = load_jsonl(paths["seed_tasks"])
         assert {t.meta["difficulty"] for t in tasks} == levels and len(tasks) == 3 * 8 * len(levels)
+    # a world of 3 code_f inputs seeds its code_f buffer with tasks of 3 pairs, in its own file
+    three = prepare(tmp_path, 1, 2, "short", (1,), code_f_inputs=3)
+    fs = [t for t in load_jsonl(three["seed_tasks"]) if t.type == "code_f"]
+    assert three["seed_tasks"] != low["seed_tasks"] and fs and all(len(t.inputs) == 3 for t in fs)
+    assert all(len(t.inputs) == 4 for t in load_jsonl(low["seed_tasks"]) if t.type == "code_f")
 
 
 def test_a_world_without_code_f_has_no_code_f_in_its_sets_and_keeps_them_apart(tmp_path) -> None:
