@@ -564,14 +564,16 @@ def partial_summary(out: Path) -> dict:
 
 
 def _merge(cs: list[dict]) -> dict:
-    """One arm-seed's curves from its runs (arm c has several): means, sums for counts."""
+    """One arm-seed's curves from its runs (arm c has several): means, sums for counts (the
+    distinct programs of a step too: four agents with a quarter of the proposals each make as
+    many programs a step as one agent with all of them; a sum bounds their union)."""
     if len(cs) == 1:
         return cs[0]
     out = {}
     for k in CURVES:
         n = min(len(c.get(k, [])) for c in cs)  # a curve older results lack merges as empty
         cols = [[c[k][i] for c in cs if c[k][i] is not None] for i in range(n)]
-        add = k in ("coverage", "valid_programs", "replacements")  # coverage: an upper bound
+        add = k in ("coverage", "valid_programs", "replacements", "distinct_programs")
         out[k] = [(sum(v) if add else fmean(v)) if v else None for v in cols]
     return out
 

@@ -582,6 +582,11 @@ def test_arms_c_and_d_from_a_later_call_join_the_verdict_call(tmp_path) -> None:
     we.write_summary([ab, cd], tmp_path / "m" / "world_experiment.json")
     res = json.loads((tmp_path / "m" / "world_experiment.json").read_text())
     assert set(res["curves"]) == {"population", "single", "independent", "noevolve"}
+    # four agents a seed (here copies of the single agent): rates are their mean, counts their
+    # sum, so their distinct programs a step compare with one agent making all the proposals
+    one, four = res["curves"]["single"]["0"], res["curves"]["independent"]["0"]
+    assert four["solve_rate"] == pytest.approx(one["solve_rate"])
+    assert four["distinct_programs"] == pytest.approx([4 * x for x in one["distinct_programs"]])
     alone = json.loads(json.dumps(we.summarize(ab["runs"], {}, [1, 2, 3, 4, 5], [0, 1, 2])))
     assert res["gate"] == alone["gate"] and res["criterion"]["verdict"] == "supported"
     assert res["criterion"]["C2_weakest_vs_single_levels_3_5"] == alone["criterion"][
