@@ -245,14 +245,20 @@ def kernel_table(prof, n: int | None = 25) -> list[dict]:
             for e in sorted(_kernel_events(prof), key=lambda e: -e.device_time_total)[:n]]
 
 
-# first match wins: FlashAttention's kernels name cutlass types, so attention comes first
+# first match wins: FlashAttention's kernels name cutlass types, so attention comes first, and
+# torch.compile's kernels (`triton_poi_fused__to_copy_mul_silu_0`: the SwiGLU, rotary and head
+# passes) name the casts they fuse, so they come before the copies; the driver's `Memcpy` and
+# `Memset` are copies (until session 28 the first counted as copies/casts, the others as other)
 KINDS = {"attention": ("fmha", "flash", "attention", "sdpa", "efficient"),
          "gemm": ("gemm", "xmma", "cutlass", "nvjet", "matmul"),
-         "copy_cast": ("copy", "cast", "to_copy", "fill", "cat", "index", "gather", "scatter")}
+         "compiled": ("triton_",),
+         "copy_cast": ("copy", "memcpy", "memset", "cast", "fill", "cat", "index", "gather",
+                       "scatter")}
 
 
 def kernel_kinds(prof) -> dict[str, float]:
-    """GPU kernel time (ms) by kind: attention, GEMMs, copies/casts/indexing, the rest."""
+    """GPU kernel time (ms) by kind: attention, GEMMs, compiled (fused) passes,
+    copies/casts/indexing, the rest."""
     out = dict.fromkeys([*KINDS, "other"], 0.0)
     for e in _kernel_events(prof):
         name = e.key.lower()

@@ -1,0 +1,37 @@
+"""benchmarks/loop_step.py's kernel kinds: where a profile's GPU time is filed."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _loop_step():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("loop_step", ROOT / "benchmarks" / "loop_step.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_compiled_passes_are_not_filed_as_copies() -> None:
+    """torch.compile's kernels name the casts they fuse (`_to_copy`), but they are the SwiGLU,
+    rotary and head passes; the driver's `Memcpy` and `Memset` are copies. A profile that filed
+    them the other way sent the search for waste to the wrong kernels."""
+    kernels = {  # name: device microseconds, as torch.profiler's key_averages gives them
+        "triton_poi_fused__to_copy_mul_silu_0": 10_000,
+        "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<cutlass::bfloat16_t>>": 4_000,
+        "nvjet_sm90_tst_192x192_64x3_1x2_h_bz_coopB_NNN": 50_000,
+        "Memcpy DtoD (Device -> Device)": 3_000,
+        "void at::native::vectorized_elementwise_kernel<8, CUDAFunctor_add<BFloat16>>": 2_000,
+        "aten::mm": 0,  # an operator, no device time of its own
+    }
+    prof = SimpleNamespace(key_averages=lambda: [
+        SimpleNamespace(key=k, device_type="DeviceType.CUDA", device_time_total=us)
+        for k, us in kernels.items()])
+    assert _loop_step().kernel_kinds(prof) == {
+        "attention": 4.0, "gemm": 50.0, "compiled": 10.0, "copy_cast": 3.0, "other": 2.0}
