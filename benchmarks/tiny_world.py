@@ -27,7 +27,13 @@ from lorapop.engine.model import TINY_DIR, load_base_model, load_tokenizer, reso
 from lorapop.tiny.evaluate import evaluate_tiny
 from lorapop.tiny.grammar import LEVEL_TABLES, TABLE_RULES
 from lorapop.tiny.heldout import build_heldout, fingerprint
-from lorapop.tiny.world import measure_world, regime_checks, world_of, world_pools
+from lorapop.tiny.world import (
+    CODE_F_INPUTS,
+    measure_world,
+    regime_checks,
+    world_of,
+    world_pools,
+)
 from lorapop.verify import Sandbox
 
 
@@ -64,7 +70,7 @@ def main() -> None:
         ap.error(str(e))
     table = a.level_table or world["levels"]
     references = a.references or world["references"]
-    code_f_inputs = a.code_f_inputs or world["code_f_inputs"] or 4
+    code_f_inputs = a.code_f_inputs or world["code_f_inputs"] or CODE_F_INPUTS
     dev = resolve_device(a.device)
     tok = load_tokenizer(a.model)
     tok.padding_side = "left"

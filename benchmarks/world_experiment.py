@@ -632,18 +632,20 @@ def ensure_model(args: argparse.Namespace) -> str:
 
 def prepare(out: Path, per_level: int, workers: int, table: str,
             seed_levels: tuple[int, ...] = (1, 2, 3), types: tuple[str, ...] = TYPES,
-            code_f_inputs: int = 4) -> dict[str, str]:  # fmt: skip
+            code_f_inputs: int | None = None) -> dict[str, str]:  # fmt: skip
     """Held-out and selection sets at the levels of level table `table`, and the buffers' seed
     tasks at `seed_levels` (each built once, then reused), all of task `types`. Seed code_f
     tasks have the world's `code_f_inputs` pairs, as its proposals (held-out ones keep 6)."""
     from lorapop.tiny import generate_tasks
     from lorapop.tiny.grammar import table_level
     from lorapop.tiny.heldout import build_heldout, save_jsonl
+    from lorapop.tiny.world import CODE_F_INPUTS
     from lorapop.verify import Sandbox
 
     seeds_name = "seed_tasks" + ("" if seed_levels == (1, 2, 3) else
                                  "_levels" + "".join(map(str, seed_levels)))  # fmt: skip
-    seeds_name += "" if code_f_inputs == 4 else f"_f{code_f_inputs}"
+    code_f_inputs = code_f_inputs or CODE_F_INPUTS
+    seeds_name += "" if code_f_inputs == CODE_F_INPUTS else f"_f{code_f_inputs}"
     paths = {k: str(out / f"{k}.jsonl") for k in ("heldout", "select")}
     paths["seed_tasks"] = str(out / f"{seeds_name}.jsonl")
     made = out / "level_table.txt"
@@ -689,7 +691,7 @@ def run_all(args: argparse.Namespace) -> None:
               flush=True)
     types = tuple(t for t in TYPES if t in args.types)
     paths = prepare(out, args.per_level, args.workers, table, tuple(sorted(set(args.seed_levels))),
-                    types, world["code_f_inputs"] or 4)  # fmt: skip
+                    types, world["code_f_inputs"])  # fmt: skip
     base = [f"model.name_or_path={Path(model).resolve() if Path(model).exists() else model}",
             f"tasks.seed_tasks={Path(paths['seed_tasks']).resolve()}",
             f"tasks.references={world['references']}", *rule_overrides(table),

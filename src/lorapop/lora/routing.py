@@ -439,16 +439,16 @@ def _probe(device: torch.device, dtype: torch.dtype) -> str | None:
     ok = ok and torch.allclose(gw.float(), w.grad.float(), atol=tol * 32, rtol=tol)
     if not ok:
         return "backward: wrong gradient"
-    if device.type == "cuda" and _waits(lambda: GROUPED_MM(x, w.transpose(1, 2), offs=ends)):
+    if device.type == "cuda" and _waits(device, lambda: GROUPED_MM(x, w.transpose(1, 2), offs=ends)):
         # torch's fallback (dtypes and GPUs without its CUTLASS kernels, e.g. fp32) reads the
         # group ends back on the host: a wait in every LoRA layer; gathering never waits
         return "grouped_mm waits for the GPU here (torch's fallback for this dtype or GPU)"
     return None
 
 
-def _waits(fn: Callable[[], object]) -> bool:
+def _waits(device: torch.device, fn: Callable[[], object]) -> bool:
     """Whether `fn` makes a synchronising CUDA call (torch's sync debug mode, "error")."""
-    torch.cuda.synchronize()
+    torch.cuda.synchronize(device)
     before = torch.cuda.get_sync_debug_mode()
     with warnings.catch_warnings():  # ("a prototype feature")
         warnings.simplefilter("ignore")

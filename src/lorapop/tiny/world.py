@@ -49,10 +49,13 @@ from lorapop.tiny.grammar import LEVEL_TABLES, LEVELS, TABLE_RULES, table_level
 from lorapop.verify import Sandbox
 
 Pools = Mapping[int, Mapping[str, Sequence[Task]]]  # level -> task type -> tasks
+#: The tiny world's code_f input count (`configs/world.yaml`), unless its base was pretrained on
+#: another one (`world_of`).
+CODE_F_INPUTS = 4
 
 
 def world_pools(
-    per_level: int, sandbox: Sandbox, *, seed: str = "world-pool", code_f_inputs: int = 4,
+    per_level: int, sandbox: Sandbox, *, seed: str = "world-pool", code_f_inputs: int = CODE_F_INPUTS,
     levels: Sequence[int] = tuple(LEVELS), table: str = "standard",
 ) -> dict[int, dict[str, list[Task]]]:  # fmt: skip
     """Train-split grammar tasks per level (of level table `table`) and type to draw references
@@ -147,7 +150,7 @@ def measure_world(
     proposals: int = 20,
     references: int = 2,
     answers: int = 8,
-    code_f_inputs: int = 4,
+    code_f_inputs: int = CODE_F_INPUTS,
     temperature: float = 1.0,
     teacher_max_new_tokens: int = 256,
     bank: Any = None,
