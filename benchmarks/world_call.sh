@@ -26,6 +26,7 @@
 #   two settings at once, one per GPU (each chain its own RUNS, OUT and CUDA_VISIBLE_DEVICES):
 #        CUDA_VISIBLE_DEVICES=1 RUNS=/tmp/wx_r32 OUT=$OUT/r32 D=... world_call.sh 580 lora.rank=32 ... &
 # BUILD_GPUS=0,1 (env): a build of the base runs data parallel over those GPUs (torchrun).
+# PROPOSALS=N (env, default 40): the measurement's proposals per type and level.
 # ROLLOUTS=N (env): progress.tgz also holds each run's last N steps' rollouts (what its proposals
 # and answers were; progress.tgz must stay under the 16 MiB a returned file may have).
 # END_S: seconds after the call began at which training checkpoints and stops (leave ~100 s of a
@@ -86,7 +87,7 @@ from world_recipes import pack_model; print(*pack_model(Path('$M/$B'), Path('$OU
     fi
     # the new base's regime (~15-35 s), measured beside the runs' first steps (half the cores)
     built && { python3 benchmarks/tiny_world.py --model $M/$B --device auto \
-        --workers $(( $(nproc) / 2 )) --proposals 40 --out $W/tiny_world_$B.json \
+        --workers $(( $(nproc) / 2 )) --proposals ${PROPOSALS:-40} --out $W/tiny_world_$B.json \
         > $W/tiny_world.log 2>&1 || tail -3 $W/tiny_world.log; } &
     TW=$!
   fi

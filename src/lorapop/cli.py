@@ -403,7 +403,7 @@ def pretrain_tiny(
         "without count calls), world-nojoin (world-nocount without join calls), "
         "world-nocount-77m, world-nojoin-77m (those two at 77M parameters), "
         "world-nojoin-f3-77m (world-nojoin-77m for 3 code_f inputs, more level-5 teacher "
-        "tokens)."
+        "tokens), world-nojoin-f3-77m-2x (that on twice the programs and steps)."
     ),
     seed: int = typer.Option(0, help="Seed for the corpus, tokenizer and training."),
     steps: int = typer.Option(None, help="Optimizer steps (default: the size's)."),

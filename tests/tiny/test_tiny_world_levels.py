@@ -37,6 +37,10 @@ def test_standard_levels_and_the_tiny_and_small_recipes_are_unchanged() -> None:
     # world-short is world-steps on the short table, at small's batches and lr
     changed = {"levels": "short", "steps": 2000, "batch_tokens": 81_920, "lr": 1.5e-3}
     assert SIZES["world-short"].__dict__ == SIZES["world-steps"].__dict__ | changed
+    # the 2x base is its parent on twice the programs and steps, nothing else (one pass each)
+    parent = SIZES["world-nojoin-f3-77m"]
+    assert SIZES["world-nojoin-f3-77m-2x"].__dict__ == parent.__dict__ | {
+        "steps": 2 * parent.steps, "n_per_level": 2 * parent.n_per_level}
 
 
 def test_world_table_shares_levels_1_to_3_and_asks_for_its_own_4_and_5() -> None:

@@ -274,6 +274,13 @@ SIZES["world-nojoin-f3-77m"] = Recipe(**SIZES["world-nojoin-77m"].__dict__ | {
     "code_f_ns": (3,),
     "token_levels": {"teacher": {1: 1, 2: 1, 3: 1, 4: 1.25, 5: 2.25},
                      "student": SIZES["world-nojoin-77m"].token_levels["student"]}})  # fmt: skip
+# `world-nojoin-f3-77m` on twice the programs and steps (4 ranks: about its build time on 2):
+# it passed 4 of the 5 checks (session 29: code_f valid 0.83, solved 0.12), validity >= 0.8 still
+# short for code_o / code_i (0.76 / 0.69: syntax and runtime errors, dead code). Its loss (0.450)
+# ends above the 26M bases' (0.34), whose proposals were more often valid: 224M tokens are a
+# small share of what 77M parameters can take in
+SIZES["world-nojoin-f3-77m-2x"] = Recipe(**SIZES["world-nojoin-f3-77m"].__dict__ | {
+    "steps": 5400, "n_per_level": 48_000})
 
 
 # -- the corpus and its examples --------------------------------------------------------------
