@@ -227,6 +227,14 @@ def set_variant(parts, variant: str) -> None:
         logprobs.COMPILE_HEAD = variant == "compiled head"
 
 
+def slot_tokens(args, students: int, teachers: int) -> dict[str, int]:
+    """Forward tokens of one slot's student packs (prompt shared by its answers) and teacher
+    rows: the most a micro-batch of that slot can hold (the paper step: 48 tasks, 48 rows)."""
+    pack = args.student_prompt + args.answers * args.completion
+    return {"student": -(-args.tasks // students) * pack,
+            "teacher": -(-args.teachers // teachers) * (args.teacher_prompt + args.completion)}
+
+
 def paper_case(parts, args, write) -> dict:
     """Student rows (shared prompts) and teacher rows at the paper's composition, timed with
     checkpointing or `auto`, prompts shared or not, the bank held or cast per forward; the
@@ -239,7 +247,13 @@ def paper_case(parts, args, write) -> dict:
     teacher = _rows(vocab, args.teachers, args.teacher_prompt, args.completion, 1, teachers, 3)
     out: dict = {"tasks": args.tasks, "answers": args.answers, "student_prompt": args.student_prompt,
                  "teachers": args.teachers, "teacher_prompt": args.teacher_prompt,
-                 "completion": args.completion, "runs": []}
+                 "completion": args.completion, "runs": [],
+                 "slot_tokens": slot_tokens(args, len(students), len(teachers))}
+    if fits := [k for k, v in out["slot_tokens"].items() if v <= args.max_tokens]:
+        print(f"warning: each slot's {' and '.join(fits)} rows fit one micro-batch of "
+              f"--max-tokens {args.max_tokens} (a micro-batch holds one slot's rows), so the "
+              "budget does not shape these micro-batches as it does the paper step's: pass more "
+              "--tasks / --teachers", file=sys.stderr)
     update_pass(parts, student, True, "auto", args.max_tokens)  # warm-up
     # (rows, share, mode, held copy): the last two cast the bank in every forward (round 1)
     cases = [("student", False, True, True), ("student", True, True, True),

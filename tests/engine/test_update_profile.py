@@ -1,0 +1,31 @@
+"""benchmarks/update_profile.py's paper case, on its CPU smoke model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_says_when_a_slots_rows_fit_one_micro_batch(tmp_path) -> None:
+    """A micro-batch holds one slot's rows, so with few rows per slot every `--max-tokens`
+    gives the same micro-batches (session 29 compared two budgets that way): the profile
+    records each slot's tokens and warns for the kind of rows the budget does not shape."""
+    out = tmp_path / "profile.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "update_profile.py"), "--smoke", "--tasks", "2",
+         "--teachers", "2", "--student-prompt", "12", "--teacher-prompt", "30", "--completion",
+         "16", "--max-tokens", "60", "--out", str(out)],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    # 4 student and 4 teacher slots: one pack of 12 + 4 x 16 tokens, one row of 30 + 16
+    assert json.loads(out.read_text())["paper"]["slot_tokens"] == {"student": 76, "teacher": 46}
+    warning = next(line for line in proc.stderr.splitlines() if line.startswith("warning:"))
+    assert "teacher rows fit one micro-batch of --max-tokens 60" in warning
+    assert "student" not in warning
