@@ -278,7 +278,8 @@ SIZES["world-nojoin-f3-77m"] = Recipe(**SIZES["world-nojoin-77m"].__dict__ | {
 # it passed 4 of the 5 checks (session 29: code_f valid 0.83, solved 0.12), validity >= 0.8 still
 # short for code_o / code_i (0.76 / 0.69: syntax and runtime errors, dead code). Its loss (0.450)
 # ends above the 26M bases' (0.34), whose proposals were more often valid: 224M tokens are a
-# small share of what 77M parameters can take in
+# small share of what 77M parameters can take in. Level 1's one-expression programs run short
+# first: 45.6k distinct in its first 600k candidates (the corpus may draw 200 per program)
 SIZES["world-nojoin-f3-77m-2x"] = Recipe(**SIZES["world-nojoin-f3-77m"].__dict__ | {
     "steps": 5400, "n_per_level": 48_000})
 
