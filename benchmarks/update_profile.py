@@ -72,7 +72,7 @@ def update_pass(parts, rows: tuple[list, list, list], share: bool, mode: bool | 
     )
     from lorapop.engine.memory import free_memory, plan_update, update_bytes_per_token
     from lorapop.engine.model import use_checkpointing
-    from lorapop.rl.loss import policy_loss
+    from lorapop.rl.loss import group_token_counts, policy_loss
     from lorapop.transfer import host_to_device
 
     model = parts.model
@@ -81,14 +81,19 @@ def update_pass(parts, rows: tuple[list, list, list], share: bool, mode: bool | 
     widths = pack_widths(packs, prompts, comps)
     slots = torch.tensor(slot_list, device=DEV)
     adv = torch.randn(len(comps), device=DEV, generator=torch.Generator(DEV).manual_seed(0))
+    lengths = torch.tensor([len(c) for c in comps], device=DEV)
+    counts = group_token_counts(torch.arange(int(lengths.max()), device=DEV) < lengths[:, None],
+                                slots, n_groups=len(parts.slot))  # once per update, as the loop
 
     def micro(idx: list[int]) -> None:
-        # as the loop: host slot ids and queued copies (`--ab transfer`: as before, waiting)
+        # as the loop: host slot ids, queued copies, the update's token counts (`--ab transfer`:
+        # as before, waiting, and the loss reading its device group ids back)
         i = host_to_device(torch.tensor(idx), DEV)
         ids = [slot_list[j] for j in idx] if transfer.QUEUED else slots[i]
         lp, mask = sequence_logprobs(model, parts.bank, [prompts[j] for j in idx],
                                      [comps[j] for j in idx], ids, share_prompts=share)
-        loss, _ = policy_loss(lp.float(), adv[i], mask, groups=slots[i])
+        loss, _ = policy_loss(lp.float(), adv[i], mask, groups=slots[i],
+                              token_counts=counts if transfer.QUEUED else None)
         loss.backward()
 
     sync_cuda()
@@ -186,7 +191,8 @@ def set_variant(parts, variant: str) -> None:
     grouped kernel and an add, or the add in the expand GEMM: `routing.add_delta_by_runs`), the
     rotary embedding of training forwards (the model's own or `fused._Rotary`), the
     gradient of a one-slot micro-batch's LoRA weights (through autograd, or `bank._SlotView`),
-    how a micro-batch's inputs reach the GPU (copies that wait for it, or queued ones), or
+    how a micro-batch's inputs reach the GPU (copies that wait for it, device slot ids read
+    back by the layout and the loss, or queued ones and no read-back), or
     what the memory plan reserves for the LM head (the eager passes' bytes or the compiled)."""
     import lorapop.engine.logprobs as logprobs
     from lorapop.engine.fused import (
@@ -427,7 +433,8 @@ def main() -> None:
                          "SwiGLU, the eager vs compiled LM-head log-softmax, grouped vs addmm "
                          "LoRA, plain vs fused rotary embedding, or a one-slot micro-batch's LoRA "
                          "gradients through autograd (all slots) vs added in place, waiting vs "
-                         "queued copies of a micro-batch's inputs, or the memory plan's eager vs "
+                         "queued copies of a micro-batch's inputs (and device ids read back or "
+                         "not), or the memory plan's eager vs "
                          "compiled LM-head bytes (with --card-gib: micro-batch sizes)")
     ap.add_argument("--card-gib", type=float, default=None,
                     help="hold all but this many GiB of the GPU first (as loop_step.py): "

@@ -22,6 +22,7 @@ from lorapop.engine.logprobs import (
 )
 from lorapop.engine.model import use_checkpointing
 from lorapop.lora.bank import AdapterBank
+from lorapop.rl.loss import group_token_counts, policy_loss
 from tiny_models import tiny_model
 
 
@@ -292,11 +293,12 @@ def test_the_update_forward_builds_no_mask_and_other_forwards_still_do(monkeypat
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("share", [False, True])
 def test_an_update_micro_batch_never_waits_for_the_gpu(share, dtype):
-    """Given slot ids on the host, the forward and backward of a micro-batch queue their
-    copies instead of waiting for the GPU, so the host lays out the next micro-batch while
-    the GPU runs this one (torch raises on any synchronising call in "error" mode). In bf16
-    (rank 8: grouped_mm's alignment) the LoRA layers run grouped_mm where torch has its
-    kernels (H100/H200); in fp32 its fallback would wait, so the bank gathers instead."""
+    """Given slot ids on the host, the forward, loss and backward of a micro-batch, as the
+    loop runs them, queue their copies instead of waiting for the GPU, so the host lays out
+    the next micro-batch while the GPU runs this one (torch raises on any synchronising call
+    in "error" mode; the loss once read its device group ids back). In bf16 (rank 8:
+    grouped_mm's alignment) the LoRA layers run grouped_mm where torch has its kernels
+    (H100/H200); in fp32 its fallback would wait, so the bank gathers instead."""
     model = tiny_model().cuda().to(dtype)
     model.train()
     bank = AdapterBank(model, n_slots=2, rank=8, alpha=8.0)
@@ -305,11 +307,15 @@ def test_an_update_micro_batch_never_waits_for_the_gpu(share, dtype):
     prompts = [[5, 6, 7]] * 3 + [[8, 9]]
     completions = [[11, 12], [13], [14, 15, 16], [17, 18]]
     slots = [0, 0, 0, 1]
+    groups = torch.tensor(slots, device="cuda")  # the loop's per-update tensors
+    advantages = torch.ones(len(slots), device="cuda")
+    counts = group_token_counts(torch.ones(len(slots), 3, device="cuda"), groups, n_groups=2)
 
     def micro_batch() -> None:
         lp, mask = sequence_logprobs(model, bank, prompts, completions, slots,
                                      share_prompts=share)
-        (lp * mask).sum().backward()  # (lp[mask] would read the mask back)
+        loss, _ = policy_loss(lp.float(), advantages, mask, groups=groups, token_counts=counts)
+        loss.backward()
 
     micro_batch()  # compiles, allocates
     torch.cuda.synchronize()

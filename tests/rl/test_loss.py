@@ -128,7 +128,10 @@ def test_bad_input():
         policy_loss(lp, ADV, MASK[:, :2])
     with pytest.raises(ValueError, match="groups"):
         policy_loss(lp, ADV, MASK, groups=torch.tensor([0, 1]))
-    with pytest.raises(ValueError, match=">= 0"):
-        policy_loss(lp, ADV, MASK, groups=torch.tensor([0, -1, 0]))
+    for counts in (None, torch.ones(2)):  # ids on the host are read whether counts are given
+        with pytest.raises(ValueError, match=">= 0"):
+            policy_loss(lp, ADV, MASK, groups=torch.tensor([0, -1, 0]), token_counts=counts)
+    with pytest.raises(ValueError, match=">= 0"):  # ... and when the counts are made
+        group_token_counts(MASK, torch.tensor([0, -1, 0]))
     loss, _ = policy_loss(lp, ADV, torch.zeros_like(MASK))
     assert loss.item() == 0.0 and math.isfinite(loss.item())

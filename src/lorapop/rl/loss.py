@@ -22,12 +22,14 @@ import torch
 from torch import Tensor
 
 
-def _groups(mask: Tensor, groups: Tensor | None) -> Tensor:
+def _groups(mask: Tensor, groups: Tensor | None, check: bool = True) -> Tensor:
+    """The rows' group ids; `check` reads them to refuse negative ids, which on an accelerator
+    waits for every queued kernel."""
     if groups is None:
         return torch.zeros(mask.shape[0], dtype=torch.long, device=mask.device)
     if groups.dim() != 1 or groups.shape[0] != mask.shape[0]:
         raise ValueError(f"groups must be [batch]={mask.shape[0]}, got {tuple(groups.shape)}")
-    if groups.numel() and int(groups.min()) < 0:
+    if check and groups.numel() and int(groups.min()) < 0:
         raise ValueError("group ids must be >= 0")
     return groups.long()
 
@@ -48,9 +50,14 @@ def row_losses(
     groups: Tensor | None = None,
     token_counts: Tensor | None = None,
 ) -> Tensor:
-    """Each row's share of the loss [B]; their sum is the sum over groups of group losses."""
+    """Each row's share of the loss [B]; their sum is the sum over groups of group losses.
+
+    Given `token_counts` (from `group_token_counts`, which checks the whole batch's ids once),
+    ids on an accelerator are not read back: a micro-batch's loss then queues behind its forward
+    instead of waiting for it, and the host goes on to lay out the next micro-batch."""
     m = mask.to(token_loss.dtype)
-    g = _groups(mask, groups)
+    on_host = groups is None or groups.device.type == "cpu"
+    g = _groups(mask, groups, check=token_counts is None or on_host)
     counts = group_token_counts(mask, groups) if token_counts is None else token_counts
     return (token_loss * m).sum(dim=1) / counts.to(token_loss.dtype)[g].clamp(min=1.0)
 
