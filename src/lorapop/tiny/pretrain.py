@@ -274,7 +274,8 @@ SIZES["world-nojoin-f3-77m"] = Recipe(**SIZES["world-nojoin-77m"].__dict__ | {
     "code_f_ns": (3,),
     "token_levels": {"teacher": {1: 1, 2: 1, 3: 1, 4: 1.25, 5: 2.25},
                      "student": SIZES["world-nojoin-77m"].token_levels["student"]}})  # fmt: skip
-# `world-nojoin-f3-77m` on twice the programs and steps (4 ranks: about its build time on 2):
+# `world-nojoin-f3-77m` on twice the programs and steps (on 4 ranks, expected to build in about
+# its parent's 2-rank time):
 # it passed 4 of the 5 checks (session 29: code_f valid 0.83, solved 0.12), validity >= 0.8 still
 # short for code_o / code_i (0.76 / 0.69: syntax and runtime errors, dead code). Its loss (0.450)
 # ends above the 26M bases' (0.34), whose proposals were more often valid: 224M tokens are a
