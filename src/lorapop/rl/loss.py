@@ -22,14 +22,15 @@ import torch
 from torch import Tensor
 
 
-def _groups(mask: Tensor, groups: Tensor | None, check: bool = True) -> Tensor:
-    """The rows' group ids; `check` reads them to refuse negative ids, which on an accelerator
-    waits for every queued kernel."""
+def _groups(mask: Tensor, groups: Tensor | None) -> Tensor:
+    """The rows' group ids. Ids on the host are checked here; ids on an accelerator only where
+    they are read back anyway (`group_token_counts`, once per batch): reading them in every
+    micro-batch's loss would make the host wait for every kernel queued before it."""
     if groups is None:
         return torch.zeros(mask.shape[0], dtype=torch.long, device=mask.device)
     if groups.dim() != 1 or groups.shape[0] != mask.shape[0]:
         raise ValueError(f"groups must be [batch]={mask.shape[0]}, got {tuple(groups.shape)}")
-    if check and groups.numel() and int(groups.min()) < 0:
+    if groups.device.type == "cpu" and groups.numel() and int(groups.min()) < 0:
         raise ValueError("group ids must be >= 0")
     return groups.long()
 
@@ -39,7 +40,10 @@ def group_token_counts(
 ) -> Tensor:
     """Number of response tokens of each group id (at least `n_groups` entries)."""
     g = _groups(mask, groups)
-    size = max(int(g.max()) + 1 if g.numel() else 0, n_groups or 0)
+    lo, hi = torch.stack(torch.aminmax(g)).tolist() if g.numel() else (0, -1)
+    if lo < 0:
+        raise ValueError("group ids must be >= 0")
+    size = max(hi + 1, n_groups or 0)
     tokens = mask.to(torch.float32).sum(dim=1)
     return torch.zeros(size, device=mask.device).index_add_(0, g, tokens)
 
@@ -52,12 +56,11 @@ def row_losses(
 ) -> Tensor:
     """Each row's share of the loss [B]; their sum is the sum over groups of group losses.
 
-    Given `token_counts` (from `group_token_counts`, which checks the whole batch's ids once),
-    ids on an accelerator are not read back: a micro-batch's loss then queues behind its forward
-    instead of waiting for it, and the host goes on to lay out the next micro-batch."""
+    Given `token_counts` (from `group_token_counts` on the whole batch), ids on an accelerator
+    are not read back: a micro-batch's loss queues behind its forward instead of waiting for
+    it, and the host goes on to lay out the next micro-batch."""
     m = mask.to(token_loss.dtype)
-    on_host = groups is None or groups.device.type == "cpu"
-    g = _groups(mask, groups, check=token_counts is None or on_host)
+    g = _groups(mask, groups)
     counts = group_token_counts(mask, groups) if token_counts is None else token_counts
     return (token_loss * m).sum(dim=1) / counts.to(token_loss.dtype)[g].clamp(min=1.0)
 
