@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+from script_env import script_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -21,7 +22,7 @@ def test_says_when_a_slots_rows_fit_one_micro_batch(tmp_path) -> None:
          "--teachers", "2", "--student-prompt", "12", "--teacher-prompt", "30", "--completion",
          "16", "--max-tokens", "60", "--out", str(out)],
         capture_output=True, text=True, timeout=300,
-        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+        env=script_env(),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     # 4 student and 4 teacher slots: one pack of 12 + 4 x 16 tokens, one row of 30 + 16

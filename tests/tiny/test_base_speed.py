@@ -1,7 +1,6 @@
 """benchmarks/base_speed.py: a recipe's training speed per model shape, and `reshape`."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from lorapop.tiny.pretrain import ModelSize, reshape
+from script_env import script_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -18,7 +18,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
         [sys.executable, str(ROOT / "benchmarks" / "base_speed.py"), "--size", "world-nocount",
          "--n-per-level", "10", "--steps", "1", "--device", "cpu", "--workers", "1", *args],
         capture_output=True, text=True, timeout=600,
-        env={**os.environ, "PYTHONPATH": str(ROOT / "src")})  # fmt: skip
+        env=script_env())  # fmt: skip
 
 
 def test_reshape_changes_the_named_fields_and_names_a_bad_one() -> None:

@@ -1,10 +1,11 @@
 """benchmarks/tiny_execution.py: a model trained on one table's level, scored on another's."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+from script_env import script_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -15,7 +16,7 @@ def _run(out: Path, *args: str) -> dict:
          "--eval-table", "direct", "--programs", "200", "--steps", "4", "--eval", "8",
          "--workers", "1", "--out", str(out), *args],
         capture_output=True, text=True, timeout=600,
-        env={**os.environ, "PYTHONPATH": str(ROOT / "src")})  # fmt: skip
+        env=script_env())  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(out.read_text())
 
@@ -43,5 +44,5 @@ def test_trains_on_one_tables_level_and_scores_another_tables_level(tmp_path) ->
 def test_a_shape_the_size_does_not_have_is_one_line() -> None:
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "tiny_execution.py"), "--shape", "depth=3"],
-        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+        capture_output=True, text=True, timeout=120, env=script_env())
     assert proc.returncode == 2 and "--shape 'depth=3'" in proc.stderr.strip().splitlines()[-1]

@@ -14,6 +14,8 @@ from statistics import fmean
 
 import pytest
 
+from script_env import script_env
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -37,7 +39,7 @@ def _module(name: str = "world_experiment"):
 
 
 def _probe(out: Path) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    env = script_env()
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "world_experiment.py"),
                            "--out", str(out), "--gate-probe"], capture_output=True, text=True,
                           env=env, timeout=300)  # fmt: skip
@@ -128,7 +130,7 @@ def test_type_solve_rate_pools_the_types_asked_for() -> None:
 def test_a_finished_single_arm_reports_its_gate(tmp_path) -> None:
     """`--arms single` to the end (the gate probe's runs): the gate, not the criterion's error;
     `--levels` plays the base in another table's world (its rules and sets)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    env = script_env()
     small = ["train.steps=2", "tasks.proposals_per_type=1", "tasks.answers_per_task=1",
              "league.teachers=1", "league.students=1", "league.students_per_teacher=1",
              "sampling.teacher_max_new_tokens=48", "sampling.student_max_new_tokens=32",
@@ -273,7 +275,7 @@ def _partial(out: Path) -> subprocess.CompletedProcess:
     """`world_experiment.py --out OUT --partial`, as on an unpacked progress.tgz."""
     return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "world_experiment.py"),
                            "--out", str(out), "--partial"], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")}, timeout=300)
+                          env=script_env(), timeout=300)
 
 
 def test_a_cut_chain_still_gives_the_gate_slopes_and_scored_end_points(tmp_path) -> None:
@@ -346,7 +348,7 @@ def test_calls_of_other_seeds_merge_into_one_verdict(tmp_path) -> None:
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     a.write_text(json.dumps(_results([0], 0.0)))
     b.write_text(json.dumps(_results([1, 2], 0.0)))
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    env = script_env()
     script = str(ROOT / "benchmarks" / "world_experiment.py")
     proc = subprocess.run([sys.executable, script, "--merge", str(a), str(b), "--out",
                            str(tmp_path / "m")], capture_output=True, text=True, env=env,
@@ -415,7 +417,7 @@ def test_merge_of_a_single_arm_or_a_broken_file_is_a_one_line_error(tmp_path) ->
     only_single["runs"] = [r for r in only_single["runs"] if r["arm"] == "single"]
     (tmp_path / "single.json").write_text(json.dumps(only_single))
     (tmp_path / "cut.json").write_text(json.dumps(_results([1], 0.0))[:100])
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    env = script_env()
     for name in ("single.json", "cut.json", "absent.json"):
         proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "world_experiment.py"),
                                "--merge", str(tmp_path / name), "--out", str(tmp_path / "m")],
@@ -471,7 +473,7 @@ def test_world_rollouts_tells_unsolved_tasks_and_domain_apart(tmp_path) -> None:
     assert s["examples_unsolved"][0]["answers"] == ["48"] * 4
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "world_rollouts.py"),
                            str(tmp_path / "nothing")], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")})  # fmt: skip
+                          env=script_env())  # fmt: skip
     assert done.returncode == 2 and "does not exist" in done.stderr
 
 

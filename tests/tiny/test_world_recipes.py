@@ -2,7 +2,6 @@
 
 import io
 import json
-import os
 import subprocess
 import sys
 import tarfile
@@ -10,11 +9,13 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
+from script_env import script_env
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _driver(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    env = script_env()
     return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "world_recipes.py"), *args],
                           capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
 
