@@ -130,8 +130,20 @@ def static_batches(generate):
     return run
 
 
+def forward_tokens(prompt_ids, completion_ids, slot_ids, share_prompts: bool) -> int:
+    """Tokens a `sequence_logprobs` forward runs: with shared prompts, a prompt once per pack
+    of its rows (as the function lays them out), else once per row."""
+    from lorapop.engine.logprobs import pack_widths, shared_prompt_packs
+
+    slots = slot_ids.tolist() if isinstance(slot_ids, torch.Tensor) else list(slot_ids)
+    packs = (shared_prompt_packs(prompt_ids, slots) if share_prompts
+             else [[i] for i in range(len(prompt_ids))])
+    return sum(pack_widths(packs, prompt_ids, completion_ids))
+
+
 class UpdateCount:
-    """Tokens the update's log-prob forwards see: real (prompt + completion) and padded.
+    """Tokens the update's log-prob forwards see: real (prompt + completion of every row),
+    forward (a shared prompt once: what the GPU computes) and padded.
 
     Each micro-batch's start is printed with the tokens so far, so a run cut off by a time
     limit still shows the update's rate in its log.
@@ -139,7 +151,7 @@ class UpdateCount:
 
     def __init__(self, tag: str = "") -> None:
         self.tag = tag  # e.g. the rank, at the start of each log line
-        self.real = self.padded = self.micro_batches = self.checkpointed = 0
+        self.real = self.forward = self.padded = self.micro_batches = self.checkpointed = 0
         self.start: float | None = None
 
     def __call__(self, fn):
@@ -155,6 +167,9 @@ class UpdateCount:
                       f"{self.real} tokens done in {now - self.start:.1f} s{_peak()}", flush=True)
                 self.checkpointed += recompute
                 self.real += sum(lens)
+                self.forward += forward_tokens(prompt_ids, completion_ids,
+                                               a[0] if a else kw["slot_ids"],
+                                               kw.get("share_prompts", len(a) > 2 and a[2]))
                 self.padded += len(lens) * max(lens, default=0)
                 self.micro_batches += 1
             return fn(model, bank, prompt_ids, completion_ids, *a, **kw)
@@ -162,7 +177,7 @@ class UpdateCount:
         return run
 
     def reset(self) -> None:
-        self.real = self.padded = self.micro_batches = self.checkpointed = 0
+        self.real = self.forward = self.padded = self.micro_batches = self.checkpointed = 0
         self.start = None
 
 
@@ -411,7 +426,8 @@ def measure(config: str, overrides: list[str], warmup: int, steps: int, run_dir:
                 alloc = allocator_counts()  # counted from the first timed step on
             print(f"{config} step {i}: {row['wall_s']:.1f}s {row['phase_s']}", flush=True)
             _save_so_far(save, rows, ab)
-        timed = (counter.real, counter.padded, counter.micro_batches, counter.checkpointed)
+        timed = (counter.real, counter.forward, counter.padded, counter.micro_batches,
+                 counter.checkpointed)
         alloc = {k: v - alloc.get(k, 0) for k, v in allocator_counts().items()}
         for kernel in update_ab or []:  # the last step's update again, one LoRA kernel each
             sp.parts.bank.kernel = kernel
@@ -441,7 +457,7 @@ def measure(config: str, overrides: list[str], warmup: int, steps: int, run_dir:
         if cuda:
             torch.cuda.empty_cache()
     # the replays above counted their micro-batches too: report the timed steps'
-    counter.real, counter.padded, counter.micro_batches, counter.checkpointed = timed
+    counter.real, counter.forward, counter.padded, counter.micro_batches, counter.checkpointed = timed
     phases = {p: median(r["phase_s"].get(p, 0.0) for r in rows) for p in rows[0]["phase_s"]}
     update_s = sum(r["phase_s"].get("update", 0.0) for r in rows)
     name = torch.cuda.get_device_name() if cuda else ""
@@ -470,6 +486,10 @@ def measure(config: str, overrides: list[str], warmup: int, steps: int, run_dir:
             "flop_params": n_params,
             "gradient_checkpointing": ckpt,
             "mfu": model_flops / update_s / (peak * 1e12) if update_s and peak else None,
+            # the same on the tokens the GPU runs (a shared prompt once, not once per answer)
+            "forward_tokens": counter.forward // len(rows),
+            "mfu_forward_tokens": 4 * n_params * counter.forward / update_s / (peak * 1e12)
+            if update_s and peak else None,
             # a checkpointed micro-batch runs its forward twice: 2N more of its 4N a token
             "hfu_with_recompute": model_flops * (1 + 0.5 * counter.checkpointed
                                                  / max(counter.micro_batches, 1)) / update_s

@@ -117,6 +117,7 @@ def worker(args: argparse.Namespace) -> None:
             "load_s": load_s,
             "compile_s": compile_s,
             "update_tokens": counter.real // len(rows),
+            "update_forward_tokens": counter.forward // len(rows),  # a shared prompt once
             "update_micro_batches": counter.micro_batches // len(rows),
             "update_padded_tokens": counter.padded // len(rows),
             "checkpointed_micro_batches": counter.checkpointed // len(rows),

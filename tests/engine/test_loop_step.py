@@ -1,4 +1,5 @@
-"""benchmarks/loop_step.py's kernel kinds: where a profile's GPU time is filed."""
+"""benchmarks/loop_step.py: where a profile's GPU time is filed, and what the update's token
+counts count (its MFU is read from them)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import importlib.util
 import sys
 from pathlib import Path
 from types import SimpleNamespace
+
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,3 +38,25 @@ def test_compiled_passes_are_not_filed_as_copies() -> None:
         for k, us in kernels.items()])
     assert _loop_step().kernel_kinds(prof) == {
         "attention": 4.0, "gemm": 50.0, "compiled": 10.0, "copy_cast": 3.0, "other": 2.0}
+
+
+def test_update_count_runs_a_shared_prompt_once_in_its_forward_tokens() -> None:
+    """The MFU on forward tokens is the GPU's own rate: a student's answers to one task train as
+    one sequence with the prompt once, so counting the prompt per answer overstates it."""
+    counter = _loop_step().UpdateCount()
+    seen = []
+    fn = counter(lambda model, bank, prompts, completions, slots, **kw: seen.append(kw))
+    prompts = [[1, 2, 3, 4]] * 3 + [[5, 6]]
+    completions = [[7, 8], [9], [10, 11, 12], [13]]
+    with torch.enable_grad():
+        fn(None, None, prompts, completions, [0, 0, 1, 1], share_prompts=True)
+        fn(None, None, prompts, completions, [0, 0, 0, 1], share_prompts=False)
+    with torch.no_grad():  # a rollout's log-probs, not the update's: not counted
+        fn(None, None, prompts, completions, [0, 0, 0, 1], share_prompts=True)
+    assert len(seen) == 3  # every call still reaches the function
+    rows = 4 * 3 + 2 + 2 + 1 + 3 + 1  # every row's prompt and completion
+    # shared: slot 0's two rows of one prompt are one pack (4 + 2 + 1); slot 1's two rows
+    # have different prompts (4 + 3, 2 + 1)
+    assert counter.real == 2 * rows
+    assert counter.forward == (4 + 2 + 1) + (4 + 3) + (2 + 1) + rows
+    assert counter.micro_batches == 2
