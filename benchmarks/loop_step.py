@@ -156,7 +156,8 @@ class UpdateCount:
 
     def __call__(self, fn):
         @functools.wraps(fn)
-        def run(model, bank, prompt_ids, completion_ids, *a, **kw):
+        def run(model, bank, prompt_ids, completion_ids, slot_ids, *a, share_prompts=False,
+                **kw):
             if torch.is_grad_enabled():
                 lens = [len(p) + len(c) for p, c in zip(prompt_ids, completion_ids, strict=True)]
                 now = time.perf_counter()
@@ -167,12 +168,12 @@ class UpdateCount:
                       f"{self.real} tokens done in {now - self.start:.1f} s{_peak()}", flush=True)
                 self.checkpointed += recompute
                 self.real += sum(lens)
-                self.forward += forward_tokens(prompt_ids, completion_ids,
-                                               a[0] if a else kw["slot_ids"],
-                                               kw.get("share_prompts", len(a) > 2 and a[2]))
+                self.forward += forward_tokens(prompt_ids, completion_ids, slot_ids,
+                                               share_prompts)
                 self.padded += len(lens) * max(lens, default=0)
                 self.micro_batches += 1
-            return fn(model, bank, prompt_ids, completion_ids, *a, **kw)
+            return fn(model, bank, prompt_ids, completion_ids, slot_ids, *a,
+                      share_prompts=share_prompts, **kw)
 
         return run
 
