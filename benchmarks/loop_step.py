@@ -402,7 +402,7 @@ def measure(config: str, overrides: list[str], warmup: int, steps: int, run_dir:
         sp._policy_step = lambda rollouts, rewards: ({}, {}, [None] * len(rollouts))
     n_params = flop_params(getattr(sp, "parts", sp).model)  # (older loops: sp.model)
     compile_s = warm_compiled(getattr(sp, "parts", sp).model)
-    rows, ab, trace = [], [], None
+    rows, warm_rows, ab, trace = [], [], [], None
     alloc = allocator_counts()
     last: list = []  # the last policy step's (rollouts, rewards), for the update A/B
     if update_ab or update_trace:
@@ -423,6 +423,7 @@ def measure(config: str, overrides: list[str], warmup: int, steps: int, run_dir:
             if i >= warmup:
                 rows.append(row)
             else:
+                warm_rows.append({k: row[k] for k in ("wall_s", "phase_s")})
                 counter.reset()
                 alloc = allocator_counts()  # counted from the first timed step on
             print(f"{config} step {i}: {row['wall_s']:.1f}s {row['phase_s']}", flush=True)
@@ -475,6 +476,7 @@ def measure(config: str, overrides: list[str], warmup: int, steps: int, run_dir:
         "tokens_per_s": median(r["tokens_per_s"] for r in rows),
         "peak_memory_gib": _peak_gib() if cuda else None,  # (net of a --card-gib ballast)
         "compile_s": compile_s,
+        "warmup_steps": warm_rows,  # the untimed first steps: one-off costs show against the timed
         "allocator_events": alloc,  # over the timed steps
         "update_ab": ab or None,
         "update_trace": trace,

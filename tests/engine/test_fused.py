@@ -210,3 +210,47 @@ def test_fused_rotary_leaves_other_calls_to_the_original(monkeypatch):
             assert torch.equal(g, w)
     finally:
         (fuse_rotary if was_fused else unfuse_rotary)(model)
+
+
+def test_compiled_passes_compile_once_whatever_their_inputs_layout(monkeypatch):
+    """An update hands the compiled passes views, transposed layouts (a batch of one's
+    gradients) and, in a warm-up's `sum().backward()`, broadcast (stride-0) gradients. Each
+    pass compiles one graph for all of them (sizes >= 2): a guard on a layout would recompile
+    in the middle of an update (on an H200, ~1.3 s each, 7 in the paper step's first update)."""
+    import lorapop.engine.fused as fused
+    from lorapop.engine.logprobs import _logits_grad, _pick_and_lse
+
+    graphs: dict[str, int] = {}
+    real_compile = torch.compile
+
+    def counting_compile(fn, **kwargs):
+        def backend(gm, example_inputs):
+            graphs[fn.__qualname__] = graphs.get(fn.__qualname__, 0) + 1
+            return gm.forward
+        return real_compile(fn, backend=backend, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", counting_compile)
+    monkeypatch.setattr(fused, "_compiled", {})
+    torch._dynamo.reset()
+    heads, kv, dim, width, vocab = 3, 1, 8, 6, 11
+    for tokens in (5, 9, 4):
+        cos_base = torch.randn(1, tokens, dim)  # a batch's cos and sin: views of one tensor
+        cos, sin = (t.expand(1, tokens, dim).reshape(tokens, dim) for t in (cos_base, cos_base))
+        q = torch.randn(tokens, heads, dim)
+        lone = torch.randn(heads, tokens, dim).transpose(0, 1)  # a batch of one's layout
+        for gq, gk in ((q, q[:, :kv]), (lone, lone[:, :kv]),
+                       (torch.ones(()).expand(tokens, heads, dim), torch.ones(tokens, kv, dim))):
+            compiled_call(_rope_grad, gq, gk, cos, sin)
+        compiled_call(_rope, q, q[:, :kv].contiguous(), cos, sin)
+        gate, up = torch.randn(2, tokens, width).unbind()
+        for grad in (torch.randn(tokens, width), torch.ones(()).expand(tokens, width)):
+            compiled_call(_silu_mul_grad, gate, up, grad)
+        logits, target = torch.randn(1, tokens, vocab)[0], torch.randint(vocab, (tokens,))
+        for _ in range(2):
+            picked, lse = compiled_call(_pick_and_lse, logits, target)
+            logits = logits.clone()
+        for g in (torch.randn(tokens), torch.ones(()).expand(tokens)):
+            compiled_call(_logits_grad, logits, target, lse, g)
+    assert not compile_failures
+    assert graphs == dict.fromkeys(
+        ("_rope_grad", "_rope", "_silu_mul_grad", "_pick_and_lse", "_logits_grad"), 1)

@@ -63,16 +63,36 @@ compile_failures: set[str] = set()
 _compiled: dict[str, Any] = {}
 
 
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """`t` detached (no view, no `requires_grad`), contiguous, with the contiguous strides
+    even on its size-1 dimensions (which `contiguous()` leaves as they were). A strided input
+    is copied: one read and write of a q- or gradient-sized tensor, against a pass that reads
+    it anyway."""
+    t = t.detach().contiguous()
+    strides, step = [], 1
+    for n in reversed(t.shape):
+        strides.append(step)
+        step *= max(n, 1)
+    strides.reverse()
+    return t if t.stride() == tuple(strides) else t.as_strided(t.shape, strides).detach()
+
+
 def compiled_call(fn: Any, *args: torch.Tensor) -> Any:
     """`fn(*args)` through torch.compile (dynamic shapes, compiled once per function); a
     compiler failure warns once and `fn` runs eagerly from then on. Out-of-memory errors are
-    not compiler failures: they propagate."""
+    not compiler failures: they propagate.
+
+    The compiled graph guards on its inputs' strides, views' bases and `requires_grad`, and
+    the passes get all kinds (a batch of one's transposed gradients, broadcast gradients,
+    views of the rotary tables): each new kind recompiled in the middle of an update (~1.3 s
+    each on an H200, ~9 s of the 7B paper step's first update). So the graph sees `_plain`
+    tensors only."""
     name = fn.__qualname__
     if name not in compile_failures:
         try:
             if name not in _compiled:
                 _compiled[name] = torch.compile(fn, dynamic=True)
-            return _compiled[name](*args)
+            return _compiled[name](*map(_plain, args))
         except torch.OutOfMemoryError:
             raise
         except Exception as e:  # noqa: BLE001 - any compiler failure: the eager pass
