@@ -234,20 +234,22 @@ def test_compiled_passes_compile_once_whatever_their_inputs_layout(monkeypatch):
     torch._dynamo.reset()
     heads, kv, dim, width, vocab = 3, 1, 8, 6, 11
     for tokens in (5, 9, 4):
-        cos_base = torch.randn(1, tokens, dim)  # a batch's cos and sin: views of one tensor
-        cos, sin = (t.expand(1, tokens, dim).reshape(tokens, dim) for t in (cos_base, cos_base))
+        # the rotary tables: views of the batch's [1, tokens, dim] tensors
+        cos, sin = (t.expand(1, tokens, dim).reshape(tokens, dim)
+                    for t in torch.randn(2, 1, tokens, dim).unbind())
         q = torch.randn(tokens, heads, dim)
         lone = torch.randn(heads, tokens, dim).transpose(0, 1)  # a batch of one's layout
-        for gq, gk in ((q, q[:, :kv]), (lone, lone[:, :kv]),
+        for gq, gk in ((q, q[:, :kv]), (lone, lone[:, :kv]),  # (a size-1 dim's odd stride)
                        (torch.ones(()).expand(tokens, heads, dim), torch.ones(tokens, kv, dim))):
-            compiled_call(_rope_grad, gq, gk, cos, sin)
+            torch.testing.assert_close(compiled_call(_rope_grad, gq, gk, cos, sin),
+                                       _rope_grad(gq, gk, cos, sin))
         compiled_call(_rope, q, q[:, :kv].contiguous(), cos, sin)
         gate, up = torch.randn(2, tokens, width).unbind()
         for grad in (torch.randn(tokens, width), torch.ones(()).expand(tokens, width)):
             compiled_call(_silu_mul_grad, gate, up, grad)
         logits, target = torch.randn(1, tokens, vocab)[0], torch.randint(vocab, (tokens,))
         for _ in range(2):
-            picked, lse = compiled_call(_pick_and_lse, logits, target)
+            _, lse = compiled_call(_pick_and_lse, logits, target)
             logits = logits.clone()
         for g in (torch.randn(tokens), torch.ones(()).expand(tokens)):
             compiled_call(_logits_grad, logits, target, lse, g)
