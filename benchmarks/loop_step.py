@@ -261,6 +261,33 @@ def kernel_table(prof, n: int | None = 25) -> list[dict]:
             for e in sorted(_kernel_events(prof), key=lambda e: -e.device_time_total)[:n]]
 
 
+def op_table(prof, n: int = 25) -> list[dict]:
+    """The operators whose own kernels take the most GPU time (CPU time on a CPU), by where
+    they ran: the innermost lorapop or transformers frame above them, or else the autograd
+    node whose backward ran them (a profile taken `with_stack=True`). Says which code an add
+    or a copy of the kernel table comes from: a backward's sum of gradients shows as an add
+    under the node that produced the second gradient."""
+    events = [e for e in prof.events() if e.name.startswith("aten::")]
+    cuda = any(e.self_device_time_total > 0 for e in events)
+    totals: dict[tuple[str, str], list] = {}
+    for e in events:
+        us = e.self_device_time_total if cuda else e.self_cpu_time_total
+        if us <= 0:
+            continue
+        where, up = "", e.cpu_parent
+        while up is not None and not where:
+            if up.name.startswith("autograd::engine::evaluate_function") or any(
+                    lib in up.name for lib in ("lorapop/", "transformers/")):
+                where = up.name.removeprefix("autograd::engine::evaluate_function: ")
+            up = up.cpu_parent
+        row = totals.setdefault((e.name, where[:120]), [0, 0.0])
+        row[0] += 1
+        row[1] += us / 1e3
+    top = sorted(totals.items(), key=lambda kv: -kv[1][1])[:n]
+    unit = "cuda_ms" if cuda else "cpu_ms"
+    return [{"op": op, "where": where, "calls": c, unit: ms} for (op, where), (c, ms) in top]
+
+
 # first match wins: FlashAttention's kernels name cutlass types, so attention comes first, and
 # torch.compile's kernels (`triton_poi_fused__to_copy_mul_silu_0`: the SwiGLU, rotary and head
 # passes) name the casts they fuse, so they come before the copies; the driver's `Memcpy` and

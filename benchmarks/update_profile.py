@@ -6,7 +6,8 @@ answers sharing a `--student-prompt`-token prompt, and `--teachers` teacher rows
 `--teacher-prompt` tokens, every completion `--completion` tokens): the loop's own path
 (packs, memory plan, micro-batches, log-probs + REINFORCE loss + backward) with prompts shared
 or not, under checkpointing or `auto`, plus the bf16 log-prob difference packed vs unpacked
-and the kernel table of one micro-batch without checkpointing; (2) optionally one update
+and the kernel table of one micro-batch without checkpointing (and its operators by the code
+that ran them, `ops`: which projection's backward an add or a copy belongs to); (2) optionally one update
 micro-batch per token budget (`--budgets`) with and without checkpointing and (3) decode
 steps at a batch of rows with long prompts (`--decode`); kernels tabulated by `torch.profiler`.
 
@@ -37,6 +38,7 @@ from loop_step import (  # noqa: E402
     hold_all_but,
     kernel_kinds,
     kernel_table,
+    op_table,
     sync_cuda,
 )
 
@@ -135,6 +137,12 @@ def update_pass(parts, rows: tuple[list, list, list], share: bool, mode: bool | 
             out["profiled_wall_ms"] = wall_ms  # as loop_step.py --update-trace: GPU busy share
             out["gpu_busy"] = sum(out["kernel_kinds_ms"].values()) / wall_ms
             out["kernels"] = kernel_table(prof, 30)
+            with profiler.profile(activities=[profiler.ProfilerActivity.CUDA,
+                                              profiler.ProfilerActivity.CPU],
+                                  with_stack=True) as prof_stack:  # (its own run: slower host)
+                micro(groups[0][0])
+                sync_cuda()
+            out["ops"] = op_table(prof_stack)
             out["cpu_ops"] = [{"name": e.key[:100], "calls": e.count,
                                "self_cpu_ms": e.self_cpu_time_total / 1e3}
                               for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:15]]
@@ -275,7 +283,7 @@ def paper_case(parts, args, write) -> dict:
                     rows = student if name == "student" else teacher
                     r = {"rows": name, "variant": variant,
                          **update_pass(parts, rows, share, mode, args.max_tokens, False, held)}
-                    print(json.dumps({k: v for k, v in r.items() if k not in ("kernels", "cpu_ops")}),
+                    print(json.dumps({k: v for k, v in r.items() if k not in ("kernels", "cpu_ops", "ops")}),
                           flush=True)
                     out["runs"].append(r)
                     write()
@@ -285,7 +293,7 @@ def paper_case(parts, args, write) -> dict:
         rows = student if name == "student" else teacher
         profile = mode == "auto" and held and (share or name == "teacher")
         r = {"rows": name, **update_pass(parts, rows, share, mode, args.max_tokens, profile, held)}
-        print(json.dumps({k: v for k, v in r.items() if k not in ("kernels", "cpu_ops")}), flush=True)
+        print(json.dumps({k: v for k, v in r.items() if k not in ("kernels", "cpu_ops", "ops")}), flush=True)
         out["runs"].append(r)
         write()
     out["packed_vs_unpacked"] = packed_difference(

@@ -60,3 +60,24 @@ def test_update_count_runs_a_shared_prompt_once_in_its_forward_tokens() -> None:
     assert counter.real == 2 * rows
     assert counter.forward == (4 + 2 + 1) + (4 + 3) + (2 + 1) + rows
     assert counter.micro_batches == 2
+
+
+def test_op_table_says_which_code_ran_each_operator() -> None:
+    """The kernel table names an add or a copy but not who asked for it; the op table files
+    each operator under the lorapop (or transformers) code that called it, and a backward's
+    operators under the autograd node that ran them."""
+    from torch import profiler
+
+    from lorapop.engine.fused import _rotate
+
+    x = torch.randn(64, 4, 16, requires_grad=True)
+    cos, sin = torch.randn(2, 64, 1, 16).unbind()
+    with profiler.profile(activities=[profiler.ProfilerActivity.CPU], with_stack=True) as prof:
+        (_rotate(x, cos, sin) * 2).sum().backward()
+    table = _loop_step().op_table(prof, n=100)
+    assert all(set(row) == {"op", "where", "calls", "cpu_ms"} for row in table)
+    assert [r["cpu_ms"] for r in table] == sorted((r["cpu_ms"] for r in table), reverse=True)
+    where = {(r["op"], r["where"]) for r in table}
+    assert any(op == "aten::cat" and "lorapop/engine/fused.py" in w and "_rotate" in w
+               for op, w in where)
+    assert ("aten::mul", "MulBackward0") in where  # the backward of `* 2`, on the autograd thread

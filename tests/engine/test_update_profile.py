@@ -26,7 +26,12 @@ def test_says_when_a_slots_rows_fit_one_micro_batch(tmp_path) -> None:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     # 4 student and 4 teacher slots: one pack of 12 + 4 x 16 tokens, one row of 30 + 16
-    assert json.loads(out.read_text())["paper"]["slot_tokens"] == {"student": 76, "teacher": 46}
+    paper = json.loads(out.read_text())["paper"]
+    assert paper["slot_tokens"] == {"student": 76, "teacher": 46}
+    # the profiled micro-batches' operators, each filed under the code that ran it
+    profiled = [r for r in paper["runs"] if "kernels" in r]
+    assert profiled and all(any("lorapop/lora/" in op["where"] for op in r["ops"])
+                            for r in profiled)
     warning = next(line for line in proc.stderr.splitlines() if line.startswith("warning:"))
     assert "teacher rows fit one micro-batch of --max-tokens 60" in warning
     assert "student" not in warning
