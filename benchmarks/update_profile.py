@@ -177,7 +177,8 @@ AB_VARIANTS = {"norms": ("HF norms", "fused norms"), "head": ("eager head", "com
                "rotary": ("plain rotary", "fused rotary"),
                "slotgrad": ("slot grads through autograd", "slot grads in place"),
                "transfer": ("waiting copies", "queued copies"),
-               "headplan": ("eager head planned", "compiled head planned")}
+               "headplan": ("eager head planned", "compiled head planned"),
+               "shrink": ("own shrinks", "shared shrinks")}
 #: False: the memory plan reserves the eager LM head's bytes (`--ab headplan`)
 PLAN_COMPILED_HEAD = True
 
@@ -201,7 +202,8 @@ def set_variant(parts, variant: str) -> None:
     gradient of a one-slot micro-batch's LoRA weights (through autograd, or `bank._SlotView`),
     how a micro-batch's inputs reach the GPU (copies that wait for it, device slot ids read
     back by the layout and the loss, or queued ones and no read-back), or
-    what the memory plan reserves for the LM head (the eager passes' bytes or the compiled)."""
+    what the memory plan reserves for the LM head (the eager passes' bytes or the compiled), or
+    the LoRA inputs of q/k/v and gate/up (a GEMM each, or one per group: `bank.share_shrink`)."""
     import lorapop.engine.logprobs as logprobs
     from lorapop.engine.fused import (
         fuse_mlps,
@@ -224,6 +226,8 @@ def set_variant(parts, variant: str) -> None:
         _MASKLESS = _MASKLESS or pack_attention.maskless
         transfer.QUEUED = variant == "queued copies"
         pack_attention.maskless = _MASKLESS if transfer.QUEUED else contextlib.nullcontext
+    elif variant.endswith("shrinks"):
+        parts.bank.share_shrink = variant == "shared shrinks"
     elif variant.endswith("rotary"):
         (fuse_rotary if variant == "fused rotary" else unfuse_rotary)(parts.model)
     elif variant.startswith("slot grads"):
@@ -443,7 +447,8 @@ def main() -> None:
                          "gradients through autograd (all slots) vs added in place, waiting vs "
                          "queued copies of a micro-batch's inputs (and device ids read back or "
                          "not), or the memory plan's eager vs "
-                         "compiled LM-head bytes (with --card-gib: micro-batch sizes)")
+                         "compiled LM-head bytes (with --card-gib: micro-batch sizes), or "
+                         "a LoRA-input GEMM per projection vs one per q/k/v and gate/up group")
     ap.add_argument("--card-gib", type=float, default=None,
                     help="hold all but this many GiB of the GPU first (as loop_step.py): "
                          "micro-batches sized as on a smaller card, e.g. 79.6 for an H100 80GB")
