@@ -349,7 +349,8 @@ class AdapterBank:
             if kernel in ("auto", "fused"):
                 if not one_token and routing.runs is not None:
                     runs = routing.runs
-                    if (self.share_shrink and len(runs) == 1 and output.dtype == dt
+                    if (self.share_shrink and len(runs) == 1 and runs[0][2] == x.shape[0]
+                            and output.dtype == dt
                             and target.name in self._groups_of
                             and not (self.dropout > 0 and module.training)):
                         return self._shared_shrink(target, x, output, dt, runs[0][0])
