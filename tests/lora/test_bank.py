@@ -193,11 +193,17 @@ def test_shared_shrink_gives_the_same_logits_and_gradients(checkpointing, monkey
         assert peak > 0 and want[1][:2].abs().sum() == 0
         torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5 * peak)
         assert not bank._shrinks  # every projection took its input: nothing kept
+        with bank.route([0, 0, 0, 0]):  # a prefill (no grad) of another slot
+            bank.share_shrink = True
+            shared = _logits(model, ids)
+            bank.share_shrink = False
+            torch.testing.assert_close(shared, _logits(model, ids), rtol=1e-5, atol=1e-5)
         with torch.no_grad():
             bank.weights.mul_(1.5)  # an optimizer step
     layers = model.config.num_hidden_layers
-    # one stacked A per group and layer (q/k/v: 3, gate/up: 2), again when recomputed
-    assert groups.count(3) == groups.count(2) == layers * (2 if checkpointing else 1) * 2
+    # one stacked A per group and layer (q/k/v: 3, gate/up: 2), again when recomputed, and in
+    # the prefill: two rounds
+    assert groups.count(3) == groups.count(2) == 2 * layers * ((2 if checkpointing else 1) + 1)
     assert len(groups) == 2 * groups.count(3)
 
 
