@@ -7,9 +7,10 @@ answers sharing a `--student-prompt`-token prompt, and `--teachers` teacher rows
 (packs, memory plan, micro-batches, log-probs + REINFORCE loss + backward) with prompts shared
 or not, under checkpointing or `auto`, plus the bf16 log-prob difference packed vs unpacked
 and the kernel table of one micro-batch without checkpointing (and its operators by the code
-that ran them, `ops`: which projection's backward an add or a copy belongs to); (2) optionally one update
-micro-batch per token budget (`--budgets`) with and without checkpointing and (3) decode
-steps at a batch of rows with long prompts (`--decode`); kernels tabulated by `torch.profiler`.
+that ran them, `ops`: which projection's backward an add or a copy belongs to); (2)
+optionally one update micro-batch per token budget (`--budgets`) with and without
+checkpointing and (3) decode steps at a batch of rows with long prompts (`--decode`); kernels
+tabulated by `torch.profiler`.
 
     PYTHONPATH=src python benchmarks/update_profile.py --out benchmarks/results/update_profile.json
     PYTHONPATH=src python benchmarks/update_profile.py --smoke --tasks 2 --teachers 2 \
