@@ -89,7 +89,8 @@ class _SharedShrink:
     slot: int
     dtype: torch.dtype
     stamp: int  # the bank's weights stamp
-    h: dict[str, Tensor]  # projection name -> [tokens, r] (views of one [tokens, G*r] output)
+    # projection name -> its input [tokens, r] (a view of one [tokens, G*r] output) and its B
+    h_b: dict[str, tuple[Tensor, Tensor]]
 
 
 class _HeldCast(torch.autograd.Function):
@@ -385,15 +386,15 @@ class AdapterBank:
         names = self._groups_of[target.name]
         shared = self._shrinks.get(names[0])
         if shared is None or shared.x is not x or shared.slot != s or shared.dtype != dtype \
-                or shared.stamp != self._stamp() or target.name not in shared.h:
-            a = torch.cat([self._slot_weights(self.targets[n], dtype, s)[0] for n in names])
-            h = (x.to(dtype).reshape(-1, x.shape[-1]) @ a.t()).split(self.rank, dim=1)
-            shared = _SharedShrink(x, s, dtype, self._stamp(), dict(zip(names, h, strict=True)))
+                or shared.stamp != self._stamp() or target.name not in shared.h_b:
+            a, b = zip(*(self._slot_weights(self.targets[n], dtype, s) for n in names), strict=True)
+            h = (x.to(dtype).reshape(-1, x.shape[-1]) @ torch.cat(a).t()).split(self.rank, dim=1)
+            shared = _SharedShrink(x, s, dtype, self._stamp(),
+                                   dict(zip(names, zip(h, b, strict=True), strict=True)))
             self._shrinks[names[0]] = shared
-        h = shared.h.pop(target.name)
-        if not shared.h:  # every projection of the group has its input: let x go
+        h, b = shared.h_b.pop(target.name)
+        if not shared.h_b:  # every projection of the group has its input: let x go
             del self._shrinks[names[0]]
-        b = self._slot_weights(target, dtype, s)[1]
         out2 = out.reshape(-1, out.shape[-1])
         return torch.addmm(out2, h, b.t(), alpha=self.scaling).view(out.shape)
 
