@@ -179,7 +179,8 @@ AB_VARIANTS = {"norms": ("HF norms", "fused norms"), "head": ("eager head", "com
                "slotgrad": ("slot grads through autograd", "slot grads in place"),
                "transfer": ("waiting copies", "queued copies"),
                "headplan": ("eager head planned", "compiled head planned"),
-               "shrink": ("own shrinks", "shared shrinks")}
+               "shrink": ("own shrinks", "shared shrinks"),
+               "inputgrad": ("two input grads", "one input grad")}
 #: False: the memory plan reserves the eager LM head's bytes (`--ab headplan`)
 PLAN_COMPILED_HEAD = True
 
@@ -204,7 +205,9 @@ def set_variant(parts, variant: str) -> None:
     how a micro-batch's inputs reach the GPU (copies that wait for it, device slot ids read
     back by the layout and the loss, or queued ones and no read-back), or
     what the memory plan reserves for the LM head (the eager passes' bytes or the compiled), or
-    the LoRA inputs of q/k/v and gate/up (a GEMM each, or one per group: `bank.share_shrink`)."""
+    the LoRA inputs of q/k/v and gate/up (a GEMM each, or one per group: `bank.share_shrink`),
+    or a projection's input gradient (base and LoRA summed by autograd, or formed as one:
+    `bank.one_input_grad`)."""
     import lorapop.engine.logprobs as logprobs
     from lorapop.engine.fused import (
         fuse_mlps,
@@ -229,6 +232,8 @@ def set_variant(parts, variant: str) -> None:
         pack_attention.maskless = _MASKLESS if transfer.QUEUED else contextlib.nullcontext
     elif variant.endswith("shrinks"):
         parts.bank.share_shrink = variant == "shared shrinks"
+    elif variant.endswith(("input grads", "input grad")):
+        parts.bank.one_input_grad = variant == "one input grad"
     elif variant.endswith("rotary"):
         (fuse_rotary if variant == "fused rotary" else unfuse_rotary)(parts.model)
     elif variant.startswith("slot grads"):
@@ -449,7 +454,8 @@ def main() -> None:
                          "queued copies of a micro-batch's inputs (and device ids read back or "
                          "not), or the memory plan's eager vs "
                          "compiled LM-head bytes (with --card-gib: micro-batch sizes), or "
-                         "a LoRA-input GEMM per projection vs one per q/k/v and gate/up group")
+                         "a LoRA-input GEMM per projection vs one per q/k/v and gate/up group, "
+                         "or a projection's base and LoRA input gradients summed vs formed as one")
     ap.add_argument("--card-gib", type=float, default=None,
                     help="hold all but this many GiB of the GPU first (as loop_step.py): "
                          "micro-batches sized as on a smaller card, e.g. 79.6 for an H100 80GB")

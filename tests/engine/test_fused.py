@@ -233,10 +233,11 @@ def test_compiled_passes_compile_once_whatever_their_inputs_layout(monkeypatch):
     monkeypatch.setattr(fused, "_compiled", {})
     torch._dynamo.reset()
     heads, kv, dim, width, vocab = 3, 1, 8, 6, 11
-    for tokens in (5, 9, 4):
-        # the rotary tables: views of the batch's [1, tokens, dim] tensors
-        cos, sin = (t.expand(1, tokens, dim).reshape(tokens, dim)
-                    for t in torch.randn(2, 1, tokens, dim).unbind())
+    for offset, tokens in ((5, 5), (0, 9), (1, 4)):
+        # the rotary tables: views of the batch's [1, tokens, dim] tensors, and slices of a
+        # table at storage offsets 5, then 0 and 1 (which a guard tells from the others)
+        cos = torch.randn(tokens * dim + offset)[offset:].view(tokens, dim)
+        sin = torch.randn(2, 1, tokens, dim)[1].expand(1, tokens, dim).reshape(tokens, dim)
         q = torch.randn(tokens, heads, dim)
         lone = torch.randn(heads, tokens, dim).transpose(0, 1)  # a batch of one's layout
         for gq, gk in ((q, q[:, :kv]), (lone, lone[:, :kv]),  # (a size-1 dim's odd stride)

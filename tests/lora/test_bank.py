@@ -119,11 +119,13 @@ def test_kernels_agree_on_unsorted_mixed_batch(tokens):
 
 def test_runs_of_one_slot_add_the_delta_in_the_expand_gemm(monkeypatch):
     """Rows routed in slot order take the addmm path (no delta tensor): logits and gradients
-    equal the gather kernel's; several runs with grad fall back to the batched kernels."""
+    equal the gather kernel's; several runs with grad fall back to the batched kernels. (With
+    grad, one run takes this path where `one_input_grad`'s does not apply.)"""
     import lorapop.lora.bank as bank_mod
 
     model = tiny_model().train()
     bank = AdapterBank(model, n_slots=3, rank=4, alpha=8)
+    bank.one_input_grad = False
     randomize_b(bank)
     ids = torch.randint(0, VOCAB, (4, 6))
     taken = []
@@ -205,6 +207,48 @@ def test_shared_shrink_gives_the_same_logits_and_gradients(checkpointing, monkey
     # the prefill: two rounds
     assert groups.count(3) == groups.count(2) == 2 * layers * ((2 if checkpointing else 1) + 1)
     assert len(groups) == 2 * groups.count(3)
+
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_one_input_gradient_gives_the_same_gradients(checkpointing, monkeypatch):
+    """`one_input_grad`: a one-slot batch's projections form their input's gradient as one
+    tensor (base and LoRA in one accumulate). The logits, every slot's gradients and the
+    input's gradient are autograd's, also under checkpointing; batches of several slots keep
+    the per-run path."""
+    import lorapop.lora.bank as bank_mod
+
+    model = tiny_model().train()
+    bank = AdapterBank(model, n_slots=3, rank=4, alpha=8)
+    randomize_b(bank)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    calls = []
+    real = bank_mod.add_delta_frozen_linear
+    monkeypatch.setattr(bank_mod, "add_delta_frozen_linear",
+                        lambda *a: calls.append(1) or real(*a))
+    embeds = torch.randn(4, 6, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+
+    def step(fused: bool, slots: list[int]) -> tuple[torch.Tensor, ...]:
+        bank.one_input_grad = fused
+        bank.zero_grad()
+        x = embeds.clone().requires_grad_()
+        with bank.route(slots):
+            out = model(inputs_embeds=x).logits
+        (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+        return out.detach(), bank.grads.clone(), x.grad
+
+    per_forward = 7 * model.config.num_hidden_layers * (2 if checkpointing else 1)
+    for slots, fused_calls in (([2, 2, 2, 2], per_forward), ([0, 1, 1, 2], 0)):
+        want = step(False, slots)
+        assert not calls
+        got = step(True, slots)
+        assert len(calls) == fused_calls
+        calls.clear()
+        for g, w in zip(got, want, strict=True):
+            peak = float(w.abs().max())
+            assert peak > 0
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5 * peak)
 
 
 def test_set_slot_ids_reuses_buffers_in_place():

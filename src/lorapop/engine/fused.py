@@ -64,11 +64,13 @@ _compiled: dict[str, Any] = {}
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
-    """`t` detached (no view, no `requires_grad`), contiguous, with the contiguous strides
-    even on its size-1 dimensions (which `contiguous()` leaves as they were). A strided input
-    is copied: one read and write of a q- or gradient-sized tensor, against a pass that reads
-    it anyway."""
+    """`t` detached (no view, no `requires_grad`), contiguous at storage offset 0, with the
+    contiguous strides even on its size-1 dimensions (which `contiguous()` leaves as they
+    were). A strided or offset input is copied: one read and write of a q- or gradient-sized
+    tensor, against a pass that reads it anyway."""
     t = t.detach().contiguous()
+    if t.storage_offset():  # a guard tells offsets 0 and 1 from the others
+        t = t.clone(memory_format=torch.contiguous_format)
     strides, step = [], 1
     for n in reversed(t.shape):
         strides.append(step)
@@ -82,11 +84,11 @@ def compiled_call(fn: Any, *args: torch.Tensor) -> Any:
     compiler failure warns once and `fn` runs eagerly from then on. Out-of-memory errors are
     not compiler failures: they propagate.
 
-    The compiled graph guards on its inputs' strides, views' bases and `requires_grad`, and
-    the passes get all kinds (a batch of one's transposed gradients, broadcast gradients,
-    views of the rotary tables): each new kind recompiled in the middle of an update (~1.3 s
-    each on an H200, ~9 s of the 7B paper step's first update). So the graph sees `_plain`
-    tensors only."""
+    The compiled graph guards on its inputs' strides, storage offsets, views' bases and
+    `requires_grad`, and the passes get all kinds (a batch of one's transposed gradients,
+    broadcast gradients, slices of the rotary tables): each new kind recompiled in the middle
+    of an update (~1.3 s each on an H200, ~9 s of the 7B paper step's first update). So the
+    graph sees `_plain` tensors only."""
     name = fn.__qualname__
     if name not in compile_failures:
         try:

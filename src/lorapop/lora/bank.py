@@ -28,6 +28,7 @@ from lorapop.lora.routing import (
     DecodeCache,
     Routing,
     add_delta_by_runs,
+    add_delta_frozen_linear,
     grouped_supported,
     lora_delta,
     slot_runs,
@@ -239,6 +240,9 @@ class AdapterBank:
                            for group in self._shared_input_groups() if len(group) > 1
                            for name, _, _ in group}
         self._shrinks: dict[str, _SharedShrink] = {}  # group's first name -> its last inputs
+        #: one-slot multi-token forwards under grad: a projection's input gradient is formed
+        #: as one tensor, base and LoRA (`routing.add_delta_frozen_linear`), not two summed
+        self.one_input_grad = True
 
         for i in range(n_slots):
             self.reset_slot(i, seed + i)
@@ -357,6 +361,14 @@ class AdapterBank:
                         return self._shared_shrink(target, x, output, dt, runs[0][0])
                     grad = torch.is_grad_enabled() and any(
                         t.requires_grad for t in (output, x, target.a, target.b))
+                    if (grad and self.one_input_grad and len(runs) == 1
+                            and runs[0][2] == x.shape[0]
+                            and type(module) is nn.Linear and not module.weight.requires_grad
+                            and x.dtype == output.dtype == module.weight.dtype == dt
+                            and not (self.dropout > 0 and module.training)):
+                        return add_delta_frozen_linear(
+                            output, x, module.weight, *self._slot_weights(target, dt, runs[0][0]),
+                            self.scaling)
                     y = add_delta_by_runs(output, x.to(dt), partial(self._slot_weights, target, dt),
                                           runs, self.scaling, grad)
                     if y is not None:
