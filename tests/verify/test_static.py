@@ -77,3 +77,45 @@ def test_compile_job_compiles_as_a_script_would():
     assert compile_job("def f():\n    pass\nreturn 1", "f()")[0] is Status.SYNTAX_ERROR
     assert compile_job("import random\n" + OK, "f(1)")[0] is Status.BANNED
     assert compile_job("def g(x):\n    return x", "g(1)")[0] is Status.NO_ENTRY
+
+
+def test_threads_build_asts_one_at_a_time(monkeypatch):
+    """Two sandboxes of one process check their jobs from two threads; CPython's AST
+    constructor keeps its recursion depth interpreter-wide, so overlapping parses could raise
+    `SystemError` for an honest job (it happened once in a full test run). Parses and compiles
+    never overlap, and a mismatch error from a parse outside the lock is retried."""
+    import ast
+    import threading
+    import time
+
+    from lorapop.verify import static
+
+    inside, overlaps = [0], []
+    real_parse = ast.parse
+
+    def slow_parse(*args, **kwargs):
+        inside[0] += 1
+        overlaps.append(inside[0] > 1)
+        time.sleep(0.002)
+        inside[0] -= 1
+        return real_parse(*args, **kwargs)
+
+    monkeypatch.setattr(static.ast, "parse", slow_parse)
+    threads = [threading.Thread(target=lambda: [check("def f(x):\n    return x", f"f({i})")
+                                                for i in range(20)]) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(overlaps) == 3 * 20 * 2 and not any(overlaps)
+
+    calls = []
+
+    def colliding_parse(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise SystemError("AST constructor recursion depth mismatch (before=24, after=115)")
+        return real_parse(*args, **kwargs)
+
+    monkeypatch.setattr(static.ast, "parse", colliding_parse)
+    assert check("def f(x):\n    return x", "f(1)") is None

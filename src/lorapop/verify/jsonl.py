@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator
 from typing import BinaryIO
 
 from lorapop.verify.sandbox import Sandbox
-from lorapop.verify.static import MAX_SOURCE_CHARS
+from lorapop.verify.static import MAX_SOURCE_CHARS, parse
 from lorapop.verify.verdict import Job, Status, Verdict
 
 BAD_REQUEST = "bad_request"
@@ -45,7 +45,7 @@ def parse_task(line: bytes | str) -> Job | dict[str, object]:
         )
     expr = f"f({arg})"
     try:
-        tree = ast.parse(expr, mode="eval")
+        tree = parse(expr, "eval")
     except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
         return _reply(Status.SYNTAX_ERROR.value, f"input: {type(e).__name__}: {e}"[:300])
     call = tree.body

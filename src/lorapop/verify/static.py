@@ -12,6 +12,7 @@ AZR's validity rules.
 from __future__ import annotations
 
 import ast
+import threading
 from types import CodeType
 
 from lorapop.verify.verdict import Status
@@ -27,6 +28,23 @@ BANNED: tuple[str, ...] = (
 MAX_SOURCE_CHARS = 100_000
 
 _IMPORTERS = {"__import__", "importlib.import_module", "import_module"}
+
+#: CPython (3.11 at least) counts the AST constructor's recursion depth in interpreter-wide
+#: state, so two threads building ASTs at once (two sandboxes of one process) can make one
+#: raise `SystemError: AST constructor recursion depth mismatch` (seen in a full test run).
+_AST_LOCK = threading.Lock()
+
+
+def parse(source: str, mode: str = "exec") -> ast.AST:
+    """`ast.parse` one thread at a time; the mismatch error, should a parse outside this
+    module's lock still collide with one, is retried once."""
+    with _AST_LOCK:
+        try:
+            return ast.parse(source, mode=mode)
+        except SystemError as e:
+            if "recursion depth mismatch" not in str(e):
+                raise
+            return ast.parse(source, mode=mode)
 
 
 def _banned(dotted: str, banned: tuple[str, ...]) -> str | None:
@@ -157,10 +175,11 @@ def compile_job(
     if bad is not None:
         return bad
     try:
-        return (
-            compile(trees[0], "<program>", "exec", dont_inherit=True, optimize=0),
-            compile(trees[1], "<expr>", "eval", dont_inherit=True, optimize=0),
-        )
+        with _AST_LOCK:
+            return (
+                compile(trees[0], "<program>", "exec", dont_inherit=True, optimize=0),
+                compile(trees[1], "<expr>", "eval", dont_inherit=True, optimize=0),
+            )
     except SyntaxError as e:
         return Status.SYNTAX_ERROR, f"{type(e).__name__}: {e.msg} (line {e.lineno})"
     except (ValueError, RecursionError, MemoryError) as e:
@@ -175,7 +194,7 @@ def _parse(program: str, expr: str) -> list[ast.AST] | tuple[Status, str]:
     trees: list[ast.AST] = []
     for src, mode in ((program, "exec"), (expr, "eval")):
         try:
-            trees.append(ast.parse(src, mode=mode))
+            trees.append(parse(src, mode))
         except SyntaxError as e:
             where = "program" if mode == "exec" else "expr"
             return Status.SYNTAX_ERROR, f"{where}: {type(e).__name__}: {e.msg} (line {e.lineno})"
