@@ -209,7 +209,6 @@ def test_shared_shrink_gives_the_same_logits_and_gradients(checkpointing, monkey
     assert len(groups) == 2 * groups.count(3)
 
 
-
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_one_input_gradient_gives_the_same_gradients(checkpointing, monkeypatch):
     """`one_input_grad`: a one-slot batch's projections form their input's gradient as one

@@ -364,6 +364,7 @@ class AdapterBank:
                     if (grad and self.one_input_grad and len(runs) == 1
                             and runs[0][2] == x.shape[0]
                             and type(module) is nn.Linear and not module.weight.requires_grad
+                            and module.weight.device == x.device
                             and x.dtype == output.dtype == module.weight.dtype == dt
                             and not (self.dropout > 0 and module.training)):
                         return add_delta_frozen_linear(

