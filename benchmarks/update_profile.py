@@ -180,7 +180,8 @@ AB_VARIANTS = {"norms": ("HF norms", "fused norms"), "head": ("eager head", "com
                "transfer": ("waiting copies", "queued copies"),
                "headplan": ("eager head planned", "compiled head planned"),
                "shrink": ("own shrinks", "shared shrinks"),
-               "inputgrad": ("two input grads", "one input grad")}
+               "inputgrad": ("two input grads", "one input grad"),
+               "normpass": ("norm kernel and multiply", "one norm pass")}
 #: False: the memory plan reserves the eager LM head's bytes (`--ab headplan`)
 PLAN_COMPILED_HEAD = True
 
@@ -207,7 +208,8 @@ def set_variant(parts, variant: str) -> None:
     what the memory plan reserves for the LM head (the eager passes' bytes or the compiled), or
     the LoRA inputs of q/k/v and gate/up (a GEMM each, or one per group: `bank.share_shrink`),
     or a projection's input gradient (base and LoRA summed by autograd, or formed as one:
-    `bank.one_input_grad`)."""
+    `bank.one_input_grad`), or the training forwards' RMSNorms (the norm kernel and the
+    weight's multiply, or one pass each way: `fused.RMS_NORM_PASS`)."""
     import lorapop.engine.logprobs as logprobs
     from lorapop.engine.fused import (
         fuse_mlps,
@@ -234,6 +236,10 @@ def set_variant(parts, variant: str) -> None:
         parts.bank.share_shrink = variant == "shared shrinks"
     elif variant.endswith(("input grads", "input grad")):
         parts.bank.one_input_grad = variant == "one input grad"
+    elif variant in AB_VARIANTS["normpass"]:
+        import lorapop.engine.fused as fused
+
+        fused.RMS_NORM_PASS = variant == "one norm pass"
     elif variant.endswith("rotary"):
         (fuse_rotary if variant == "fused rotary" else unfuse_rotary)(parts.model)
     elif variant.startswith("slot grads"):
@@ -455,7 +461,8 @@ def main() -> None:
                          "not), or the memory plan's eager vs "
                          "compiled LM-head bytes (with --card-gib: micro-batch sizes), or "
                          "a LoRA-input GEMM per projection vs one per q/k/v and gate/up group, "
-                         "or a projection's base and LoRA input gradients summed vs formed as one")
+                         "or a projection's base and LoRA input gradients summed vs formed as "
+                         "one, or an RMSNorm's kernel and weight multiply vs one pass")
     ap.add_argument("--card-gib", type=float, default=None,
                     help="hold all but this many GiB of the GPU first (as loop_step.py): "
                          "micro-batches sized as on a smaller card, e.g. 79.6 for an H100 80GB")
