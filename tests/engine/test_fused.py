@@ -99,6 +99,19 @@ def test_norm_pass_gradient_is_autograds():
     torch.testing.assert_close(_rms_weighted_grad(x.detach(), w, g, 1e-6), x.grad)
 
 
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                    reason="torch.compile on CPU needs a C compiler")
+def test_compiled_norm_passes_equal_the_eager_ones_on_cpu():
+    """CUDA's compiled norm passes (the epsilon a Python float beside the tensors), compiled
+    here for the CPU, give the eager values in bf16."""
+    gen = torch.Generator().manual_seed(2)
+    x, g = (torch.randn(6, 32, generator=gen).bfloat16() for _ in range(2))
+    w = (torch.rand(32) + 0.5).bfloat16()
+    for fn, args in ((_rms_weighted, (x, w, 1e-6)), (_rms_weighted_grad, (x, w, g, 1e-6))):
+        torch.testing.assert_close(compiled_call(fn, *args), fn(*args), rtol=1e-2, atol=1e-2)
+    assert not compile_failures
+
+
 def test_loaded_base_models_run_the_fused_norms():
     model = load_base_model("tiny-random", load_tokenizer("tiny-random"), device="cpu")
     norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
