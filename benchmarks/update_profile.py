@@ -179,7 +179,6 @@ AB_VARIANTS = {"norms": ("HF norms", "fused norms"), "head": ("eager head", "com
                "slotgrad": ("slot grads through autograd", "slot grads in place"),
                "transfer": ("waiting copies", "queued copies"),
                "headplan": ("eager head planned", "compiled head planned"),
-               "shrink": ("own shrinks", "shared shrinks"),
                "inputgrad": ("two input grads", "one input grad"),
                "normpass": ("norm kernel and multiply", "one norm pass")}
 #: False: the memory plan reserves the eager LM head's bytes (`--ab headplan`)
@@ -206,7 +205,6 @@ def set_variant(parts, variant: str) -> None:
     how a micro-batch's inputs reach the GPU (copies that wait for it, device slot ids read
     back by the layout and the loss, or queued ones and no read-back), or
     what the memory plan reserves for the LM head (the eager passes' bytes or the compiled), or
-    the LoRA inputs of q/k/v and gate/up (a GEMM each, or one per group: `bank.share_shrink`),
     or a projection's input gradient (base and LoRA summed by autograd, or formed as one:
     `bank.one_input_grad`), or the training forwards' RMSNorms (the norm kernel and the
     weight's multiply, or one pass each way: `fused.RMS_NORM_PASS`)."""
@@ -232,8 +230,6 @@ def set_variant(parts, variant: str) -> None:
         _MASKLESS = _MASKLESS or pack_attention.maskless
         transfer.QUEUED = variant == "queued copies"
         pack_attention.maskless = _MASKLESS if transfer.QUEUED else contextlib.nullcontext
-    elif variant.endswith("shrinks"):
-        parts.bank.share_shrink = variant == "shared shrinks"
     elif variant.endswith(("input grads", "input grad")):
         parts.bank.one_input_grad = variant == "one input grad"
     elif variant in AB_VARIANTS["normpass"]:
@@ -460,8 +456,7 @@ def main() -> None:
                          "queued copies of a micro-batch's inputs (and device ids read back or "
                          "not), or the memory plan's eager vs "
                          "compiled LM-head bytes (with --card-gib: micro-batch sizes), or "
-                         "a LoRA-input GEMM per projection vs one per q/k/v and gate/up group, "
-                         "or a projection's base and LoRA input gradients summed vs formed as "
+                         "a projection's base and LoRA input gradients summed vs formed as "
                          "one, or an RMSNorm's kernel and weight multiply vs one pass")
     ap.add_argument("--card-gib", type=float, default=None,
                     help="hold all but this many GiB of the GPU first (as loop_step.py): "

@@ -159,57 +159,6 @@ def test_runs_of_one_slot_add_the_delta_in_the_expand_gemm(monkeypatch):
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_shared_shrink_gives_the_same_logits_and_gradients(checkpointing, monkeypatch):
-    """`share_shrink`: q/k/v (gate/up) of a one-slot batch take their LoRA inputs from one GEMM
-    over their stacked A's. Logits and every slot's gradients are those of a GEMM per
-    projection, also when checkpointing recomputes the forward inside the backward, and the
-    weights' change after a step is seen (the inputs are not kept from before it)."""
-    model = tiny_model().train()
-    bank = AdapterBank(model, n_slots=3, rank=4, alpha=8)
-    randomize_b(bank)
-    ids = torch.randint(0, VOCAB, (4, 6), generator=torch.Generator().manual_seed(1))
-    if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    import lorapop.lora.bank as bank_mod
-
-    groups = []  # the projections each shared GEMM serves
-    real = bank_mod._SharedShrink
-    monkeypatch.setattr(bank_mod, "_SharedShrink",
-                        lambda *a: groups.append(len(a[-1])) or real(*a))
-
-    def step(share: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        bank.share_shrink = share
-        bank.zero_grad()
-        with bank.route([2, 2, 2, 2]):
-            out = model(ids).logits
-        (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
-        return out.detach(), bank.grads.clone()
-
-    for _ in range(2):
-        before = len(groups)
-        want = step(False)
-        assert len(groups) == before  # off: a GEMM per projection
-        got = step(True)
-        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
-        peak = float(want[1].abs().max())
-        assert peak > 0 and want[1][:2].abs().sum() == 0
-        torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5 * peak)
-        assert not bank._shrinks  # every projection took its input: nothing kept
-        with bank.route([0, 0, 0, 0]):  # a prefill (no grad) of another slot
-            bank.share_shrink = True
-            shared = _logits(model, ids)
-            bank.share_shrink = False
-            torch.testing.assert_close(shared, _logits(model, ids), rtol=1e-5, atol=1e-5)
-        with torch.no_grad():
-            bank.weights.mul_(1.5)  # an optimizer step
-    layers = model.config.num_hidden_layers
-    # one stacked A per group and layer (q/k/v: 3, gate/up: 2), again when recomputed, and in
-    # the prefill: two rounds
-    assert groups.count(3) == groups.count(2) == 2 * layers * ((2 if checkpointing else 1) + 1)
-    assert len(groups) == 2 * groups.count(3)
-
-
-@pytest.mark.parametrize("checkpointing", [False, True])
 def test_one_input_gradient_gives_the_same_gradients(checkpointing, monkeypatch):
     """`one_input_grad`: a one-slot batch's projections form their input's gradient as one
     tensor (base and LoRA in one accumulate). The logits, every slot's gradients and the

@@ -109,7 +109,6 @@ def compiled_call(fn: Any, *args: torch.Tensor | float) -> Any:
     return fn(*args)
 
 
-
 # ------------------------------------------------------------------ RMSNorm under grad
 #: Training forwards (under grad, the weight frozen) normalise and weight in one pass each way
 #: (`_RmsNorm`), compiled on CUDA. Off until measured against the kernel-and-multiply path.

@@ -81,19 +81,6 @@ class _HeldCopy:
     stamp: int  # the bank's weights stamp when copied
 
 
-@dataclass
-class _SharedShrink:
-    """The rank-r inputs `x @ A[s]^T` of every projection of one shared-input group, computed
-    in one GEMM by the group's first projection to see `x`; the others take theirs."""
-
-    x: Tensor  # the input they were computed from (identity is the test)
-    slot: int
-    dtype: torch.dtype
-    stamp: int  # the bank's weights stamp
-    # projection name -> its input [tokens, r] (a view of one [tokens, G*r] output) and its B
-    h_b: dict[str, tuple[Tensor, Tensor]]
-
-
 class _HeldCast(torch.autograd.Function):
     """`master.to(copy.dtype)` read from `copy`, a cast made earlier: the same values, and the
     same gradient to `master` (the incoming one cast to master's dtype, as a cast's backward)."""
@@ -232,14 +219,6 @@ class AdapterBank:
         self._caches: dict[torch.dtype, DecodeCache] = {}
         self._stale = 0  # bumped by invalidate_caches(): part of the cache stamp
         self._held: _HeldCopy | None = None
-        #: multi-token forwards of one slot: q/k/v (gate/up) take their LoRA inputs from one
-        #: GEMM over the group's stacked A's, and the backward sums one input gradient for the
-        #: group where it summed one per projection (`_shared_shrink`). Off until measured.
-        self.share_shrink = False
-        self._groups_of = {name: [n for n, _, _ in group]
-                           for group in self._shared_input_groups() if len(group) > 1
-                           for name, _, _ in group}
-        self._shrinks: dict[str, _SharedShrink] = {}  # group's first name -> its last inputs
         #: one-slot multi-token forwards under grad: a projection's input gradient is formed
         #: as one tensor, base and LoRA (`routing.add_delta_frozen_linear`), not two summed
         self.one_input_grad = True
@@ -354,11 +333,6 @@ class AdapterBank:
             if kernel in ("auto", "fused"):
                 if not one_token and routing.runs is not None:
                     runs = routing.runs
-                    if (self.share_shrink and len(runs) == 1 and runs[0][2] == x.shape[0]
-                            and output.dtype == dt
-                            and target.name in self._groups_of
-                            and not (self.dropout > 0 and module.training)):
-                        return self._shared_shrink(target, x, output, dt, runs[0][0])
                     grad = torch.is_grad_enabled() and any(
                         t.requires_grad for t in (output, x, target.a, target.b))
                     if (grad and self.one_input_grad and len(runs) == 1
@@ -389,27 +363,6 @@ class AdapterBank:
         if held is None:
             return target.a.to(dtype), target.b.to(dtype)
         return _HeldCast.apply(target.a, held[0]), _HeldCast.apply(target.b, held[1])
-
-    def _shared_shrink(self, target: _Target, x: Tensor, out: Tensor, dtype: torch.dtype,
-                       s: int) -> Tensor:
-        """`out + scaling * B[s] @ A[s] @ x` for rows all of slot s, with the rank-r input
-        `x @ A[s]^T` of every projection reading this `x` (q/k/v, gate/up) from one GEMM,
-        made by the first of them to run. Per projection that saves a GEMM over `x` forward,
-        and backward a full-width input gradient and the add that summed it with the others."""
-        names = self._groups_of[target.name]
-        shared = self._shrinks.get(names[0])
-        if shared is None or shared.x is not x or shared.slot != s or shared.dtype != dtype \
-                or shared.stamp != self._stamp() or target.name not in shared.h_b:
-            a, b = zip(*(self._slot_weights(self.targets[n], dtype, s) for n in names), strict=True)
-            h = (x.to(dtype).reshape(-1, x.shape[-1]) @ torch.cat(a).t()).split(self.rank, dim=1)
-            shared = _SharedShrink(x, s, dtype, self._stamp(),
-                                   dict(zip(names, zip(h, b, strict=True), strict=True)))
-            self._shrinks[names[0]] = shared
-        h, b = shared.h_b.pop(target.name)
-        if not shared.h_b:  # every projection of the group has its input: let x go
-            del self._shrinks[names[0]]
-        out2 = out.reshape(-1, out.shape[-1])
-        return torch.addmm(out2, h, b.t(), alpha=self.scaling).view(out.shape)
 
     def _slot_weights(self, target: _Target, dtype: torch.dtype, s: int) -> tuple[Tensor, Tensor]:
         """Slot s's A and B in `dtype`, from the held copy where there is one. Under grad their
