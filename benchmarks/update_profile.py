@@ -179,9 +179,7 @@ AB_VARIANTS = {"norms": ("HF norms", "fused norms"), "head": ("eager head", "com
                "slotgrad": ("slot grads through autograd", "slot grads in place"),
                "transfer": ("waiting copies", "queued copies"),
                "headplan": ("eager head planned", "compiled head planned"),
-               "inputgrad": ("two input grads", "one input grad"),
-               "normpass": ("norm kernel and multiply", "one norm pass"),
-               "attention": ("FlashAttention first", "cuDNN attention first")}
+               "inputgrad": ("two input grads", "one input grad")}
 #: False: the memory plan reserves the eager LM head's bytes (`--ab headplan`)
 PLAN_COMPILED_HEAD = True
 
@@ -207,9 +205,7 @@ def set_variant(parts, variant: str) -> None:
     back by the layout and the loss, or queued ones and no read-back), or
     what the memory plan reserves for the LM head (the eager passes' bytes or the compiled), or
     or a projection's input gradient (base and LoRA summed by autograd, or formed as one:
-    `bank.one_input_grad`), or the training forwards' RMSNorms (the norm kernel and the
-    weight's multiply, or one pass each way: `fused.RMS_NORM_PASS`), or the SDPA kernel the
-    training forwards try first (`pack_attention.CUDNN_FIRST`)."""
+    `bank.one_input_grad`)."""
     import lorapop.engine.logprobs as logprobs
     from lorapop.engine.fused import (
         fuse_mlps,
@@ -234,14 +230,6 @@ def set_variant(parts, variant: str) -> None:
         pack_attention.maskless = _MASKLESS if transfer.QUEUED else contextlib.nullcontext
     elif variant.endswith(("input grads", "input grad")):
         parts.bank.one_input_grad = variant == "one input grad"
-    elif variant in AB_VARIANTS["normpass"]:
-        import lorapop.engine.fused as fused
-
-        fused.RMS_NORM_PASS = variant == "one norm pass"
-    elif variant.endswith("attention first"):
-        import lorapop.engine.pack_attention as pack_attention
-
-        pack_attention.CUDNN_FIRST = variant.startswith("cuDNN")
     elif variant.endswith("rotary"):
         (fuse_rotary if variant == "fused rotary" else unfuse_rotary)(parts.model)
     elif variant.startswith("slot grads"):
@@ -257,26 +245,6 @@ def set_variant(parts, variant: str) -> None:
         parts.bank.kernel = "auto" if variant == "addmm LoRA" else "grouped"
     else:
         logprobs.COMPILE_HEAD = variant == "compiled head"
-
-
-def cudnn_takes(model, args) -> dict[str, bool]:
-    """Whether SDPA's cuDNN kernel accepts the causal attention of a teacher row and of a pack's
-    prompt at this model's heads (grouped-query or repeated): where it does not, `--ab
-    attention` compares FlashAttention with itself."""
-    cfg, dev = model.config, model.device
-    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    out = {}
-    for name, length in (("teacher row", args.teacher_prompt + args.completion),
-                         ("pack prompt", args.student_prompt)):
-        for gqa in (True, False):
-            kv = cfg.num_key_value_heads if gqa else cfg.num_attention_heads
-            q, k = (torch.zeros(1, h, length, d, device=dev, dtype=model.dtype, requires_grad=True)
-                    for h in (cfg.num_attention_heads, kv))
-            params = torch.backends.cuda.SDPAParams(q, k, k, None, 0.0, True, gqa)
-            out[f"{name}, {'grouped' if gqa else 'repeated'} heads"] = bool(
-                torch.backends.cuda.can_use_cudnn_attention(params))
-    print(json.dumps({"cudnn_takes": out}), flush=True)
-    return out
 
 
 def slot_tokens(args, students: int, teachers: int) -> dict[str, int]:
@@ -314,8 +282,6 @@ def paper_case(parts, args, write) -> dict:
              ("student", True, "auto", False), ("teacher", False, "auto", False)]
     if args.ab:  # two variants of one part of the model, alternating; one part after another
         cases = [("student", True, "auto", True), ("teacher", False, "auto", True)]
-        if "attention" in args.ab:
-            out["cudnn_takes"] = cudnn_takes(parts.model, args)
         for variants in map(AB_VARIANTS.get, args.ab):
             for variant in [*variants, *variants]:
                 set_variant(parts, variant)
@@ -484,8 +450,7 @@ def main() -> None:
                          "queued copies of a micro-batch's inputs (and device ids read back or "
                          "not), or the memory plan's eager vs "
                          "compiled LM-head bytes (with --card-gib: micro-batch sizes), or "
-                         "a projection's base and LoRA input gradients summed vs formed as "
-                         "one, or an RMSNorm's kernel and weight multiply vs one pass")
+                         "a projection's base and LoRA input gradients summed vs formed as one")
     ap.add_argument("--card-gib", type=float, default=None,
                     help="hold all but this many GiB of the GPU first (as loop_step.py): "
                          "micro-batches sized as on a smaller card, e.g. 79.6 for an H100 80GB")

@@ -9,8 +9,6 @@ import pytest
 import torch
 
 from lorapop.engine.fused import (
-    _rms_weighted,
-    _rms_weighted_grad,
     _rope,
     _rope_grad,
     _silu_mul,
@@ -60,58 +58,6 @@ def test_fused_norms_give_the_same_logits_and_gradients(arch, dtype, device):
     torch.testing.assert_close(fused[1], ref[1], rtol=tol, atol=tol)
     unfuse_rms_norms(model)
     assert all("forward" not in vars(m) for m in model.modules())
-
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_norm_pass_gives_the_same_logits_and_gradients(arch, dtype, device, monkeypatch):
-    """`RMS_NORM_PASS`: training forwards normalise and weight in one pass each way (own
-    backward, compiled on CUDA): the original's logits and input gradients (both compute in
-    float32, in another order; bf16: the original's roundings, one fewer in the backward).
-    Inference keeps the kernel."""
-    import lorapop.engine.fused as fused
-
-    model = tiny_model(arch).to(device=device, dtype=dtype).requires_grad_(False)  # frozen
-    for m in model.modules():  # weights other than ones, so the weighting is checked
-        if type(m).__name__.endswith("RMSNorm"):
-            m.weight.data.uniform_(0.5, 1.5)
-    ref = _forward_backward(model, device)
-    passes, norm_pass = [], fused._norm_pass  # (counted outside the compiled code)
-    monkeypatch.setattr(fused, "_norm_pass",
-                        lambda fn, *a, **k: passes.append(fn) or norm_pass(fn, *a, **k))
-    monkeypatch.setattr(fused, "RMS_NORM_PASS", True)
-    fuse_rms_norms(model)
-    got = _forward_backward(model, device)
-    norms = 2 * model.config.num_hidden_layers + 1  # every norm, under grad, both ways
-    assert passes.count(_rms_weighted) == passes.count(_rms_weighted_grad) == norms
-    tol = 1e-5 if dtype == torch.float32 else 3e-2
-    for g, r in zip(got, ref, strict=True):
-        torch.testing.assert_close(g, r, rtol=tol, atol=tol)
-    assert not compile_failures
-    unfuse_rms_norms(model)
-
-
-def test_norm_pass_gradient_is_autograds():
-    """The backward pass is the derivative of the forward (float64, with a weight)."""
-    x = torch.randn(4, 3, 16, dtype=torch.float64, requires_grad=True)
-    w, g = torch.rand(16, dtype=torch.float64) + 0.5, torch.randn(4, 3, 16, dtype=torch.float64)
-    (_rms_weighted(x, w, 1e-6) * g).sum().backward()
-    torch.testing.assert_close(_rms_weighted_grad(x.detach(), w, g, 1e-6), x.grad)
-
-
-@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
-                    reason="torch.compile on CPU needs a C compiler")
-def test_compiled_norm_passes_equal_the_eager_ones_on_cpu():
-    """CUDA's compiled norm passes (the epsilon a Python float beside the tensors), compiled
-    here for the CPU, give the eager values in bf16."""
-    gen = torch.Generator().manual_seed(2)
-    x, g = (torch.randn(6, 32, generator=gen).bfloat16() for _ in range(2))
-    w = (torch.rand(32) + 0.5).bfloat16()
-    for fn, args in ((_rms_weighted, (x, w, 1e-6)), (_rms_weighted_grad, (x, w, g, 1e-6))):
-        torch.testing.assert_close(compiled_call(fn, *args), fn(*args), rtol=1e-2, atol=1e-2)
-    assert not compile_failures
 
 
 def test_loaded_base_models_run_the_fused_norms():
@@ -308,11 +254,6 @@ def test_compiled_passes_compile_once_whatever_their_inputs_layout(monkeypatch):
             logits = logits.clone()
         for g in (torch.randn(tokens), torch.ones(()).expand(tokens)):
             compiled_call(_logits_grad, logits, target, lse, g)
-        hidden, weight = torch.randn(tokens, width), torch.rand(width)
-        compiled_call(_rms_weighted, hidden, weight, 1e-6)
-        for grad in (torch.randn(tokens, width), torch.ones(()).expand(tokens, width)):
-            compiled_call(_rms_weighted_grad, hidden, weight, grad, 1e-6)
     assert not compile_failures
     assert graphs == dict.fromkeys(
-        ("_rope_grad", "_rope", "_silu_mul_grad", "_pick_and_lse", "_logits_grad",
-         "_rms_weighted", "_rms_weighted_grad"), 1)
+        ("_rope_grad", "_rope", "_silu_mul_grad", "_pick_and_lse", "_logits_grad"), 1)

@@ -104,30 +104,3 @@ def test_layout_of_packs_without_completion_tokens(completions):
         q[:, :, :4], k[:, :, :4], v[:, :, :4], is_causal=True, scale=0.3, enable_gqa=True)
     torch.testing.assert_close(out[:, :4], alone.transpose(1, 2))
     assert out[0, 4:].abs().sum() == 0 and out[1, 5:].abs().sum() == 0
-
-
-@pytest.mark.parametrize(("device", "dtype", "dim", "tol"), CASES)
-def test_cudnn_first_attends_the_same(device, dtype, dim, tol, monkeypatch):
-    """`CUDNN_FIRST`: training forwards, packed or causal rows, give the same outputs and
-    gradients whichever kernel SDPA then takes, and every SDPA backend stays enabled after."""
-    import lorapop.engine.pack_attention as pack_attention
-
-    q, k, v = _qkv(0, device, dtype, dim)
-    module = torch.nn.Module()
-    module.is_causal, module.num_key_value_groups = True, 2
-    layout = PackLayout.build(PROMPTS, COMPLETIONS, WIDTH, torch.device(device))
-
-    def attention_and_grads():
-        outs = [pack_attention._attention(module, q, k, v, None, scaling=0.3,
-                                          pack_layout=packs)[0].float()
-                for packs in (layout, None)]
-        return (*outs, *torch.autograd.grad(sum(o.square().sum() for o in outs), (q, k, v)))
-
-    plain = attention_and_grads()
-    monkeypatch.setattr(pack_attention, "CUDNN_FIRST", True)
-    cudnn_first = attention_and_grads()
-    grad_tol = {key: 4 * t for key, t in tol.items()}
-    for a, b in zip(cudnn_first, plain, strict=True):
-        torch.testing.assert_close(a, b, **grad_tol)
-    assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.math_sdp_enabled()
-    assert torch.backends.cuda.cudnn_sdp_enabled()

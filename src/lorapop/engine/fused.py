@@ -8,8 +8,7 @@ micro-batch, and at decode each is a launch. `F.rms_norm` computes the same norm
 one kernel each way on CUDA (`aten::_fused_rms_norm`; a composite on CPU), so the norms of
 the families below are re-pointed at it. The weight is applied afterwards, as in the
 original, to the normalised states already cast back to the input dtype: the result is the
-original's up to the order of the fp32 sum. (`RMS_NORM_PASS`: training forwards do both in
-one compiled pass each way.)
+original's up to the order of the fp32 sum.
 """
 
 from __future__ import annotations
@@ -33,9 +32,6 @@ LLAMA_STYLE_NORMS = frozenset({
 
 
 def _fused_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    if RMS_NORM_PASS and torch.is_grad_enabled() and hidden_states.requires_grad \
-            and not self.weight.requires_grad:
-        return _RmsNorm.apply(hidden_states, self.weight, self.variance_epsilon)
     normed = F.rms_norm(hidden_states, (hidden_states.shape[-1],), eps=self.variance_epsilon)
     return self.weight * normed
 
@@ -83,7 +79,7 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride() == tuple(strides) else t.as_strided(t.shape, strides).detach()
 
 
-def compiled_call(fn: Any, *args: torch.Tensor | float) -> Any:
+def compiled_call(fn: Any, *args: torch.Tensor) -> Any:
     """`fn(*args)` through torch.compile (dynamic shapes, compiled once per function); a
     compiler failure warns once and `fn` runs eagerly from then on. Out-of-memory errors are
     not compiler failures: they propagate.
@@ -98,8 +94,7 @@ def compiled_call(fn: Any, *args: torch.Tensor | float) -> Any:
         try:
             if name not in _compiled:
                 _compiled[name] = torch.compile(fn, dynamic=True)
-            return _compiled[name](*(_plain(a) if isinstance(a, torch.Tensor) else a
-                                     for a in args))
+            return _compiled[name](*map(_plain, args))
         except torch.OutOfMemoryError:
             raise
         except Exception as e:  # noqa: BLE001 - any compiler failure: the eager pass
@@ -107,56 +102,6 @@ def compiled_call(fn: Any, *args: torch.Tensor | float) -> Any:
                           f"{type(e).__name__}: {str(e).splitlines()[0][:300]}", stacklevel=2)
             compile_failures.add(name)
     return fn(*args)
-
-
-# ------------------------------------------------------------------ RMSNorm under grad
-#: Training forwards (under grad, the weight frozen) normalise and weight in one pass each way
-#: (`_RmsNorm`), compiled on CUDA. Off until measured against the kernel-and-multiply path.
-RMS_NORM_PASS = False
-
-
-def _rms_weighted(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The original's rounding: normalised in fp32, cast to x's dtype, then weighted."""
-    xf = x.float()
-    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return (weight.float() * normed.float()).to(torch.promote_types(weight.dtype, x.dtype))
-
-
-def _rms_weighted_grad(x: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor, eps: float
-                       ) -> torch.Tensor:
-    """d/dx of `_rms_weighted` (the cast passes the gradient through): with n = x * r and
-    gn = grad * weight, r * (gn - n * mean(gn * n)), r = rsqrt(mean(x^2) + eps)."""
-    xf = x.float()
-    r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    n, gn = xf * r, grad.float() * weight.float()
-    return (r * (gn - n * (gn * n).mean(-1, keepdim=True))).to(x.dtype)
-
-
-class _RmsNorm(torch.autograd.Function):
-    """weight * rms_norm(x) keeping x only (the backward recomputes the scale). The kernel
-    and the weight's multiply run apart each way otherwise: in the update's profile at 7B
-    the multiplies took ~1.6% of a micro-batch beside the norm kernels' 0.9%. The weight
-    takes no gradient (the base is frozen)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.eps = eps
-        return _norm_pass(_rms_weighted, x, weight, eps=eps)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        x, weight = ctx.saved_tensors
-        return _norm_pass(_rms_weighted_grad, x, weight, grad, eps=ctx.eps), None, None
-
-
-def _norm_pass(fn: Any, x: torch.Tensor, weight: torch.Tensor, *rest: torch.Tensor,
-               eps: float) -> torch.Tensor:
-    """`fn` over [tokens, hidden] views: one compiled graph for every batch shape."""
-    flat = [t.reshape(-1, x.shape[-1]) for t in (x, *rest)]
-    out = compiled_call(fn, flat[0], weight, *flat[1:], eps) if x.is_cuda else \
-        fn(flat[0], weight, *flat[1:], eps)
-    return out.view(*x.shape[:-1], out.shape[-1])
 
 
 # ------------------------------------------------------------------ SwiGLU

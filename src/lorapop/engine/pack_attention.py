@@ -24,14 +24,13 @@ except inside `maskless` (the update's forwards: causal rows need none).
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -150,28 +149,10 @@ def attend(layout: PackLayout, query: torch.Tensor, key: torch.Tensor,
     return out[:-1].view(n, w, heads, d)
 
 
-#: Training forwards (under grad) try cuDNN's fused attention first where SDPA may choose
-#: (causal rows and pack prompts; the completions' lower-right mask always takes
-#: FlashAttention), then FlashAttention as otherwise. Off until measured on the update.
-CUDNN_FIRST = False
-_CUDNN_FIRST = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
-                SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-
 def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float = 0.0,
                scaling: float | None = None, pack_layout: PackLayout | None = None,
                **kwargs: Any) -> tuple[torch.Tensor, None]:
-    cudnn = CUDNN_FIRST and torch.is_grad_enabled()
-    with sdpa_kernel(_CUDNN_FIRST, set_priority=True) if cudnn else nullcontext():
-        return _dispatch(module, query, key, value, attention_mask, dropout, scaling,
-                         pack_layout, **kwargs)
-
-
-def _dispatch(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-              value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float,
-              scaling: float | None, pack_layout: PackLayout | None,
-              **kwargs: Any) -> tuple[torch.Tensor, None]:
     if pack_layout is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
