@@ -179,7 +179,8 @@ AB_VARIANTS = {"norms": ("HF norms", "fused norms"), "head": ("eager head", "com
                "slotgrad": ("slot grads through autograd", "slot grads in place"),
                "transfer": ("waiting copies", "queued copies"),
                "headplan": ("eager head planned", "compiled head planned"),
-               "inputgrad": ("two input grads", "one input grad")}
+               "inputgrad": ("two input grads", "one input grad"),
+               "normweight": ("norm weight multiplied", "norm weight in the kernel")}
 #: False: the memory plan reserves the eager LM head's bytes (`--ab headplan`)
 PLAN_COMPILED_HEAD = True
 
@@ -205,7 +206,8 @@ def set_variant(parts, variant: str) -> None:
     back by the layout and the loss, or queued ones and no read-back), or
     what the memory plan reserves for the LM head (the eager passes' bytes or the compiled), or
     or a projection's input gradient (base and LoRA summed by autograd, or formed as one:
-    `bank.one_input_grad`)."""
+    `bank.one_input_grad`), or an RMSNorm's weight (a multiply each way after the norm kernel,
+    or inside it: `fused.NORM_WEIGHT_IN_KERNEL`)."""
     import lorapop.engine.logprobs as logprobs
     from lorapop.engine.fused import (
         fuse_mlps,
@@ -230,6 +232,10 @@ def set_variant(parts, variant: str) -> None:
         pack_attention.maskless = _MASKLESS if transfer.QUEUED else contextlib.nullcontext
     elif variant.endswith(("input grads", "input grad")):
         parts.bank.one_input_grad = variant == "one input grad"
+    elif variant.startswith("norm weight"):
+        import lorapop.engine.fused as fused
+
+        fused.NORM_WEIGHT_IN_KERNEL = variant == "norm weight in the kernel"
     elif variant.endswith("rotary"):
         (fuse_rotary if variant == "fused rotary" else unfuse_rotary)(parts.model)
     elif variant.startswith("slot grads"):
@@ -450,7 +456,8 @@ def main() -> None:
                          "queued copies of a micro-batch's inputs (and device ids read back or "
                          "not), or the memory plan's eager vs "
                          "compiled LM-head bytes (with --card-gib: micro-batch sizes), or "
-                         "a projection's base and LoRA input gradients summed vs formed as one")
+                         "a projection's base and LoRA input gradients summed vs formed as "
+                         "one, or an RMSNorm's weight multiplied after its kernel vs inside it")
     ap.add_argument("--card-gib", type=float, default=None,
                     help="hold all but this many GiB of the GPU first (as loop_step.py): "
                          "micro-batches sized as on a smaller card, e.g. 79.6 for an H100 80GB")

@@ -60,6 +60,30 @@ def test_fused_norms_give_the_same_logits_and_gradients(arch, dtype, device):
     assert all("forward" not in vars(m) for m in model.modules())
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_weight_in_the_kernel_gives_the_same_logits_and_gradients(arch, dtype, device,
+                                                                       monkeypatch):
+    """`NORM_WEIGHT_IN_KERNEL`: the weight applied inside `F.rms_norm` (one rounding in bf16
+    where the original rounds twice): the original's logits and input gradients, frozen
+    weights other than ones, in training and inference."""
+    import lorapop.engine.fused as fused
+
+    model = tiny_model(arch).to(device=device, dtype=dtype).requires_grad_(False)
+    for m in model.modules():
+        if type(m).__name__.endswith("RMSNorm"):
+            m.weight.data.uniform_(0.5, 1.5, generator=torch.Generator(device).manual_seed(3))
+    ref = _forward_backward(model, device)
+    monkeypatch.setattr(fused, "NORM_WEIGHT_IN_KERNEL", True)
+    fuse_rms_norms(model)
+    got = _forward_backward(model, device)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    for g, r in zip(got, ref, strict=True):
+        torch.testing.assert_close(g, r, rtol=tol, atol=tol)
+    unfuse_rms_norms(model)
+
+
 def test_loaded_base_models_run_the_fused_norms():
     model = load_base_model("tiny-random", load_tokenizer("tiny-random"), device="cpu")
     norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
