@@ -45,7 +45,11 @@ def _forward_backward(model, device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_norms_give_the_same_logits_and_gradients(arch, dtype, device):
+def test_fused_norms_give_the_same_logits_and_gradients(arch, dtype, device, monkeypatch):
+    """The kernel with the weight applied after it, as the original applies it."""
+    import lorapop.engine.fused as fused
+
+    monkeypatch.setattr(fused, "NORM_WEIGHT_IN_KERNEL", False)
     model = tiny_model(arch).to(device=device, dtype=dtype)
     ref = _forward_backward(model, device)
     layers = model.config.num_hidden_layers
@@ -63,8 +67,7 @@ def test_fused_norms_give_the_same_logits_and_gradients(arch, dtype, device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_norm_weight_in_the_kernel_gives_the_same_logits_and_gradients(arch, dtype, device,
-                                                                       monkeypatch):
+def test_norm_weight_in_the_kernel_gives_the_same_logits_and_gradients(arch, dtype, device):
     """`NORM_WEIGHT_IN_KERNEL`: the weight applied inside `F.rms_norm` (one rounding in bf16
     where the original rounds twice): the original's logits and input gradients, frozen
     weights other than ones, in training and inference."""
@@ -75,7 +78,7 @@ def test_norm_weight_in_the_kernel_gives_the_same_logits_and_gradients(arch, dty
         if type(m).__name__.endswith("RMSNorm"):
             m.weight.data.uniform_(0.5, 1.5, generator=torch.Generator(device).manual_seed(3))
     ref = _forward_backward(model, device)
-    monkeypatch.setattr(fused, "NORM_WEIGHT_IN_KERNEL", True)
+    assert fused.NORM_WEIGHT_IN_KERNEL  # the default
     fuse_rms_norms(model)
     got = _forward_backward(model, device)
     tol = 1e-5 if dtype == torch.float32 else 3e-2
