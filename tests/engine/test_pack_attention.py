@@ -104,3 +104,22 @@ def test_layout_of_packs_without_completion_tokens(completions):
         q[:, :, :4], k[:, :, :4], v[:, :, :4], is_causal=True, scale=0.3, enable_gqa=True)
     torch.testing.assert_close(out[:, :4], alone.transpose(1, 2))
     assert out[0, 4:].abs().sum() == 0 and out[1, 5:].abs().sum() == 0
+
+
+def test_gradients_return_in_the_projections_layout_without_copies():
+    """transformers hands q/k/v over as transposed views of the projections' [N, W, heads * d]
+    outputs: the packs' backward gives their gradients back in that layout, with no copy on
+    the way (at 7B each copy is a full q-, k- or v-sized tensor per layer)."""
+    n, d = len(PROMPTS), 8
+    outputs = [torch.randn(n, WIDTH, heads * d, dtype=torch.float64, requires_grad=True)
+               for heads in (4, 2, 2)]
+    q, k, v = (x.view(n, WIDTH, -1, d).transpose(1, 2) for x in outputs)
+    out = attend(PackLayout.build(PROMPTS, COMPLETIONS, WIDTH, torch.device("cpu")), q, k, v, 0.3)
+    with torch.profiler.profile() as prof:
+        grads = torch.autograd.grad(out.square().sum(), outputs)
+    assert not [e.name for e in prof.events() if e.name in ("aten::clone", "aten::contiguous")]
+    ref = _reference(q, k, v, 0.3)  # the same gradients as the dense reference
+    real = _segments() >= 0
+    expected = torch.autograd.grad(ref[real].square().sum(), outputs)
+    for g, e in zip(grads, expected, strict=True):
+        torch.testing.assert_close(g, e)
