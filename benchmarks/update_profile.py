@@ -143,7 +143,7 @@ def update_pass(parts, rows: tuple[list, list, list], share: bool, mode: bool | 
                                   with_stack=True) as prof_stack:  # (its own run: slower host)
                 micro(groups[0][0])
                 sync_cuda()
-            out["ops"] = op_table(prof_stack)
+            out["ops"] = op_table(prof_stack, 60)  # the copies spread over many places
             out["cpu_ops"] = [{"name": e.key[:100], "calls": e.count,
                                "self_cpu_ms": e.self_cpu_time_total / 1e3}
                               for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:15]]
