@@ -249,16 +249,15 @@ def test_compiled_passes_compile_once_whatever_their_inputs_layout(monkeypatch):
     from lorapop.engine.logprobs import _logits_grad, _pick_and_lse
 
     graphs: dict[str, int] = {}
+    symbolic: dict[str, int] = {}  # symbolic sizes past the first, by pass
     real_compile = torch.compile
-
-    symbolic: dict[str, int] = {}
 
     def counting_compile(fn, **kwargs):
         def backend(gm, example_inputs):
             graphs[fn.__qualname__] = graphs.get(fn.__qualname__, 0) + 1
             for node in gm.graph.find_nodes(op="placeholder"):
                 value = node.meta.get("example_value")
-                if isinstance(value, torch.Tensor):  # sizes past the first: constants?
+                if isinstance(value, torch.Tensor):
                     symbolic[fn.__qualname__] = symbolic.get(fn.__qualname__, 0) + sum(
                         not isinstance(n, int) for n in value.shape[1:])
             return gm.forward
