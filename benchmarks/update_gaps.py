@@ -65,8 +65,8 @@ def timeline(prof: profiler.profile, top: int = 20) -> dict:
     kernels = [(e.time_range.start, e.time_range.end) for e in events if e.device_type == device]
     host = [e for e in events if e.device_type != device]
     busy, gaps = idle_gaps(kernels)
-    span = max(e for _, e in kernels) - min(s for s, _ in kernels) if kernels else 0.0
     first = min((s for s, _ in kernels), default=0.0)
+    span = max((e for _, e in kernels), default=first) - first
     longest = []
     for length, start in gaps[:top]:
         middle = start + length / 2

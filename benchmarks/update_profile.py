@@ -204,7 +204,7 @@ def set_variant(parts, variant: str) -> None:
     gradient of a one-slot micro-batch's LoRA weights (through autograd, or `bank._SlotView`),
     how a micro-batch's inputs reach the GPU (copies that wait for it, device slot ids read
     back by the layout and the loss, or queued ones and no read-back), or
-    what the memory plan reserves for the LM head (the eager passes' bytes or the compiled), or
+    what the memory plan reserves for the LM head (the eager passes' bytes or the compiled),
     or a projection's input gradient (base and LoRA summed by autograd, or formed as one:
     `bank.one_input_grad`), or an RMSNorm's weight (a multiply each way after the norm kernel,
     or inside it: `fused.NORM_WEIGHT_IN_KERNEL`)."""

@@ -206,9 +206,7 @@ class _FrozenLinearLora(torch.autograd.Function):
         h = x2 @ a.t()
         ctx.save_for_backward(x2, weight, a, b, h)
         ctx.scaling, ctx.x_shape = scaling, x.shape
-        if not out.is_contiguous():
-            return torch.addmm(out.reshape(-1, out.shape[-1]), h, b.t(), alpha=scaling).view(out.shape)
-        out.view(-1, out.shape[-1]).addmm_(h, b.t(), alpha=scaling)
+        out.view(-1, out.shape[-1]).addmm_(h, b.t(), alpha=scaling)  # (a linear's: contiguous)
         ctx.mark_dirty(out)
         return out
 
