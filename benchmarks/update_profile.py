@@ -40,6 +40,7 @@ from loop_step import (  # noqa: E402
     kernel_kinds,
     kernel_table,
     op_table,
+    stack_profile,
     sync_cuda,
 )
 
@@ -138,9 +139,8 @@ def update_pass(parts, rows: tuple[list, list, list], share: bool, mode: bool | 
             out["profiled_wall_ms"] = wall_ms  # as loop_step.py --update-trace: GPU busy share
             out["gpu_busy"] = sum(out["kernel_kinds_ms"].values()) / wall_ms
             out["kernels"] = kernel_table(prof, 30)
-            with profiler.profile(activities=[profiler.ProfilerActivity.CUDA,
-                                              profiler.ProfilerActivity.CPU],
-                                  with_stack=True) as prof_stack:  # (its own run: slower host)
+            with stack_profile(profiler.ProfilerActivity.CUDA,
+                               profiler.ProfilerActivity.CPU) as prof_stack:  # slower host
                 micro(groups[0][0])
                 sync_cuda()
             out["ops"] = op_table(prof_stack, 60)  # the copies spread over many places

@@ -72,9 +72,10 @@ def test_op_table_says_which_code_ran_each_operator() -> None:
 
     x = torch.randn(64, 4, 16, requires_grad=True)
     cos, sin = torch.randn(2, 64, 1, 16).unbind()
-    with profiler.profile(activities=[profiler.ProfilerActivity.CPU], with_stack=True) as prof:
+    loop_step = _loop_step()
+    with loop_step.stack_profile(profiler.ProfilerActivity.CPU) as prof:
         (_rotate(x, cos, sin) * 2).sum().backward()
-    table = _loop_step().op_table(prof, n=100)
+    table = loop_step.op_table(prof, n=100)
     assert all(set(row) == {"op", "where", "calls", "cpu_ms"} for row in table)
     assert [r["cpu_ms"] for r in table] == sorted((r["cpu_ms"] for r in table), reverse=True)
     where = {(r["op"], r["where"]) for r in table}

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 from script_env import script_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,6 +38,9 @@ def test_smoke_run_writes_its_report(tmp_path) -> None:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(out.read_text())
-    assert report["student_pass_syncs"] == []  # no CUDA here: nothing can synchronise
+    # on a CPU nothing can synchronise; on a GPU only the pass's set-up does (the benchmark's
+    # inputs and `group_token_counts`, once per update), never the micro-batch loop
+    syncs = {site.split(":")[0] for site, _ in report["student_pass_syncs"]}
+    assert syncs <= ({"update_profile.py", "loss.py"} if torch.cuda.is_available() else set())
     for name in ("teacher", "student"):
         assert report[name]["micro_batches"] >= 1 and report[name]["unprofiled_s"] > 0
