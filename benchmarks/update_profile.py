@@ -180,7 +180,8 @@ AB_VARIANTS = {"norms": ("HF norms", "fused norms"), "head": ("eager head", "com
                "transfer": ("waiting copies", "queued copies"),
                "headplan": ("eager head planned", "compiled head planned"),
                "inputgrad": ("two input grads", "one input grad"),
-               "normweight": ("norm weight multiplied", "norm weight in the kernel")}
+               "normweight": ("norm weight multiplied", "norm weight in the kernel"),
+               "merged": ("separate projections", "merged projections")}
 #: False: the memory plan reserves the eager LM head's bytes (`--ab headplan`)
 PLAN_COMPILED_HEAD = True
 
@@ -207,7 +208,8 @@ def set_variant(parts, variant: str) -> None:
     what the memory plan reserves for the LM head (the eager passes' bytes or the compiled),
     or a projection's input gradient (base and LoRA summed by autograd, or formed as one:
     `bank.one_input_grad`), or an RMSNorm's weight (a multiply each way after the norm kernel,
-    or inside it: `fused.NORM_WEIGHT_IN_KERNEL`)."""
+    or inside it: `fused.NORM_WEIGHT_IN_KERNEL`), or q/k/v and gate/up outside training (a GEMM
+    each or one per group: `merged.MERGE`)."""
     import lorapop.engine.logprobs as logprobs
     from lorapop.engine.fused import (
         fuse_mlps,
@@ -236,6 +238,10 @@ def set_variant(parts, variant: str) -> None:
         import lorapop.engine.fused as fused
 
         fused.NORM_WEIGHT_IN_KERNEL = variant == "norm weight in the kernel"
+    elif variant.endswith("projections"):
+        import lorapop.engine.merged as merged
+
+        merged.MERGE = variant == "merged projections"
     elif variant.endswith("rotary"):
         (fuse_rotary if variant == "fused rotary" else unfuse_rotary)(parts.model)
     elif variant.startswith("slot grads"):
@@ -457,7 +463,8 @@ def main() -> None:
                          "not), or the memory plan's eager vs "
                          "compiled LM-head bytes (with --card-gib: micro-batch sizes), or "
                          "a projection's base and LoRA input gradients summed vs formed as "
-                         "one, or an RMSNorm's weight multiplied after its kernel vs inside it")
+                         "one, or an RMSNorm's weight multiplied after its kernel vs inside it, "
+                         "or q/k/v and gate/up as a GEMM each vs one per group (decode cases)")
     ap.add_argument("--card-gib", type=float, default=None,
                     help="hold all but this many GiB of the GPU first (as loop_step.py): "
                          "micro-batches sized as on a smaller card, e.g. 79.6 for an H100 80GB")

@@ -14,6 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from transformers.utils import logging as hf_logging
 
 from lorapop.engine.fused import fuse_mlps, fuse_rms_norms, fuse_rotary
+from lorapop.engine.merged import merge_projections
 
 hf_logging.disable_progress_bar()  # a 3 MB model's "Loading weights" bar is noise in run logs
 
@@ -130,7 +131,8 @@ def load_base_model(
     random_init: bool = False,
 ) -> torch.nn.Module:
     """The frozen base: every parameter has requires_grad False; adapters are added later.
-    Its RMSNorms run the fused kernel (`engine/fused.py`).
+    Its RMSNorms run the fused kernel (`engine/fused.py`), and in decode steps its q/k/v and
+    gate/up projections run as one GEMM each (`engine/merged.py`).
 
     `random_init` builds the architecture from the config alone, directly on the device.
     """
@@ -162,6 +164,7 @@ def load_base_model(
     fuse_rms_norms(model)
     fuse_mlps(model)
     fuse_rotary(model)
+    merge_projections(model)
     return model
 
 
