@@ -75,10 +75,11 @@ def test_merged_model_gives_the_same_logits_and_gradients(arch, device):
     assert torch.equal(grads[0], grads[1])  # under grad each projection runs its own GEMM
 
 
+@pytest.mark.parametrize("device", DEVICES)  # on CUDA the decode steps replay CUDA graphs
 @pytest.mark.parametrize("arch", sorted(ARCHS))
-def test_generation_equals_the_separate_projections_and_each_row_alone(arch):
+def test_generation_equals_the_separate_projections_and_each_row_alone(arch, device):
     tok = byte_tokenizer()
-    (plain, pb), (mm, mb) = _pair(arch, len(tok))
+    (plain, pb), (mm, mb) = _pair(arch, len(tok), device)
     prompts = ["def f(x):", "a", "assert f(3) ==", "hello world, this is long"]
     slots = [0, 2, 1, 2]
     params = SamplingParams(temperature=1.0, max_new_tokens=10, eos_token_ids=())
