@@ -19,6 +19,7 @@ its last dimension into heads, and the MLP reads it elementwise: all take stride
 
 from __future__ import annotations
 
+import itertools
 import types
 from dataclasses import dataclass, field
 
@@ -26,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-#: Sibling nn.Linear leaf names that the model's forward calls on one input, in any order.
-GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+from lorapop.lora.bank import SHARED_INPUT
+
 #: False: every projection runs its own GEMM (for side-by-side benchmarks).
 MERGE = True
 
@@ -49,7 +50,6 @@ def _forward(self: nn.Linear, x: Tensor) -> Tensor:
     i: int = self._lorapop_index
     one_token = x.dim() >= 2 and x.shape[-2] == 1
     if (not MERGE or not one_token or torch.is_grad_enabled() or torch.compiler.is_compiling()
-            or x.device != g.weight.device or x.dtype != g.weight.dtype
             or self.weight.data_ptr() != g.ptrs[i]):
         return F.linear(x, self.weight, self.bias)
     version = -1 if x.is_inference() else x._version
@@ -71,8 +71,8 @@ def merge_projections(model: nn.Module) -> int:
     placed: a member whose weight is later moved or replaced runs its own GEMM again."""
     n = 0
     for parent in model.modules():
-        for names in GROUPS:
-            mods = [getattr(parent, name, None) for name in names]
+        for names in SHARED_INPUT:
+            mods = [getattr(parent, name, None) for name in sorted(names)]
             if not all(type(m) is nn.Linear for m in mods):
                 continue
             w0 = mods[0].weight
@@ -84,7 +84,7 @@ def merge_projections(model: nn.Module) -> int:
                 weight = torch.cat([m.weight for m in mods])
                 bias = torch.cat([m.bias for m in mods]) if mods[0].bias is not None else None
             outs = [m.out_features for m in mods]
-            starts = [sum(outs[:i]) for i in range(len(outs))]
+            starts = [0, *itertools.accumulate(outs[:-1])]
             group = _Group(weight, bias, outs, [weight[s].data_ptr() for s in starts])
             for i, (m, start) in enumerate(zip(mods, starts, strict=True)):
                 rows = slice(start, start + outs[i])
