@@ -10,7 +10,10 @@ per token on code). Each run does `--warmup` steps first, then times `--steps` s
     PYTHONPATH=src python benchmarks/loop_step.py --out benchmarks/results/loop_step.json
 
 `--paper` runs the population config alone at its own sizes (no baseline, no warm-up unless
-asked), `--skip-update` times the generation phases only (no policy-gradient step),
+asked): first at realistic answer lengths (log-normal, median 500 tokens, sigma 1.0, capped at
+the config's 2,048), then with every row at 1,024 tokens (`--uniform`), in one process; each
+phase's decode milliseconds per step stand beside their roofline bound (`decode`, see
+`decode_roofline`). `--skip-update` times the generation phases only (no policy-gradient step),
 `--max-new-tokens N` sets both generation lengths, `--lengths MEDIAN[:SIGMA[:CAP]]`
 makes each row stop at a length drawn from a log-normal (through `generate`'s stop function,
 keyed by call and prompt; EOS stays off), and `--static` decodes static batches (no
@@ -77,6 +80,8 @@ def bench_overrides(seeds: Path, tasks_per_cell: int) -> list[str]:
 
 
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}  # dense bf16, SXM datasheet
+#: The realistic length mix --paper reports first: log-normal, median 500, sigma 1.0, cap 2,048
+REALISTIC = "500:1.0:2048"
 
 
 def _patch(name: str, wrap) -> None:
@@ -93,11 +98,13 @@ def _patch(name: str, wrap) -> None:
 
 def length_stop(median_len: float, sigma: float, cap: int | None):
     """Per call, a stop function ending prompt i after a log-normal number of tokens."""
-    calls = [0]
+    calls, active = [0], [True]
 
     def wrap(generate):
         @functools.wraps(generate)
         def run(*a, **kw):
+            if not active[0]:
+                return generate(*a, **kw)
             calls[0] += 1
             call = calls[0]
             params = a[5] if len(a) > 5 else kw["params"]
@@ -116,6 +123,7 @@ def length_stop(median_len: float, sigma: float, cap: int | None):
         return run
 
     wrap.calls = calls  # reset to 0 to draw a run's lengths again
+    wrap.active = active  # [False]: every row runs to max_new_tokens
     return wrap
 
 
@@ -386,28 +394,89 @@ class MicroBatchTrace:
 
 
 GENERATE_CALLS: list[dict] = []  # every traced generation call's rows, tokens and timing
+PEAK_HBM_TBS = {"H100": 3.35, "H200": 4.8}  # HBM bandwidth, SXM datasheet
+
+
+def _phase() -> str | None:
+    """The loop phase (`proposal`, `solving`, ...) that called generate, from the stack."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name in ("proposal", "solving", "difficulty"):
+            return frame.f_code.co_name
+        frame = frame.f_back
+    return None
 
 
 def trace_generate(generate):
     """Print each generation call as it ends (rows, new tokens, seconds, where they went) and
-    keep its figures in `GENERATE_CALLS`."""
+    keep its figures in `GENERATE_CALLS`, with what its decode steps must read
+    (`kv_token_reads`: sum over rows and steps of the tokens a row attends to) and the
+    adapter slots it used."""
 
     @functools.wraps(generate)
     def run(*a, **kw):
         timing = kw.setdefault("timing", {})
+        phase = _phase()
         t0 = time.perf_counter()
         out = generate(*a, **kw)
         sync_cuda()
         dt = time.perf_counter() - t0
         new = sum(len(g.token_ids) for g in out)
-        GENERATE_CALLS.append({"rows": len(out), "new_tokens": new, "s": dt, **timing})
+        slots = a[4] if len(a) > 4 else kw.get("slot_ids")
+        reads = sum(len(g.token_ids) * len(g.prompt_ids)
+                    + len(g.token_ids) * (len(g.token_ids) - 1) // 2 for g in out)
+        GENERATE_CALLS.append({"phase": phase, "rows": len(out), "new_tokens": new, "s": dt,
+                               "kv_token_reads": reads,
+                               "slots": len(set(slots)) if slots is not None else None, **timing})
         parts = ", ".join(f"{k} {v:.1f}" for k, v in timing.items() if k.endswith("_s"))
-        print(f"[generate] {len(out)} rows, {new} new tokens in {dt:.1f} s "
+        print(f"[generate] {phase}: {len(out)} rows, {new} new tokens in {dt:.1f} s "
               f"({new / max(dt, 1e-9):.0f} tok/s; batch {timing.get('batch')}, "
               f"{timing.get('steps')} steps: {parts}){_peak()}", flush=True)
         return out
 
     return run
+
+
+def decode_roofline(model, bank, calls: list[dict]) -> dict[str, dict]:
+    """Per phase, the decode steps' time against their roofline bound (docs/performance.md):
+
+        bytes = steps * (W + a * A) + kv_token_reads * K
+        flops = 2 * N * row_steps + 4 * L * H * d * kv_token_reads
+        bound = max(bytes / HBM bandwidth, flops / peak bf16 FLOP/s)
+
+    W: the frozen weights a step reads (N parameters that multiply, at their width), A: one
+    adapter's LoRA weights, a: the adapters the phase's rows use, K: one token's keys and
+    values over all layers, L/H/d: layers, query heads, head size. A sum over the phase's steps
+    (max of sums <= sum of per-step maxima: a lower bound)."""
+    from lorapop.engine.kvcache import kv_bytes_per_token
+
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+    bw = next((v for k, v in PEAK_HBM_TBS.items() if k in name), None)
+    peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+    cfg = model.config.get_text_config()
+    n = flop_params(model)
+    item = next(model.parameters()).dtype.itemsize
+    per_adapter = bank.slot_numel * item
+    attn = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * (
+        getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    out: dict[str, dict] = {}
+    for c in calls:
+        ph = out.setdefault(c["phase"] or "other", {"decode_s": 0.0, "steps": 0, "bytes": 0,
+                                                     "flops": 0, "rows": 0})
+        steps = c.get("steps", 0)
+        ph["decode_s"] += c.get("decode_s", 0.0)
+        ph["steps"] += steps
+        ph["rows"] += c["rows"]
+        ph["bytes"] += steps * (n * item + (c["slots"] or 1) * per_adapter) \
+            + c["kv_token_reads"] * kv_bytes_per_token(model)
+        ph["flops"] += 2 * n * c.get("row_steps", 0) + attn * c["kv_token_reads"]
+    for ph in out.values():
+        ph["ms_per_step"] = 1e3 * ph["decode_s"] / max(1, ph["steps"])
+        if bw and peak:
+            bound = max(ph["bytes"] / (bw * 1e12), ph["flops"] / (peak * 1e12))
+            ph["bound_ms_per_step"] = 1e3 * bound / max(1, ph["steps"])
+            ph["fraction_of_bound"] = bound / ph["decode_s"] if ph["decode_s"] else None
+    return out
 
 
 def flop_params(model) -> int:
@@ -453,6 +522,7 @@ def measure(config: str, overrides: list[str], warmup: int, steps: int, run_dir:
             return policy_step(rollouts, rewards)
 
         sp._policy_step = keep_args
+    GENERATE_CALLS.clear()
     try:
         for i in range(warmup + steps):
             sync_cuda()
@@ -465,11 +535,13 @@ def measure(config: str, overrides: list[str], warmup: int, steps: int, run_dir:
             else:
                 warm_rows.append({k: row[k] for k in ("wall_s", "phase_s")})
                 counter.reset()
+                GENERATE_CALLS.clear()
                 alloc = allocator_counts()  # counted from the first timed step on
             print(f"{config} step {i}: {row['wall_s']:.1f}s {row['phase_s']}", flush=True)
             _save_so_far(save, rows, ab)
         timed = (counter.real, counter.forward, counter.padded, counter.micro_batches,
                  counter.checkpointed)
+        decode = decode_roofline(sp.parts.model, sp.parts.bank, GENERATE_CALLS)
         alloc = {k: v - alloc.get(k, 0) for k, v in allocator_counts().items()}
         for kernel in update_ab or []:  # the last step's update again, one LoRA kernel each
             sp.parts.bank.kernel = kernel
@@ -514,6 +586,7 @@ def measure(config: str, overrides: list[str], warmup: int, steps: int, run_dir:
         "phase_s": phases,
         "generated_tokens": rows[0]["generated_tokens"],
         "tokens_per_s": median(r["tokens_per_s"] for r in rows),
+        "decode": decode,  # per phase: ms per decode step, its roofline bound and fraction
         "peak_memory_gib": _peak_gib() if cuda else None,  # (net of a --card-gib ballast)
         "compile_s": compile_s,
         "warmup_steps": warm_rows,  # the untimed first steps: one-off costs show against the timed
@@ -554,7 +627,11 @@ def main() -> None:
                     help="the population config alone at its own sizes (no baseline)")
     ap.add_argument("--max-new-tokens", type=int, help="both generation lengths")
     ap.add_argument("--lengths", help="MEDIAN[:SIGMA[:CAP]]: log-normal row lengths via the "
-                    "stop function instead of ignore_eos (sigma 1.0, cap max_new_tokens)")
+                    "stop function instead of ignore_eos (sigma 1.0, cap max_new_tokens); "
+                    f"--paper's default: {REALISTIC} (--lengths none: every row at the cap)")
+    ap.add_argument("--uniform", type=int, default=None,
+                    help="--paper: then the same run with every row this many tokens, in the "
+                         "same process (default 1024 with --paper's realistic lengths, 0: none)")
     ap.add_argument("--static", action="store_true", help="static batches (no refills)")
     ap.add_argument("--and-static", action="store_true",
                     help="--paper: run again with static batches in the same process and "
@@ -587,6 +664,14 @@ def main() -> None:
     _patch("generate", trace_generate)  # one line per generation call
     if args.static:
         _patch("generate", static_batches)
+    if args.paper and args.lengths is None and not args.max_new_tokens:
+        args.lengths = REALISTIC  # what a real model's answers look like, at the config's cap
+    if args.lengths == "none":
+        args.lengths = None
+    if args.uniform is None:
+        args.uniform = 1024 if args.paper and args.lengths == REALISTIC else 0
+    if args.uniform and not args.paper:
+        ap.error("--uniform needs --paper")
     if args.lengths:  # lengths follow the prompt (its key), not its batch;
         # EOS stays off (random weights): the drawn length is the only stop
         parts = [*map(float, args.lengths.split(":"))]
@@ -598,6 +683,8 @@ def main() -> None:
         args.warmup = 0 if args.paper else 1
     result = {
         "benchmark": "loop_step --paper" if args.paper else "loop_step",
+        "lengths": f"log-normal {args.lengths} (median:sigma:cap)" if args.lengths
+        else f"uniform {args.max_new_tokens or 'cap'} (ignore_eos)",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor(),
         "torch": torch.__version__,
@@ -626,6 +713,15 @@ def main() -> None:
     if args.paper:
         out.write_text(json.dumps(result, indent=1))
         print(json.dumps(pop, indent=1))
+        if args.uniform:  # the headline's realistic mix, then uniform rows beside it
+            lengths.active[0] = False
+            uni = [*common, f"sampling.teacher_max_new_tokens={args.uniform}",
+                   f"sampling.student_max_new_tokens={args.uniform}"]
+            result["uniform"] = measure(args.config, uni, args.warmup, args.steps,
+                                        tmp / "uniform", args.skip_update)
+            result["uniform"]["lengths"] = f"uniform {args.uniform} (ignore_eos)"
+            out.write_text(json.dumps(result, indent=1))
+            print(json.dumps(result["uniform"], indent=1))
         if args.and_static:
             if args.lengths:
                 lengths.calls[0] = 0  # the same rows stop at the same lengths

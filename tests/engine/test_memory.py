@@ -122,3 +122,76 @@ def test_a_compiled_head_reserves_its_logits_and_their_gradient_alone():
     keep, _ = plan_update(model, 100, 10**6, 64, budget)
     keep_compiled, _ = plan_update(model, 100, 10**6, 64, budget, compiled_head=True)
     assert keep == 500 and keep_compiled == 500 + (eager - compiled) // per_token
+
+
+def _mix(rng, kind: str, cap: int) -> int:
+    if kind == "uniform":
+        return cap
+    if kind == "bimodal":
+        return cap if rng.random() < 0.3 else rng.randint(1, 100)
+    return max(1, min(cap, round(rng.lognormvariate(5.5, 1.2))))
+
+
+@pytest.mark.parametrize("kind", ["uniform", "bimodal", "lognormal"])
+def test_every_micro_batch_of_any_length_mix_fits_the_plan(kind, monkeypatch):
+    """Whatever the lengths, the update's plan holds: each micro-batch that keeps its
+    activations fits the budget (fixed head bytes + padded tokens x bytes per token); a wider
+    one is one row alone (checkpointed, nothing smaller exists); every row is trained once."""
+    import random
+
+    from lorapop.engine.logprobs import (
+        pack_micro_batches,
+        pack_widths,
+        shared_prompt_packs,
+        split_packs,
+    )
+
+    monkeypatch.setattr(memory, "_logged", set())
+    model = tiny_model()
+    per_token, fixed = update_bytes_per_token(model), update_fixed_bytes(model, 64)
+    rng = random.Random(kind)
+    for trial in range(40):
+        cap = rng.choice([64, 512, 2048])
+        prompts, comps, slots = [], [], []
+        for task in range(rng.randint(1, 30)):
+            prompt = [task + 1] * rng.randint(1, 700)
+            for _ in range(rng.choice([1, 4])):
+                prompts.append(prompt)
+                comps.append([7] * _mix(rng, kind, cap))
+                slots.append(task % 3)
+        packs = shared_prompt_packs(prompts, slots)
+        widths = pack_widths(packs, prompts, comps)
+        budget = fixed + rng.randint(10, 6000) * per_token
+        keep, max_tokens = plan_update(model, max(widths), 16384, 64, budget)
+        if keep:
+            packs = split_packs(packs, prompts, comps, keep)
+        seen = []
+        for rows, padded in pack_micro_batches(packs, pack_widths(packs, prompts, comps),
+                                               max_tokens, 8, slots):
+            seen += rows
+            if keep and padded <= keep:
+                assert fixed + padded * per_token <= budget, (trial, padded, keep)
+            elif keep:  # too wide to keep: one row, alone
+                assert len(rows) == 1, (trial, rows, padded, keep)
+            else:  # everything checkpoints: micro-batches of the configured size
+                assert padded <= max_tokens or len({id(prompts[i]) for i in rows}) == 1
+        assert sorted(seen) == list(range(len(comps)))
+
+
+def test_the_allocator_gets_expandable_segments_unless_the_user_chose(monkeypatch):
+    """A mix of micro-batch widths fragments the default allocator's fixed segments into an
+    OOM with GiBs free; lorapop sets expandable segments itself before CUDA starts, and keeps
+    a setting the user made."""
+    for key in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert memory.configure_allocator() == "expandable_segments:True"
+    import os
+
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+    assert memory.configure_allocator() == "expandable_segments:False"
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "backend:native")
+    assert memory.configure_allocator() == "backend:native"
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ

@@ -18,6 +18,14 @@ dense mask repeated for every query head, took ~6.6). The fused SwiGLU (`engine/
 no act: 3 intermediate, 5.25 MB. With checkpointing only each layer's input stays;
 recomputing costs one more forward (1.4-1.6x the time on an H100), so it pays only when
 memory is short.
+
+Every estimate here is of *allocated* bytes. PyTorch's default caching allocator keeps freed
+blocks in fixed segments: after a generation phase and micro-batches of every width, a request
+can fail with many GiB free but cut into pieces (a log-normal length mix ran the 7B paper config
+out of memory on an 80 GB card, in its first update, with ~20 GiB reserved but unallocated).
+`configure_allocator` therefore turns on expandable segments (segments that grow and shrink in
+place, so freed memory stays usable at any size) before CUDA starts, unless the user configured
+the allocator (`PYTORCH_ALLOC_CONF` / `PYTORCH_CUDA_ALLOC_CONF`: theirs is kept).
 """
 
 from __future__ import annotations
@@ -35,6 +43,25 @@ log = logging.getLogger(__name__)
 GIB = 2**30
 _SAMPLER_FLOATS = 12  # float32 [V] temporaries per sampled row, top-p sort included
 _logged: set[tuple] = set()
+#: The allocator setting lorapop applies when the user set none (see the module's docstring).
+ALLOC_CONF = "expandable_segments:True"
+_ALLOC_ENV = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+
+
+def configure_allocator() -> str:
+    """Expandable segments for the CUDA caching allocator unless the user chose a setting;
+    returns the setting in effect ('' when the user's environment decides). Before CUDA starts
+    the environment variable does it; once started (a caller allocated first), the allocator's
+    runtime setter, which applies to the segments made from then on."""
+    user = next((os.environ[k] for k in _ALLOC_ENV if os.environ.get(k)), None)
+    if user is not None:
+        return user
+    if not torch.cuda.is_initialized():
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ALLOC_CONF
+    else:  # private in torch 2.11-2.14 under two names; both parse the variable's syntax
+        setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+        (setter or torch.cuda.memory._set_allocator_settings)(ALLOC_CONF)
+    return ALLOC_CONF
 
 
 class GenerationMemoryError(ValueError):

@@ -14,6 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from transformers.utils import logging as hf_logging
 
 from lorapop.engine.fused import fuse_mlps, fuse_rms_norms, fuse_rotary
+from lorapop.engine.memory import configure_allocator
 from lorapop.engine.merged import merge_projections
 
 hf_logging.disable_progress_bar()  # a 3 MB model's "Loading weights" bar is noise in run logs
@@ -29,10 +30,13 @@ class ModelLoadError(RuntimeError):
 
 
 def resolve_device(device: str) -> torch.device:
+    """The model's device; on CUDA, the allocator is configured first (`configure_allocator`)."""
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ModelLoadError("model.device is 'cuda' but no CUDA device is visible")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ModelLoadError("model.device is 'cuda' but no CUDA device is visible")
+        configure_allocator()
     return torch.device(device)
 
 
