@@ -48,7 +48,7 @@ from lorapop.engine.logprobs import (
     shared_prompt_packs,
     split_packs,
 )
-from lorapop.engine.memory import free_memory, plan_update
+from lorapop.engine.memory import free_memory, pack_overhead, plan_update
 from lorapop.engine.model import use_checkpointing
 from lorapop.league import Role, match, match_results, plan_replacement, rate_children
 from lorapop.lora import evolve
@@ -427,16 +427,17 @@ class SelfPlay:
         slot_list = slots.tolist()
         packs = (shared_prompt_packs(prompts, slot_list) if tc.share_prompts
                  else [[i] for i in range(len(rollouts))])
-        widths = pack_widths(packs, prompts, comps)
+        overhead = pack_overhead(p.model)  # memory widths: what a shared pack's attention keeps
+        widths = pack_widths(packs, prompts, comps, overhead)
         costs = pack_costs(packs, prompts, comps, attention_pair_weight(p.model))
         mine = dist.shard(costs, self.world.size)[self.world.rank]
         with p.bank.held_copy(p.model.dtype):  # one cast of the bank for the whole update
             keep, max_tokens = self._update_memory_plan(max(widths))  # (copy not free memory)
             my_packs = [packs[j] for j in mine]
             if keep:  # a pack too wide to keep its activations goes in parts that fit
-                my_packs = split_packs(my_packs, prompts, comps, keep)
+                my_packs = split_packs(my_packs, prompts, comps, keep, overhead)
             for rows, padded in pack_micro_batches(
-                    my_packs, pack_widths(my_packs, prompts, comps), max_tokens,
+                    my_packs, pack_widths(my_packs, prompts, comps, overhead), max_tokens,
                     tc.micro_batch_size, slot_list if tc.micro_batch_by_slot else None):
                 if keep is not None:  # checkpoint only what does not fit with activations kept
                     use_checkpointing(p.model, padded > keep)

@@ -4,6 +4,7 @@ the update keeps its activations only when they fit."""
 from __future__ import annotations
 
 import logging
+import math
 
 import pytest
 import torch
@@ -195,3 +196,21 @@ def test_the_allocator_gets_expandable_segments_unless_the_user_chose(monkeypatc
     monkeypatch.setenv("PYTORCH_ALLOC_CONF", "backend:native")
     assert memory.configure_allocator() == "backend:native"
     assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+
+
+def test_a_shared_pack_is_planned_with_what_its_attention_keeps():
+    """A shared pack's attention keeps padded queries and gathered keys beyond its tokens: the
+    plan counts them (a lone row keeps none), and a pack is split to parts that fit so counted."""
+    from lorapop.engine.logprobs import pack_widths, split_packs
+
+    model = tiny_model()
+    overhead = memory.pack_overhead(model)
+    assert 0 < overhead[1] < overhead[0] < 1
+    prompts, comps = [[1] * 100] * 4 + [[2] * 50], [[3] * 200] * 4 + [[4] * 10]
+    packs = [[0, 1, 2, 3], [4]]
+    plain, counted = pack_widths(packs, prompts, comps), pack_widths(packs, prompts, comps, overhead)
+    assert plain == [900, 60] and counted[1] == 60
+    assert counted[0] == 900 + math.ceil(overhead[0] * 800 + overhead[1] * 4 * 100)
+    parts = split_packs(packs, prompts, comps, 900, overhead)
+    assert parts[:-1] != [[0, 1, 2, 3]] and sum(map(len, parts)) == 5
+    assert all(w <= 900 for w in pack_widths(parts[:-1], prompts, comps, overhead))

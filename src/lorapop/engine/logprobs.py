@@ -21,6 +21,7 @@ once. Rows sharing nothing keep the plain causal path.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -67,9 +68,23 @@ def shared_prompt_packs(prompt_ids: Sequence[Sequence[int]],
 
 
 def pack_widths(packs: Sequence[Sequence[int]], prompt_ids: Sequence[Sequence[int]],
-                completion_ids: Sequence[Sequence[int]]) -> list[int]:
-    """Tokens of each pack's sequence: its prompt once plus every completion."""
-    return [len(prompt_ids[g[0]]) + sum(len(completion_ids[i]) for i in g) for g in packs]
+                completion_ids: Sequence[Sequence[int]],
+                overhead: tuple[float, float] | None = None) -> list[int]:
+    """Tokens of each pack's sequence: its prompt once plus every completion. With
+    `overhead` (`memory.pack_overhead`), a shared pack's width in memory instead: plus what its
+    attention keeps beyond its tokens, in tokens' worth."""
+    return [_width(len(prompt_ids[g[0]]), [len(completion_ids[i]) for i in g], overhead)
+            for g in packs]
+
+
+def _width(prompt: int, lengths: Sequence[int], overhead: tuple[float, float] | None) -> int:
+    """A pack's tokens, plus (when shared) `overhead`'s (per completion token, per prompt
+    token per completion) tokens' worth of the attention's padded queries and gathered keys."""
+    width = prompt + sum(lengths)
+    if overhead is None or len(lengths) < 2:
+        return width
+    per_completion, per_prompt_key = overhead
+    return width + math.ceil(per_completion * sum(lengths) + per_prompt_key * len(lengths) * prompt)
 
 
 def pack_costs(packs: Sequence[Sequence[int]], prompt_ids: Sequence[Sequence[int]],
@@ -100,23 +115,22 @@ def attention_pair_weight(model: torch.nn.Module) -> float:
 
 
 def split_packs(packs: Sequence[Sequence[int]], prompt_ids: Sequence[Sequence[int]],
-                completion_ids: Sequence[Sequence[int]], limit: int) -> list[list[int]]:
-    """Packs wider than `limit` tokens cut into consecutive parts of at most `limit` (each
-    part repeats the prompt; a row wider than `limit` alone stays alone): a part whose
-    activations fit costs one more prompt forward, where the whole pack, checkpointed, costs a
-    second forward of everything."""
+                completion_ids: Sequence[Sequence[int]], limit: int,
+                overhead: tuple[float, float] | None = None) -> list[list[int]]:
+    """Packs wider than `limit` tokens (as `pack_widths` counts them with `overhead`) cut into
+    consecutive parts of at most `limit` (each part repeats the prompt; a row wider than
+    `limit` alone stays alone): a part whose activations fit costs one more prompt forward,
+    where the whole pack, checkpointed, costs a second forward of everything."""
     out: list[list[int]] = []
     for g in packs:
         prompt = len(prompt_ids[g[0]])
         part: list[int] = []
-        width = prompt
         for i in g:
-            n = len(completion_ids[i])
-            if part and width + n > limit:
+            lengths = [len(completion_ids[j]) for j in (*part, i)]
+            if part and _width(prompt, lengths, overhead) > limit:
                 out.append(part)
-                part, width = [], prompt
+                part = []
             part.append(i)
-            width += n
         out.append(part)
     return out
 

@@ -156,6 +156,23 @@ def update_bytes_per_token(model: Any) -> int:
                                       kept_inter)
 
 
+def pack_overhead(model: Any) -> tuple[float, float]:
+    """What a shared pack's attention keeps beyond its tokens (`engine/pack_attention`), in
+    tokens' worth of `update_bytes_per_token`: per completion token, its padded query and
+    output and its gathered key and value (up to `PAD_SLACK` x the real ones); per prompt
+    token and completion, the prompt's key and value gathered for that completion's call."""
+    from lorapop.engine.pack_attention import PAD_SLACK
+
+    cfg = model.config.get_text_config()
+    layers, kv_heads, head_dim = kv_shape(model)
+    item = next(model.parameters()).dtype.itemsize
+    per_token = update_bytes_per_token(model)
+    q_width = cfg.num_attention_heads * head_dim
+    kv = 2 * kv_heads * head_dim
+    return (layers * item * PAD_SLACK * (2 * q_width + kv) / per_token,
+            layers * item * kv / per_token)
+
+
 def host_free_memory() -> int | None:
     """Bytes of host memory available now (Linux), else the machine's total; None: unknown."""
     try:

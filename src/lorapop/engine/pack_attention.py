@@ -5,9 +5,12 @@ prompt (a student's answers to one task). Each completion must see the prompt an
 earlier tokens only. A dense [W, W] mask says so but rules out the fused kernels (and their
 grouped-query path), and most of its square is masked. Here a pack's attention is computed
 piecewise instead: the prompt's queries causally over the prompt (`is_causal`), and the
-completions' queries, batched and right-padded to the longest, over [prompt keys; own keys]
-under a bottom-right-aligned causal mask (`causal_lower_right`), which SDPA runs with
-FlashAttention on CUDA. Keys and values are gathered per head group, never repeated per
+completions' queries, batched and right-padded to the longest of their bucket, over [prompt
+keys; own keys] under a bottom-right-aligned causal mask (`causal_lower_right`), which SDPA
+runs with FlashAttention on CUDA. Completions are bucketed by length (`buckets`) so that the
+padded queries and gathered keys, which the backward keeps, stay within `PAD_SLACK` of the
+real ones: one answer at the cap among short ones, padded together, kept ~4x their tokens and
+ran a 7B update out of memory on an 80 GB card. Keys and values are gathered per head group, never repeated per
 query head. Right padding is exact: query j of a completion sees keys up to prompt + j, so no
 real query ever sees a padding key, and padding outputs are written to a scratch row that is
 dropped (selecting the real ones first cost an atomic index_add_ over them in the backward:
@@ -41,15 +44,42 @@ from lorapop.transfer import host_to_device
 NAME = "lorapop_packs"
 
 
+#: Padded completion tokens of one attention call stay within this factor of the real ones
+PAD_SLACK = 1.25
+
+
+@dataclass
+class _Bucket:
+    """Completions of similar length, right-padded to the longest (C tokens): one SDPA call."""
+
+    queries: torch.Tensor  # [R, C] flat positions (padding repeats the last token)
+    keys: torch.Tensor  # [R, prompt + C] flat positions of each one's keys
+
+
 @dataclass
 class _Group:
-    """Packs of one prompt length: their prompts and completions each take one SDPA call."""
+    """Packs of one prompt length: their prompts take one SDPA call, their completions one
+    per bucket."""
 
     rows: torch.Tensor  # [G] sequences (batch rows) of these packs
     prompt: int  # prompt tokens, the same for every pack of the group
-    # completions (None when every one is empty), right-padded to the longest (C tokens):
-    queries: torch.Tensor | None  # [R, C] flat positions (padding repeats the last token)
-    keys: torch.Tensor | None  # [R, prompt + C] flat positions of each one's keys
+    buckets: list[_Bucket]  # empty when every completion is empty
+
+
+def buckets(lengths: Sequence[int], slack: float = PAD_SLACK) -> list[list[int]]:
+    """Indices of `lengths` (> 0) in groups, longest first, each padded to its longest within
+    `slack` x its real tokens: len(g) * max <= slack * sum."""
+    out: list[list[int]] = []
+    top = real = 0
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        n = lengths[i]
+        if out and (len(out[-1]) + 1) * top <= slack * (real + n):
+            out[-1].append(i)
+            real += n
+        else:
+            out.append([i])
+            top = real = n
+    return out
 
 
 @dataclass
@@ -80,17 +110,17 @@ class PackLayout:
             written.append((torch.tensor(rows)[:, None] * width + torch.arange(p)).flatten())
             comps = [(s, s * width + start, n) for s in rows
                      for start, n in _spans(p, completions[s]) if n > 0]
-            if not comps:
-                groups.append(_Group(put(torch.tensor(rows)), p, None, None))
-                continue
-            lens = torch.tensor([n for *_, n in comps])
-            j = torch.arange(int(lens.max()))
-            last = torch.minimum(j, lens[:, None] - 1)  # padding repeats the last token
-            queries = torch.tensor([a for _, a, _ in comps])[:, None] + last
-            prompt_keys = torch.tensor([s * width for s, *_ in comps])[:, None] + torch.arange(p)
-            written.append(torch.where(j < lens[:, None], queries, scratch).flatten())
-            groups.append(_Group(put(torch.tensor(rows)), p, put(queries),
-                                 put(torch.cat([prompt_keys, queries], 1))))
+            parts = []
+            for b in buckets([n for *_, n in comps]):
+                lens = torch.tensor([comps[i][2] for i in b])
+                j = torch.arange(int(lens.max()))
+                last = torch.minimum(j, lens[:, None] - 1)  # padding repeats the last token
+                queries = torch.tensor([comps[i][1] for i in b])[:, None] + last
+                prompt_keys = torch.tensor([comps[i][0] * width for i in b])[:, None] \
+                    + torch.arange(p)
+                written.append(torch.where(j < lens[:, None], queries, scratch).flatten())
+                parts.append(_Bucket(put(queries), put(torch.cat([prompt_keys, queries], 1))))
+            groups.append(_Group(put(torch.tensor(rows)), p, parts))
         return cls(len(prompts), width, groups, put(torch.cat(written)))
 
 
@@ -144,12 +174,11 @@ def attend(layout: PackLayout, query: torch.Tensor, key: torch.Tensor,
         out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
                                              scale=scaling, enable_gqa=heads != key.shape[1])
         parts.append(out.transpose(1, 2).reshape(-1, heads, d))
-        if g.queries is None:
-            continue
-        q = flat[0][g.queries].transpose(1, 2)  # [R, heads, C, d]
-        k, v = (x[g.keys].transpose(1, 2) for x in flat[1:])  # [R, kv_heads, prompt + C, d]
-        out = lower_right_attention(q, k, v, scaling, dropout)
-        parts.append(out.transpose(1, 2).reshape(-1, heads, d))
+        for b in g.buckets:
+            q = flat[0][b.queries].transpose(1, 2)  # [R, heads, C, d]
+            k, v = (x[b.keys].transpose(1, 2) for x in flat[1:])  # [R, kv_heads, prompt + C, d]
+            out = lower_right_attention(q, k, v, scaling, dropout)
+            parts.append(out.transpose(1, 2).reshape(-1, heads, d))
     out = query.new_zeros(n * w + 1, heads, d).index_copy_(0, layout.written, torch.cat(parts))
     return out[:-1].view(n, w, heads, d)
 
