@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from lorapop.engine.model import resolve_device
+from lorapop.engine.load import resolve_device
 from lorapop.tiny.corpus import generate_corpus
 from lorapop.tiny.grammar import table_levels
 from lorapop.tiny.pretrain import SIZES, pretrain_tiny, reshape

@@ -26,10 +26,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from lorapop import runinfo  # noqa: E402
-from lorapop.checkpoint import latest_checkpoint  # noqa: E402
-from lorapop.report import read_metrics  # noqa: E402
-from lorapop.steplog import without_timings  # noqa: E402
+from lorapop.run import runinfo  # noqa: E402
+from lorapop.run.checkpoint import latest_checkpoint  # noqa: E402
+from lorapop.run.report import read_metrics  # noqa: E402
+from lorapop.selfplay.records import without_timings  # noqa: E402
 
 RUNS = (("deterministic_a", True), ("deterministic_b", True), ("default", False))
 

@@ -70,7 +70,7 @@ def main() -> None:
 
     probs = data.load("humanevalplus", args.data_dir, limit=args.problems) if args.data_dir else []
     if args.tiny:
-        from lorapop.engine.model import load_base_model, load_tokenizer
+        from lorapop.engine.load import load_base_model, load_tokenizer
 
         tok = load_tokenizer("tiny-random")
         model = load_base_model("tiny-random", tok, device="cpu")

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from lorapop.engine.generate import KeptDecoders, generate
-from lorapop.engine.model import TINY_DIR, load_tokenizer
+from lorapop.engine.load import TINY_DIR, load_tokenizer
 from lorapop.engine.sampling import SamplingParams
 from lorapop.lora.bank import AdapterBank
 from lorapop.tiny.pretrain import SIZES, build_model

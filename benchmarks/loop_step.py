@@ -429,7 +429,7 @@ def measure(config: str, overrides: list[str], warmup: int, steps: int, run_dir:
     """One run's timed steps (and the update replays); `save` gets what is measured so far
     after every step and replay, so a call cut by its time limit still returns it."""
     from lorapop.config import load_config
-    from lorapop.loop import SelfPlay
+    from lorapop.selfplay.loop import SelfPlay
 
     cfg = load_config(ROOT / config, overrides)
     cuda = torch.cuda.is_available()

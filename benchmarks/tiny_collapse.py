@@ -35,8 +35,8 @@ def one_run(seed: int, mode: str, run_dir: Path, heldout: Path, overrides: list[
     import torch
 
     from lorapop.config import load_config
-    from lorapop.loop import SelfPlay
-    from lorapop.report import read_metrics
+    from lorapop.run.report import read_metrics
+    from lorapop.selfplay.loop import SelfPlay
     from lorapop.tiny.evaluate import evaluate_tiny
     from lorapop.tiny.heldout import load_jsonl
 
@@ -134,7 +134,7 @@ def run_all(args: argparse.Namespace) -> None:
 
 def base_heldout(path: Path, per_level: int, workers: int) -> dict:
     """Build the held-out set once and score the base model on it (the "before" figures)."""
-    from lorapop.engine.model import load_base_model, load_tokenizer
+    from lorapop.engine.load import load_base_model, load_tokenizer
     from lorapop.tiny.evaluate import evaluate_tiny
     from lorapop.tiny.heldout import build_heldout, save_jsonl
     from lorapop.verify import Sandbox

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from lorapop.engine.generate import SamplingParams, generate
-from lorapop.engine.model import load_base_model, load_tokenizer, resolve_device
+from lorapop.engine.load import load_base_model, load_tokenizer, resolve_device
 from lorapop.tasks import Outcome, get_family
 from lorapop.tiny.corpus import generate_corpus
 from lorapop.tiny.generator import generate_tasks

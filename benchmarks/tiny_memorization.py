@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from lorapop.engine.generate import SamplingParams, generate
-from lorapop.engine.model import load_base_model, load_tokenizer
+from lorapop.engine.load import load_base_model, load_tokenizer
 from lorapop.tasks import get_family
 from lorapop.tiny.generator import generate_variants, normalize
 from lorapop.tiny.pretrain import Examples, build_corpus, encode

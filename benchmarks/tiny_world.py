@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from lorapop.engine.model import TINY_DIR, load_base_model, load_tokenizer, resolve_device
+from lorapop.engine.load import TINY_DIR, load_base_model, load_tokenizer, resolve_device
 from lorapop.tiny.evaluate import evaluate_tiny
 from lorapop.tiny.grammar import LEVEL_TABLES, TABLE_RULES
 from lorapop.tiny.heldout import build_heldout, fingerprint

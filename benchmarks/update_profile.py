@@ -65,7 +65,8 @@ def update_pass(parts, rows: tuple[list, list, list], share: bool, mode: bool | 
     """The loop's update over `rows` (`SelfPlay._policy_step` minus advantages and the
     optimizer): timed, with its peak memory; `profile` tabulates the first micro-batch;
     `held=False` casts the bank in every forward (round 1) instead of holding one copy."""
-    from lorapop import transfer
+    from lorapop.engine import transfer
+    from lorapop.engine.load import use_checkpointing
     from lorapop.engine.logprobs import (
         HEAD_CHUNK,
         head_compiled,
@@ -75,9 +76,8 @@ def update_pass(parts, rows: tuple[list, list, list], share: bool, mode: bool | 
         shared_prompt_packs,
     )
     from lorapop.engine.memory import free_memory, plan_update, update_bytes_per_token
-    from lorapop.engine.model import use_checkpointing
+    from lorapop.engine.transfer import host_to_device
     from lorapop.rl.loss import group_token_counts, policy_loss
-    from lorapop.transfer import host_to_device
 
     model = parts.model
     prompts, comps, slot_list = rows
@@ -226,7 +226,7 @@ def set_variant(parts, variant: str) -> None:
     elif variant.endswith("copies"):  # the micro-batch's inputs: waiting copies, device slot
         # ids read back and a mask step as before, or none of these waits
         import lorapop.engine.pack_attention as pack_attention
-        from lorapop import transfer
+        from lorapop.engine import transfer
 
         global _MASKLESS
         _MASKLESS = _MASKLESS or pack_attention.maskless
@@ -337,8 +337,8 @@ def paper_case(parts, args, write) -> dict:
 
 def update_case(parts, prompt: int, completion: int, tokens: int, ckpt: bool, reps: int,
                 profile: bool) -> dict:
+    from lorapop.engine.load import use_checkpointing
     from lorapop.engine.logprobs import sequence_logprobs
-    from lorapop.engine.model import use_checkpointing
     from lorapop.rl.loss import policy_loss
 
     model, bank = parts.model, parts.bank
@@ -482,7 +482,7 @@ def main() -> None:
     elif DEV != "cuda":
         sys.exit("update_profile.py needs a CUDA GPU (or --smoke for a CPU check of the script)")
     from lorapop.config import load_config
-    from lorapop.parts import build
+    from lorapop.selfplay.parts import build
 
     seeds = Path(tempfile.mkdtemp())
     cfg = load_config(ROOT / args.config, [*bench_overrides(seeds, 4), *args.overrides])

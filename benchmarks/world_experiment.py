@@ -84,9 +84,9 @@ def train_one(job: dict) -> dict:
     """Train (or resume) one run until done or the deadline; when done, score its students."""
     import torch
 
-    from lorapop.checkpoint import latest_checkpoint
     from lorapop.config import load_config
-    from lorapop.loop import SelfPlay
+    from lorapop.run.checkpoint import latest_checkpoint
+    from lorapop.selfplay.loop import SelfPlay
     from lorapop.tiny.evaluate import evaluate_tiny
     from lorapop.tiny.heldout import load_jsonl, save_jsonl
 
@@ -132,7 +132,7 @@ def cross_one(job: dict) -> dict:
     import torch
 
     from lorapop.config import load_config
-    from lorapop.loop import SelfPlay
+    from lorapop.selfplay.loop import SelfPlay
     from lorapop.tiny.evaluate import evaluate_tiny
     from lorapop.tiny.heldout import load_jsonl
 
@@ -282,7 +282,7 @@ def _bins(ys: list[float | None], n: int) -> list[float | None]:
 def rollout_counts(run_dir: Path) -> dict[int, dict[str, list[int]]]:
     """Per step and task type, [right, answers] of the student's answers, from the run's saved
     rollouts (steps without a readable student record are left out)."""
-    from lorapop import rollouts
+    from lorapop.run import rollouts
 
     out: dict[int, dict[str, list[int]]] = {}
     for f in (run_dir / "rollouts").glob("step_*.jsonl.gz"):
@@ -334,7 +334,7 @@ def gate_probe(out: Path) -> dict:
     code_o/code_i answers alone (`gate_code_o_i`: beside the pre-registered gate, not instead of
     it), the seconds per step and the median seconds of each phase after the first step (which
     includes warm-up)."""
-    from lorapop.report import read_metrics
+    from lorapop.run.report import read_metrics
 
     res = {}
     for d in sorted((out / "runs").glob("single_s*")):
@@ -494,7 +494,7 @@ def partial_summary(out: Path) -> dict:
     held-out pass@1 of the arms whose runs were all scored (their `jobs/*.out.json`), from an
     --out directory or an unpacked `progress.tgz`. Arms are compared over the steps every run
     reached; the gate reads each single-agent run to its end, as the full summary does."""
-    from lorapop.report import read_metrics
+    from lorapop.run.report import read_metrics
 
     recs = [json.loads(f.read_text()) for f in sorted((out / "jobs").glob("*.out.json"))
             if not f.name.endswith(f"{CROSS_JOB}.out.json")]  # cross-play records: not runs
@@ -678,7 +678,7 @@ def run_all(args: argparse.Namespace) -> None:
     out = Path(args.out)
     (out / "jobs").mkdir(parents=True, exist_ok=True)
     model = ensure_model(args)
-    from lorapop.engine.model import TINY_DIR
+    from lorapop.engine.load import TINY_DIR
     from lorapop.tiny.world import rule_overrides, training_record, world_of
 
     try:
@@ -726,7 +726,7 @@ def run_all(args: argparse.Namespace) -> None:
         left = sum(not r["done"] for r in recs)
         print(f"{left} of {len(recs)} runs not finished: run the same command again to continue")
         return
-    from lorapop.report import read_metrics
+    from lorapop.run.report import read_metrics
     from lorapop.tiny.heldout import load_jsonl, save_jsonl
 
     task_levels = [t.meta.get("difficulty") for t in load_jsonl(paths["heldout"])]

@@ -28,7 +28,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from statistics import fmean
 
-from lorapop import rollouts
+from lorapop.run import rollouts
 from lorapop.tasks.metrics import call_name
 from lorapop.tiny.grammar import TABLE_RULES
 

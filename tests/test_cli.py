@@ -252,7 +252,7 @@ def test_train_on_a_world_base_plays_under_its_rules(tmp_path):
     to `lorapop train`; a rule the command line sets stays as set."""
     import shutil
 
-    from lorapop.engine.model import TINY_DIR
+    from lorapop.engine.load import TINY_DIR
     from lorapop.tiny.grammar import TABLE_RULES
 
     base = tmp_path / "base"
@@ -278,7 +278,7 @@ def test_deterministic_training_is_recorded_and_an_op_without_a_kernel_warns(
     the update goes on warning instead of failing."""
     import torch
 
-    from lorapop.loop import SelfPlay
+    from lorapop.selfplay.loop import SelfPlay
 
     def probe(self) -> None:
         raise RuntimeError(f"{missing}, but you set 'torch.use_deterministic_algorithms(True)'\n.")
@@ -305,7 +305,7 @@ def test_deterministic_training_is_recorded_and_an_op_without_a_kernel_warns(
 
 
 def test_rollouts_dumped_every_step_and_shown(run_dir):
-    from lorapop.rollouts import read
+    from lorapop.run.rollouts import read
 
     for step in (1, 2):
         recs = read(run_dir / "rollouts" / f"step_{step}.jsonl.gz")
@@ -347,8 +347,8 @@ def test_resume_from_damaged_checkpoint_names_the_file(run_dir, tmp_path):
 def test_chat_template_run(tmp_path):
     from transformers import AutoTokenizer
 
-    from lorapop.engine.model import TINY_DIR
-    from lorapop.rollouts import read
+    from lorapop.engine.load import TINY_DIR
+    from lorapop.run.rollouts import read
 
     tok = AutoTokenizer.from_pretrained(TINY_DIR)
     tok.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"

@@ -104,14 +104,14 @@ def _run(cfg: Config, run_dir: Path, resume: bool, command: str, world: World,
     """Train one run with progress, run.json and the logging backends; return steps done.
     Ctrl-C stops it; `--resume` continues from the last checkpoint (`run.save_every`).
     Under torchrun every rank trains; rank 0 alone shows progress, logs and writes files."""
-    from lorapop.backends import TensorBoardLog, WandbLog
-    from lorapop.checkpoint import latest_checkpoint, step_of
     from lorapop.dist import DivergenceError
+    from lorapop.engine.load import ModelLoadError
     from lorapop.engine.memory import GenerationMemoryError
-    from lorapop.engine.model import ModelLoadError
-    from lorapop.loop import SelfPlay
-    from lorapop.progress import RunDisplay
-    from lorapop.runinfo import RunInfo
+    from lorapop.run.backends import TensorBoardLog, WandbLog
+    from lorapop.run.checkpoint import latest_checkpoint, step_of
+    from lorapop.run.progress import RunDisplay
+    from lorapop.run.runinfo import RunInfo
+    from lorapop.selfplay.loop import SelfPlay
 
     try:
         sp = SelfPlay(cfg, run_dir, resume=resume, from_step=from_step, world=world)
@@ -189,7 +189,7 @@ def train(
 
     from lorapop import dist
     from lorapop.config import ConfigError, load_config
-    from lorapop.report import write_report
+    from lorapop.run.report import write_report
 
     overrides = list(ctx.args)
     flags = {"--steps": steps, "--out": out, "--resume": resume, "--from-step": from_step}
@@ -244,7 +244,7 @@ def train(
     finally:
         dist.close(world)
     if report and done and world.main:
-        from lorapop.report import summary_table
+        from lorapop.run.report import summary_table
 
         typer.echo(summary_table(run_dir, baseline_dir if baseline_dir.is_dir() else None))
         typer.echo(f"report: {write_report(run_dir)}")
@@ -254,7 +254,7 @@ def train(
 def report(run_dir: str = typer.Argument(..., help="A run directory written by `lorapop train`.")) -> None:
     """Write RUN_DIR/report.html: run facts, learning curves per individual and arm, ratings,
     matchups, program complexity, timings, replacements, sampled rollouts (works mid-run)."""
-    from lorapop.report import write_report
+    from lorapop.run.report import write_report
 
     try:
         typer.echo(str(write_report(run_dir)))
@@ -272,7 +272,7 @@ def export(
 ) -> None:
     """Copy one member of the last checkpoint out as a standard PEFT LoRA adapter directory
     (files readable by others; the base model recorded so that PEFT's Auto classes load it)."""
-    from lorapop.checkpoint import latest_checkpoint
+    from lorapop.run.checkpoint import latest_checkpoint
 
     run = Path(run_dir)
     ckpt = latest_checkpoint(run)
@@ -296,7 +296,7 @@ def _copy_adapter(src: Path, out: Path) -> None:
     import json
     import shutil
 
-    from lorapop.engine.model import TINY, TINY_DIR
+    from lorapop.engine.load import TINY, TINY_DIR
 
     out.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
@@ -340,8 +340,8 @@ def evaluate(
 ) -> None:
     """Greedy pass@1 of every member on the paper's code and math benchmarks, in shared batches."""
 
-    from lorapop.checkpoint import latest_checkpoint
     from lorapop.evals import EvalError, run_eval
+    from lorapop.run.checkpoint import latest_checkpoint
 
     if out is None and latest_checkpoint(Path(target)) is not None:
         out = str(Path(target) / "eval")  # `lorapop report` shows it with the run
@@ -424,7 +424,7 @@ def pretrain_tiny(
     import time
 
     from lorapop import dist
-    from lorapop.engine.model import ModelLoadError, resolve_device
+    from lorapop.engine.load import ModelLoadError, resolve_device
     from lorapop.tiny.pretrain import SIZES, TINY_MODEL_DIR, pretrain_size
 
     if size not in SIZES:

@@ -24,7 +24,7 @@ from lorapop.engine.fused import (
     unfuse_rms_norms,
     unfuse_rotary,
 )
-from lorapop.engine.model import load_base_model, load_tokenizer
+from lorapop.engine.load import load_base_model, load_tokenizer
 from tiny_models import VOCAB, tiny_model
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

@@ -10,6 +10,7 @@ import torch
 
 import lorapop.engine.logprobs as logprobs_mod
 from lorapop.engine.fused import compile_failures
+from lorapop.engine.load import use_checkpointing
 from lorapop.engine.logprobs import (
     attention_pair_weight,
     micro_batches,
@@ -20,7 +21,6 @@ from lorapop.engine.logprobs import (
     shared_prompt_packs,
     split_packs,
 )
-from lorapop.engine.model import use_checkpointing
 from lorapop.lora.bank import AdapterBank
 from lorapop.rl.loss import group_token_counts, policy_loss
 from tiny_models import tiny_model

@@ -1,7 +1,7 @@
 """`lorapop eval` reports progress while it generates, and chunking changes no answer."""
 
 from lorapop.engine.generate import SamplingParams, generate
-from lorapop.engine.model import load_base_model, load_tokenizer
+from lorapop.engine.load import load_base_model, load_tokenizer
 from lorapop.evals.progress import generate_logged
 
 

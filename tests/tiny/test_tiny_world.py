@@ -110,7 +110,7 @@ def test_similarity_ignores_formatting() -> None:
 
 
 def test_measure_world_on_the_shipped_model(tiny_sandbox) -> None:
-    from lorapop.engine.model import load_base_model, load_tokenizer
+    from lorapop.engine.load import load_base_model, load_tokenizer
 
     tok = load_tokenizer("tiny")
     tok.padding_side = "left"

@@ -155,8 +155,8 @@ def test_a_finished_single_arm_reports_its_gate(tmp_path) -> None:
 @pytest.mark.slow
 def test_finish_scores_a_run_at_the_step_it_reached(tmp_path, monkeypatch) -> None:
     """The last call of a chain that ran out of device time: --finish scores what is there."""
-    from lorapop.engine.model import TINY_DIR
-    from lorapop.loop import SelfPlay
+    from lorapop.engine.load import TINY_DIR
+    from lorapop.selfplay.loop import SelfPlay
     from lorapop.tiny.heldout import load_jsonl
     from lorapop.tiny.world import world_of
 

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from lorapop.engine import pack_attention
 from lorapop.engine.decoder import route
 from lorapop.engine.fused import compile_failures, compiled_call
-from lorapop.transfer import host_to_device
+from lorapop.engine.transfer import host_to_device
 
 HEAD_CHUNK = 2048  # positions whose logits are formed at once (memory.update_fixed_bytes)
 

@@ -36,7 +36,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from lorapop.transfer import host_to_device
+from lorapop.engine.transfer import host_to_device
 
 NAME = "lorapop_packs"
 

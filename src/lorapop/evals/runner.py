@@ -70,7 +70,7 @@ def find_members(target: str | Path) -> tuple[list[Member], str | None]:
 def _run_members(path: Path) -> dict[Path, tuple[str, str]] | None:
     """A `lorapop train` run directory: the members of its last checkpoint, and the single
     agent of its `baseline/` run (if any) as the baseline. None for any other directory."""
-    from lorapop.checkpoint import latest_checkpoint
+    from lorapop.run.checkpoint import latest_checkpoint
 
     ckpt = latest_checkpoint(path)
     if ckpt is None:
@@ -86,7 +86,7 @@ def _run_members(path: Path) -> dict[Path, tuple[str, str]] | None:
 def load_population(base: str, members: list[Member], device: str, dtype: str, seed: int):  # noqa: ANN202
     """(tokenizer, model, bank or None): the base with one bank slot per member (the members'
     PEFT adapters imported; a member without one keeps an all-zero slot)."""
-    from lorapop.engine.model import ModelLoadError, load_base_model, load_tokenizer
+    from lorapop.engine.load import ModelLoadError, load_base_model, load_tokenizer
 
     try:
         tok = load_tokenizer(base)

@@ -23,6 +23,7 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
+from lorapop.engine.transfer import host_to_device
 from lorapop.lora.routing import (
     KERNELS,
     DecodeCache,
@@ -33,7 +34,6 @@ from lorapop.lora.routing import (
     lora_delta,
     slot_runs,
 )
-from lorapop.transfer import host_to_device
 
 DEFAULT_TARGETS: tuple[str, ...] = (
     "q_proj",

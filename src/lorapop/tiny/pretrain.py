@@ -59,8 +59,8 @@ from transformers import PreTrainedTokenizerFast
 
 from lorapop import dist
 from lorapop.engine.determinism import deterministic_kernels
+from lorapop.engine.load import TINY_DIR, random_qwen2, resolve_device
 from lorapop.engine.memory import activation_bytes_per_token, host_free_memory
-from lorapop.engine.model import TINY_DIR, random_qwen2, resolve_device
 from lorapop.tasks import Task, get_family
 from lorapop.tiny.corpus import generate_corpus, generate_variants_fast
 from lorapop.tiny.generator import generate_tasks, generate_variants

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from lorapop.config import Config, dump_config
-from lorapop.engine.model import load_base_model, load_tokenizer, use_checkpointing
-from lorapop.engine.step import BankOptimizer
+from lorapop.engine.load import load_base_model, load_tokenizer, use_checkpointing
+from lorapop.engine.optim import BankOptimizer
 from lorapop.league import Lineage, Ratings
 from lorapop.lora.bank import AdapterBank
 from lorapop.lora.peft_io import export_slot, import_slot

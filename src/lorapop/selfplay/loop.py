@@ -28,7 +28,6 @@ from typing import Any
 import torch
 
 from lorapop import dist
-from lorapop.checkpoint import load_checkpoint, resume_point, save_checkpoint, truncate_jsonl
 from lorapop.config import Config, dump_config
 from lorapop.engine.determinism import (
     deterministic_algorithms,
@@ -36,6 +35,7 @@ from lorapop.engine.determinism import (
     missing_kernel,
 )
 from lorapop.engine.generate import Generation, KeptDecoders, SamplingParams, generate
+from lorapop.engine.load import use_checkpointing
 from lorapop.engine.logprobs import (
     HEAD_CHUNK,
     attention_pair_weight,
@@ -49,10 +49,9 @@ from lorapop.engine.logprobs import (
     split_packs,
 )
 from lorapop.engine.memory import free_memory, plan_update
-from lorapop.engine.model import use_checkpointing
+from lorapop.engine.transfer import host_to_device
 from lorapop.league import Role, match, match_results, plan_replacement, rate_children
 from lorapop.lora import evolve
-from lorapop.parts import build, derive_seed, load_state, save_state
 from lorapop.rl import (
     RewardScheme,
     solve_rate,
@@ -62,8 +61,10 @@ from lorapop.rl import (
     trr_advantages,
 )
 from lorapop.rl.loss import group_token_counts, policy_loss
-from lorapop.rollouts import step_records, write_records
-from lorapop.steplog import (
+from lorapop.run.checkpoint import load_checkpoint, resume_point, save_checkpoint, truncate_jsonl
+from lorapop.run.rollouts import step_records, write_records
+from lorapop.selfplay.parts import build, derive_seed, load_state, save_state
+from lorapop.selfplay.records import (
     Attempt,
     MemberInfo,
     Proposal,
@@ -74,11 +75,10 @@ from lorapop.steplog import (
     step_metrics,
 )
 from lorapop.tasks.task import Grade, Task, Validity
-from lorapop.transfer import host_to_device
 
 
 class SelfPlay:
-    """A run: its parts (`lorapop.parts`), `run()` trains and checkpoints, `step()` does one step.
+    """A run: its parts (`lorapop.selfplay.parts`), `run()` trains and checkpoints, `step()` does one step.
 
     Under torchrun (`world` from `dist.init`) every rank builds the same SelfPlay: rows are
     split across ranks and their results gathered, so every rank holds the same records,

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-
-from lorapop.checkpoint import latest_checkpoint
-from lorapop.steplog import without_timings
 from test_loop import _difference
+
+from lorapop.run.checkpoint import latest_checkpoint
+from lorapop.selfplay.records import without_timings
 
 HERE = Path(__file__).parent
 TINY = HERE.parent / "configs" / "tiny.yaml"

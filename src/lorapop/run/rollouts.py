@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from lorapop.steplog import StepRecord
+    from lorapop.selfplay.records import StepRecord
 
 
 def path(run_dir: str | Path, step: int) -> Path:

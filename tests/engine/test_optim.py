@@ -6,7 +6,7 @@ import pytest
 import torch
 from peft import PeftModel
 
-from lorapop.engine.step import BankOptimizer
+from lorapop.engine.optim import BankOptimizer
 from lorapop.lora import AdapterBank
 from lorapop.lora.peft_io import export_slot
 from tiny_models import ARCHS, VOCAB, tiny_model

@@ -2,7 +2,7 @@
 
 import gzip
 
-from lorapop import rollouts
+from lorapop.run import rollouts
 
 RECS = [{"step": 3, "member": "T0", "completion": f"<f>def f(x): return {i}</f>", "n": i}
         for i in range(20)]
@@ -34,7 +34,7 @@ def test_torn_file_reads_what_parses(tmp_path):
 
 
 def test_step_records_from_a_step():
-    from test_steplog import record
+    from selfplay.test_records import record  # tests/ is on sys.path (conftest)
 
     rec = record()
     row = {"members": {"T0": {"individual": "T0.g3"}, "S0": {}},

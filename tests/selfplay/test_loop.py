@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from lorapop.checkpoint import latest_checkpoint
 from lorapop.config import load_config
 from lorapop.engine.logprobs import sequence_logprobs
-from lorapop.loop import SelfPlay, _Clock
-from lorapop.report import write_report
 from lorapop.rl import trr_advantages
-from lorapop.steplog import without_timings
+from lorapop.run.checkpoint import latest_checkpoint
+from lorapop.run.report import write_report
+from lorapop.selfplay.loop import SelfPlay, _Clock
+from lorapop.selfplay.records import without_timings
 from lorapop.tasks.task import Outcome
 
 FAST = [
@@ -31,7 +31,7 @@ FAST = [
 
 
 def _cfg(*extra):
-    return load_config(Path(__file__).parents[1] / "configs" / "tiny.yaml", [*FAST, *extra])
+    return load_config(Path(__file__).parents[2] / "configs" / "tiny.yaml", [*FAST, *extra])
 
 
 def _rows(run_dir):
@@ -107,10 +107,10 @@ def test_replacement_writes_children_into_slots(tmp_path):
 def test_single_agent_baseline_three_steps(tmp_path, monkeypatch):
     """... with eager decode steps when asked (`sampling.cuda_graph`), and where each
     generation phase's time went in the metrics."""
-    import lorapop.loop
+    import lorapop.selfplay.loop
 
-    graphs, real = [], lorapop.loop.generate
-    monkeypatch.setattr(lorapop.loop, "generate",
+    graphs, real = [], lorapop.selfplay.loop.generate
+    monkeypatch.setattr(lorapop.selfplay.loop, "generate",
                         lambda *a, **k: graphs.append(k["cuda_graph"]) or real(*a, **k))
     rows = _run(_cfg("league.mode=single", "sampling.cuda_graph=false"), tmp_path, 3)
     assert graphs and not any(graphs)
@@ -258,7 +258,7 @@ def test_auto_checkpointing_follows_the_free_memory(tmp_path, monkeypatch):
     """`model.gradient_checkpointing=auto`: the update keeps its activations when a micro-batch
     of the longest sequence fits the free memory, with micro-batches sized to it; micro-batches
     larger than what fits checkpoint, and shared-prompt packs too wide go in parts that fit."""
-    import lorapop.loop as loop_mod
+    import lorapop.selfplay.loop as loop_mod
     from lorapop.engine.logprobs import HEAD_CHUNK
     from lorapop.engine.memory import update_bytes_per_token, update_fixed_bytes
 
@@ -309,7 +309,7 @@ def test_packed_answers_and_mixed_adapter_micro_batches_train_like_separate_rows
     """`train.share_prompts` and `train.micro_batch_by_slot=false` are exact: a step with packed
     answers, or with every adapter's rows in shared micro-batches, leaves every adapter where
     the same step with one sequence per answer, one adapter per micro-batch, leaves it (fp32)."""
-    import lorapop.loop as loop
+    import lorapop.selfplay.loop as loop
 
     banks, counts = [], []
     packer = loop.pack_micro_batches

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from lorapop.backends import TensorBoardLog, WandbLog, flat_config, flat_metrics
+from lorapop.run.backends import TensorBoardLog, WandbLog, flat_config, flat_metrics
 
 ROW = {
     "step": 3,

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from lorapop.checkpoint import (
+from lorapop.run.checkpoint import (
     CheckpointError,
     check_checkpoint,
     latest_checkpoint,

@@ -4,7 +4,7 @@ import io
 
 from rich.console import Console
 
-from lorapop.progress import Eta, RunDisplay, duration, summary
+from lorapop.run.progress import Eta, RunDisplay, duration, summary
 
 ROW = {
     "step": 3,

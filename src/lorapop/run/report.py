@@ -31,7 +31,7 @@ from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from lorapop import rollouts, runinfo
+from lorapop.run import rollouts, runinfo
 
 PROGRAM_METRICS = ("ast_depth", "cyclomatic", "loc", "variables")
 #: Per-member learning curves, in page order: key -> axis label. A key no row has is skipped.

@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import pytest
 
-from lorapop.steplog import (
+from lorapop.selfplay.records import (
     Attempt,
     MemberInfo,
     Proposal,

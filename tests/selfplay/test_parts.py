@@ -7,10 +7,10 @@ import torch
 
 from lorapop.config import load_config
 from lorapop.league import Replacement
-from lorapop.parts import build, load_state, save_state
+from lorapop.selfplay.parts import build, load_state, save_state
 from lorapop.tasks.task import Task
 
-TINY = Path(__file__).parents[1] / "configs" / "tiny.yaml"
+TINY = Path(__file__).parents[2] / "configs" / "tiny.yaml"
 
 
 @pytest.fixture

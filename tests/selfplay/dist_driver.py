@@ -8,9 +8,9 @@ import torch
 
 from lorapop import dist
 from lorapop.config import load_config
-from lorapop.loop import SelfPlay
+from lorapop.selfplay.loop import SelfPlay
 
-CONFIG = Path(__file__).parents[1] / "configs" / "tiny.yaml"
+CONFIG = Path(__file__).parents[2] / "configs" / "tiny.yaml"
 
 
 def outcomes(sp: SelfPlay, steps: int) -> dict:

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from lorapop import report
+from lorapop.run import report
 
 
 def member(role, step, slot, gen=None, **extra):
@@ -106,7 +106,7 @@ def test_counts_print_as_integers(tmp_path):
 
 
 def test_run_facts_and_config(tmp_path):
-    from lorapop.runinfo import RunInfo
+    from lorapop.run.runinfo import RunInfo
 
     run = write_run(tmp_path / "run", rows())
     (run / "config.yaml").write_text("seed: 3\n")
@@ -171,14 +171,14 @@ def test_importing_the_report_changes_no_global_matplotlib_state():
 
     code = ("import matplotlib; r = {k: matplotlib.rcParams[k] for k in ('font.size', "
             "'svg.fonttype')}; "
-            "import lorapop.report; assert matplotlib.rcParams['font.size'] == r['font.size']; "
+            "import lorapop.run.report; assert matplotlib.rcParams['font.size'] == r['font.size']; "
             "assert matplotlib.rcParams['svg.fonttype'] == r['svg.fonttype']; "
             "assert 'pyplot' not in ' '.join(__import__('sys').modules)")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_shared_metrics_are_split_by_role_not_mixed():
-    from lorapop.report import role_series
+    from lorapop.run.report import role_series
 
     rows = [{"step": 1, "members": {
         "T0": {"role": "teacher", "entropy": 1.0, "valid_rate": 0.5},
