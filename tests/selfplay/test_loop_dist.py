@@ -18,7 +18,7 @@ from lorapop.run.checkpoint import latest_checkpoint
 from lorapop.selfplay.records import without_timings
 
 HERE = Path(__file__).parent
-TINY = HERE.parent / "configs" / "tiny.yaml"
+TINY = HERE.parents[1] / "configs" / "tiny.yaml"
 FAST = [
     "tasks.code_f_inputs=4", "tasks.references=1", "tasks.proposals_per_type=1",
     "tasks.fill_from_buffer=true", "sampling.teacher_max_new_tokens=48",

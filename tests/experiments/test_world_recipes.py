@@ -1,4 +1,4 @@
-"""benchmarks/world_recipes.py: several recipes built at once and measured, one JSON."""
+"""experiments/regime/world_recipes.py: several recipes built at once and measured, one JSON."""
 
 import io
 import json
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _driver(*args: str) -> subprocess.CompletedProcess:
     env = script_env()
-    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "world_recipes.py"), *args],
+    return subprocess.run([sys.executable, str(ROOT / "experiments" / "regime" / "world_recipes.py"), *args],
                           capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
 
 

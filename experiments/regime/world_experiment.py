@@ -6,9 +6,9 @@ Arms (all with the same generation compute per step: proposals and answers):
   independent  (c) T independent single agents, each proposals_per_type and answers x k
   noevolve     (d) the population without evolution (evolve.every=0)
 
-    PYTHONPATH=src python benchmarks/world_experiment.py --model runs/world/world-short \\
+    PYTHONPATH=src python experiments/regime/world_experiment.py --model runs/world/world-short \\
         --out runs/world --seeds 0 1 2 --parallel 21 --deadline 540   # trains; re-run to continue
-    python benchmarks/world_experiment.py --plot runs/world/world_experiment.json
+    python experiments/regime/world_experiment.py --plot runs/world/world_experiment.json
 
 Every run trains in its own process (many share one GPU; the sandboxes share the CPUs), stops
 at `--deadline` seconds after the call began with a checkpoint, and resumes from it when the
@@ -21,8 +21,7 @@ bootstrap CIs. `--model` builds the base with `--size` when the directory holds 
 
 A call's small results (curves, per-task grades, cross-play) go to `results.json`; `--merge`
 joins those of calls that ran other seeds or arms (runs cannot move between machines, their
-results can). `--gpus N` puts each run on one of N GPUs; `benchmarks/world_call.sh` is one
-device call of a chain on a warm machine (README, "A world in the paper's regime": "Next").
+results can). `--gpus N` puts each run on one of N GPUs.
 A chain that cannot reach train.steps ends with `--finish` (runs scored where they are); one cut
 before that still gives `--partial` (gate, slopes and scored end points from what came back).
 """
@@ -45,7 +44,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from statistics import fmean, median
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "world.yaml"
 ARMS = ("population", "single", "independent", "noevolve")
 TYPES = ("code_o", "code_i", "code_f")
@@ -623,9 +622,10 @@ def ensure_model(args: argparse.Namespace) -> str:
     if args.model in ("tiny", "tiny-random") or (Path(args.model) / "config.json").is_file():
         return args.model
     from lorapop.tiny.pretrain import pretrain_size
+    from regime_recipes import RECIPES
 
     print(f"building the {args.size} base model in {args.model}", flush=True)
-    pretrain_size(args.model, args.size, seed=0, workers=args.workers,
+    pretrain_size(args.model, args.size, seed=0, workers=args.workers, sizes=RECIPES,
                   command=" ".join(sys.argv))  # fmt: skip
     return args.model
 

@@ -1,4 +1,4 @@
-"""benchmarks/tiny_execution.py: a model trained on one table's level, scored on another's."""
+"""experiments/regime/tiny_execution.py: a model trained on one table's level, scored on another's."""
 
 import json
 import subprocess
@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _run(out: Path, *args: str) -> dict:
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "tiny_execution.py"), "--table", "natural",
+        [sys.executable, str(ROOT / "experiments" / "regime" / "tiny_execution.py"), "--table", "natural",
          "--eval-table", "direct", "--programs", "200", "--steps", "4", "--eval", "8",
          "--workers", "1", "--out", str(out), *args],
         capture_output=True, text=True, timeout=600,
@@ -43,6 +43,6 @@ def test_trains_on_one_tables_level_and_scores_another_tables_level(tmp_path) ->
 
 def test_a_shape_the_size_does_not_have_is_one_line() -> None:
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "tiny_execution.py"), "--shape", "depth=3"],
+        [sys.executable, str(ROOT / "experiments" / "regime" / "tiny_execution.py"), "--shape", "depth=3"],
         capture_output=True, text=True, timeout=120, env=script_env())
     assert proc.returncode == 2 and "--shape 'depth=3'" in proc.stderr.strip().splitlines()[-1]

@@ -1,4 +1,4 @@
-"""benchmarks/base_speed.py: a recipe's training speed per model shape, and `reshape`."""
+"""experiments/regime/base_speed.py: a recipe's training speed per model shape, and `reshape`."""
 
 import json
 import subprocess
@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "base_speed.py"), "--size", "world-nocount",
+        [sys.executable, str(ROOT / "experiments" / "regime" / "base_speed.py"), "--size", "world-nocount",
          "--n-per-level", "10", "--steps", "1", "--device", "cpu", "--workers", "1", *args],
         capture_output=True, text=True, timeout=600,
         env=script_env())  # fmt: skip

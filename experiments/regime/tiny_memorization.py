@@ -1,6 +1,6 @@
 """Why a tiny-world base is out of the regime: memorised programs, and the shape of its proposals.
 
-    PYTHONPATH=src python benchmarks/tiny_memorization.py --model DIR --out benchmarks/results/X.json
+    PYTHONPATH=src python experiments/regime/tiny_memorization.py --model DIR --out experiments/regime/results/X.json
 
 1. Completion loss per role (nats/token) on fresh examples of the base's own training programs
    (a prefix of its corpus: same seed, same generator) vs of unseen programs drawn the same way
@@ -29,8 +29,8 @@ from lorapop.engine.load import load_base_model, load_tokenizer
 from lorapop.tasks import get_family
 from lorapop.tiny.generator import generate_variants, normalize
 from lorapop.tiny.pretrain import Examples, build_corpus, encode
-from lorapop.tiny.world import world_pools
 from lorapop.verify import Sandbox
+from regime_measure import world_pools
 
 
 def role_losses(model, tok, rec: dict, seed: int, n_per_level: int, examples: int, sb) -> dict:
@@ -87,7 +87,7 @@ def proposal_shapes(model, tok, sb, levels: list[int], n: int, seed: int) -> dic
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, help="a pretrain-tiny directory (with training.json)")
-    ap.add_argument("--out", default="benchmarks/results/tiny_memorization.json")
+    ap.add_argument("--out", default="experiments/regime/results/tiny_memorization.json")
     ap.add_argument("--per-level", type=int, default=24, help="programs per level of each corpus")
     ap.add_argument("--examples", type=int, default=360, help="examples per corpus (all roles)")
     ap.add_argument("--proposals", type=int, default=0, help="per type and level; 0: skip")

@@ -6,8 +6,8 @@ tiny held-out benchmark. The summary holds, per mode and seed, the curves of tea
 complexity (AST depth, cyclomatic complexity, lines, variables), coverage, solve and valid
 rates, ratings, and held-out pass@1 before and after.
 
-    PYTHONPATH=src python benchmarks/tiny_collapse.py --seeds 0 1 2 --out DIR   # runs (parallel)
-    python benchmarks/tiny_collapse.py --plot DIR/tiny_collapse.json               # figure + table
+    PYTHONPATH=src python experiments/regime/tiny_collapse.py --seeds 0 1 2 --out DIR   # runs (parallel)
+    python experiments/regime/tiny_collapse.py --plot DIR/tiny_collapse.json               # figure + table
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from statistics import fmean, pstdev
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "tiny-collapse.yaml"
 CURVES = ("ast_depth", "cyclomatic", "loc", "variables", "coverage", "coverage_per_valid",
           "solve_rate", "valid_rate")

@@ -11,8 +11,8 @@ after one warm-up step each: `fresh` builds a decoder (KV cache, CUDA graphs) at
 `kept` reuses `KeptDecoders(3)`'s. Reports per mode the median step wall, the graph captures,
 decode steps and prefills (`generate(timing=...)`), peak memory, and the ratio.
 
-    PYTHONPATH=src python benchmarks/kept_decoders.py --out results.json          # GPU
-    PYTHONPATH=src python benchmarks/kept_decoders.py --size tiny --steps 2       # CPU smoke
+    PYTHONPATH=src python experiments/regime/kept_decoders.py --out results.json          # GPU
+    PYTHONPATH=src python experiments/regime/kept_decoders.py --size tiny --steps 2       # CPU smoke
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ from lorapop.engine.generate import KeptDecoders, generate
 from lorapop.engine.load import TINY_DIR, load_tokenizer
 from lorapop.engine.sampling import SamplingParams
 from lorapop.lora.bank import AdapterBank
-from lorapop.tiny.pretrain import SIZES, build_model
+from lorapop.tiny.pretrain import build_model
+from regime_recipes import RECIPES as SIZES
 
 TEACHERS = (48, 110, 350, 256, 40)  # prompts, median / max prompt tokens, max new, median new
 STUDENTS = (42, 90, 160, 192, 8)

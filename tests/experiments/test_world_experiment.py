@@ -1,14 +1,12 @@
-"""benchmarks/world_experiment.py: the gate on whatever single-agent steps exist (--gate-probe),
+"""experiments/regime/world_experiment.py: the gate on whatever single-agent steps exist (--gate-probe),
 per task type from the rollouts, a single-agent arm run to its end, and the levels the buffers
 start with (--seed-levels)."""
 
 import gzip
 import importlib.util
 import json
-import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from statistics import fmean
 
@@ -32,7 +30,7 @@ def _row(step: int, solve: float, cyclomatic: float, update_s: float) -> dict:
 
 
 def _module(name: str = "world_experiment"):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, ROOT / "experiments" / "regime" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -40,7 +38,7 @@ def _module(name: str = "world_experiment"):
 
 def _probe(out: Path) -> dict:
     env = script_env()
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "world_experiment.py"),
+    proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "regime" / "world_experiment.py"),
                            "--out", str(out), "--gate-probe"], capture_output=True, text=True,
                           env=env, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
@@ -135,7 +133,7 @@ def test_a_finished_single_arm_reports_its_gate(tmp_path) -> None:
              "league.teachers=1", "league.students=1", "league.students_per_teacher=1",
              "sampling.teacher_max_new_tokens=48", "sampling.student_max_new_tokens=32",
              "verify.workers=1", "model.device=cpu"]  # fmt: skip
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "world_experiment.py"),
+    proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "regime" / "world_experiment.py"),
                            "--model", "tiny", "--arms", "single", "--out", str(tmp_path),
                            "--seeds", "0", "--parallel", "1", "--per-level", "1", "--workers",
                            "1", "--levels", "natural", *small], capture_output=True, text=True,
@@ -273,7 +271,7 @@ def _results(seeds: list[int], shift: float) -> dict:
 
 def _partial(out: Path) -> subprocess.CompletedProcess:
     """`world_experiment.py --out OUT --partial`, as on an unpacked progress.tgz."""
-    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "world_experiment.py"),
+    return subprocess.run([sys.executable, str(ROOT / "experiments" / "regime" / "world_experiment.py"),
                            "--out", str(out), "--partial"], capture_output=True, text=True,
                           env=script_env(), timeout=300)
 
@@ -349,7 +347,7 @@ def test_calls_of_other_seeds_merge_into_one_verdict(tmp_path) -> None:
     a.write_text(json.dumps(_results([0], 0.0)))
     b.write_text(json.dumps(_results([1, 2], 0.0)))
     env = script_env()
-    script = str(ROOT / "benchmarks" / "world_experiment.py")
+    script = str(ROOT / "experiments" / "regime" / "world_experiment.py")
     proc = subprocess.run([sys.executable, script, "--merge", str(a), str(b), "--out",
                            str(tmp_path / "m")], capture_output=True, text=True, env=env,
                           timeout=300)  # fmt: skip
@@ -419,7 +417,7 @@ def test_merge_of_a_single_arm_or_a_broken_file_is_a_one_line_error(tmp_path) ->
     (tmp_path / "cut.json").write_text(json.dumps(_results([1], 0.0))[:100])
     env = script_env()
     for name in ("single.json", "cut.json", "absent.json"):
-        proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "world_experiment.py"),
+        proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "regime" / "world_experiment.py"),
                                "--merge", str(tmp_path / name), "--out", str(tmp_path / "m")],
                               capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
         assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
@@ -471,7 +469,7 @@ def test_world_rollouts_tells_unsolved_tasks_and_domain_apart(tmp_path) -> None:
     assert s["inside_domain"] == {"tasks": 1, "solve": 1.0}
     assert s["outside_domain"] == {"tasks": 1, "solve": 0.0}
     assert s["examples_unsolved"][0]["answers"] == ["48"] * 4
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "world_rollouts.py"),
+    done = subprocess.run([sys.executable, str(ROOT / "experiments" / "regime" / "world_rollouts.py"),
                            str(tmp_path / "nothing")], capture_output=True, text=True,
                           env=script_env())  # fmt: skip
     assert done.returncode == 2 and "does not exist" in done.stderr
@@ -502,61 +500,6 @@ def test_each_runs_sandbox_gets_its_share_of_the_cores_and_never_fewer_than_two(
     we = _module()
     assert we.sandbox_workers(16, 3) == 4  # 13 cores left after 3 trainers, over 3 runs
     assert we.sandbox_workers(64, 21) == 2 and we.sandbox_workers(2, 1) == 2
-
-
-def test_a_detached_session_outlives_its_call_and_is_started_once(tmp_path) -> None:
-    """benchmarks/world_detached.sh: the first call starts the pipeline in its own process
-    session and copy of the tree, and returns at CALL_S with the pipeline still running; the
-    pipeline survives the kill of everything the call left (as the device machine does); a
-    call ended early (its device limit) still has the files copied while it waited; a later
-    call brings back its files once it ends, and a call after that starts nothing. A later call
-    that lands on a fresh machine (SESSION_T0 long past) says the machine was lost and starts
-    nothing."""
-    import contextlib
-    import signal
-
-    tree, state = tmp_path / "tree", tmp_path / "state"
-    tree.mkdir()
-    stub = tmp_path / "pipeline.sh"  # stands for world_call.sh: writes where it ran, then results
-    stub.write_text('echo x >> "$(dirname $0)/starts"; echo 1 > $OUT/progress.tgz; sleep 6\n'
-                    'printf "%s\\n" "$PWD" "$*" > $OUT/results.json; echo done\n')
-
-    t0 = int(time.time())  # the session's first call
-
-    def call(out: str, call_s: int, killed_after: float = 60, machine: Path = state,
-             session_t0: int = t0) -> str:
-        (tmp_path / out).mkdir()
-        env = {**os.environ, "OUT": str(tmp_path / out), "DETACHED": str(machine),
-               "WORLD_CALL": f"bash {stub}", "BRING_S": "1", "SESSION_T0": str(session_t0)}
-        proc = subprocess.Popen(["bash", str(ROOT / "benchmarks" / "world_detached.sh"),
-                                 str(call_s), "500", "--arms", "single"], cwd=tree, env=env,
-                                stdout=subprocess.PIPE, text=True, start_new_session=True)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.communicate(timeout=killed_after)
-        with contextlib.suppress(ProcessLookupError):  # what the call left is ended, as there
-            os.killpg(proc.pid, signal.SIGKILL)
-        return proc.communicate()[0] or ""
-
-    # a first call its device limit ends before CALL_S still returns the pipeline's files so far;
-    # it starts though it came minutes after SESSION_T0 (its callers' and a cold machine's start)
-    call("first", 30, killed_after=3, session_t0=t0 - 200)
-    assert (tmp_path / "first" / "progress.tgz").read_text() == "1\n"
-    assert not (state / "out" / "results.json").exists()  # the call's output closed before it
-    assert "call again within 30 s" in call("early", 1)
-    assert "pipeline ended: exit 0" in call("second", 30)
-    where, args = (tmp_path / "second" / "results.json").read_text().splitlines()
-    assert where == str(state / "repo") and args == "410 --finish --arms single"
-    assert (tmp_path / "second" / "rc").read_text().strip() == "0"
-    assert "pipeline ended" in call("third", 30)
-    assert (tmp_path / "starts").read_text() == "x\n"  # started once
-    # 10 minutes into the session, a call lands on a fresh machine (the last one went back)
-    lost = call("lost", 30, machine=tmp_path / "fresh", session_t0=t0 - 600)
-    assert lost.startswith("machine lost") and not (tmp_path / "fresh" / "started").exists()
-    assert (tmp_path / "starts").read_text() == "x\n"
-    # a pipeline the machine ended after all: the next call goes on as a chained call
-    (state / "rc").unlink()
-    assert "going on as a chained call" in call("fourth", 30)
-    assert (tmp_path / "fourth" / "results.json").read_text().splitlines()[1] == "30 --arms single"
 
 
 def test_arms_c_and_d_from_a_later_call_join_the_verdict_call(tmp_path) -> None:

@@ -1,15 +1,15 @@
 """What makes a run's tasks hard: its students' rollouts summarised per task type.
 
-Issue 15's gate needs the single agent's own solve rate to stay high while its programs get
-simpler; session 10's stayed at ~0.5 with programs of one line. This reads the rollouts that
-`world_call.sh` brings back (`ROLLOUTS=N`: each run's last N steps) and reports, per run and task
+The gate needs the single agent's own solve rate to stay high while its programs get simpler.
+This reads the rollout dumps of a world experiment's runs (a directory, or a .tgz of one, holding
+`runs/*/rollouts/step_*.jsonl.gz`: `run.rollouts` in the config) and reports, per run and task
 type: the tasks' solve-rate distribution (all solved / partly / none), how often all answers
 agree and are wrong (a student that has stopped exploring), the solve rate of tasks whose inputs
 lie inside an input domain against those outside (`--table`: a level table with bounded inputs),
 the operations of unsolved against all-solved programs, with examples, and the run's blind spots:
 the operations of code_o/code_i programs that cost the most solve rate.
 
-    PYTHONPATH=src python benchmarks/world_rollouts.py DIR [--table narrow] [--out FILE.json]
+    PYTHONPATH=src python experiments/regime/world_rollouts.py DIR [--table narrow] [--out FILE.json]
 
 DIR: a world_experiment `--out` directory, or a progress.tgz (unpacked to a temporary place).
 """
@@ -170,7 +170,7 @@ def main() -> None:
         )
         if not runs:
             ap.error(
-                f"{a.dir}: no runs with rollouts (world_call.sh brings them back with ROLLOUTS=N)"
+                f"{a.dir}: no runs with rollouts (set run.rollouts in the runs' config)"
             )
         out = {"source": a.dir, "command": " ".join(sys.argv), "table": a.table,
                "runs": {r.name: summarize(r, a.table) for r in runs}}

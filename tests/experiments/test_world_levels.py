@@ -23,8 +23,9 @@ from lorapop.tiny.grammar import (
     table_levels,
 )
 from lorapop.tiny.heldout import build_heldout
-from lorapop.tiny.pretrain import SIZES, budget_cells
+from lorapop.tiny.pretrain import budget_cells
 from lorapop.tiny.world import base_rule_overrides, world_of
+from regime_recipes import RECIPES as SIZES
 
 
 def test_standard_levels_and_the_tiny_and_small_recipes_are_unchanged() -> None:

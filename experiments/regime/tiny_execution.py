@@ -1,13 +1,13 @@
 """How much data does executing programs take? A model trained on student code_o alone.
 
-    PYTHONPATH=src python benchmarks/tiny_execution.py --level 1 --steps 1500 \\
-        --out benchmarks/results/tiny_execution_level1.json
-    PYTHONPATH=src python benchmarks/tiny_execution.py --model DIR --level 1   # a base, no training
-    PYTHONPATH=src python benchmarks/tiny_execution.py --table natural --eval-table direct \
-        --out benchmarks/results/tiny_execution_natural_on_direct.json     # another table's level
-    PYTHONPATH=src python benchmarks/tiny_execution.py --size world-direct --table direct \
+    PYTHONPATH=src python experiments/regime/tiny_execution.py --level 1 --steps 1500 \\
+        --out experiments/regime/results/tiny_execution_level1.json
+    PYTHONPATH=src python experiments/regime/tiny_execution.py --model DIR --level 1   # a base, no training
+    PYTHONPATH=src python experiments/regime/tiny_execution.py --table natural --eval-table direct \
+        --out experiments/regime/results/tiny_execution_natural_on_direct.json     # another table's level
+    PYTHONPATH=src python experiments/regime/tiny_execution.py --size world-direct --table direct \
         --steps 4000 --batch-size 256 --lr 1.5e-3 --eval 400 --eval-every 500  # a learning curve
-    PYTHONPATH=src python benchmarks/tiny_execution.py --table nojoin --level 2 \
+    PYTHONPATH=src python experiments/regime/tiny_execution.py --table nojoin --level 2 \
         --shape hidden=192,layers=8,heads=6,kv_heads=2,intermediate=512  # deeper, same parameters
 
 The regime world's students barely execute (README, "A world in the paper's regime"). This
@@ -42,7 +42,6 @@ from lorapop.tiny.corpus import generate_corpus
 from lorapop.tiny.generator import generate_tasks
 from lorapop.tiny.grammar import LEVEL_TABLES, table_level
 from lorapop.tiny.pretrain import (
-    SIZES,
     STRING_CHARS,
     Examples,
     as_type,
@@ -53,6 +52,7 @@ from lorapop.tiny.pretrain import (
 )
 from lorapop.tiny.tokenizer import corpus_texts, train_tokenizer
 from lorapop.verify import Sandbox
+from regime_recipes import RECIPES as SIZES
 
 
 def accuracy(model, tok, tasks, sb, temperature: float) -> dict:
@@ -90,7 +90,7 @@ def main() -> None:
                     help="also score every N steps (a learning curve: `curve` in the JSON)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--out", default="benchmarks/results/tiny_execution.json")
+    ap.add_argument("--out", default="experiments/regime/results/tiny_execution.json")
     a = ap.parse_args()
     a.eval_table = a.eval_table or a.table
     if a.size not in SIZES:

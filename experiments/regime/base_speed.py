@@ -1,6 +1,6 @@
 """How long would a larger regime-world base take to build? Training speed per model shape.
 
-    PYTHONPATH=src python benchmarks/base_speed.py --size world-nocount --steps 150 --workers 15 \\
+    PYTHONPATH=src python experiments/regime/base_speed.py --size world-nocount --steps 150 --workers 15 \\
         --shape "" --shape hidden=768,layers=12,heads=12,kv_heads=4,intermediate=2048 \\
         --out $OUT/base_speed.json
 
@@ -32,7 +32,8 @@ import torch
 from lorapop.engine.load import resolve_device
 from lorapop.tiny.corpus import generate_corpus
 from lorapop.tiny.grammar import table_levels
-from lorapop.tiny.pretrain import SIZES, pretrain_tiny, reshape
+from lorapop.tiny.pretrain import pretrain_tiny, reshape
+from regime_recipes import RECIPES as SIZES
 
 STEP_LINE = re.compile(r"step\s+(\d+)\s+loss\s+\S+\s+([\d.]+)s")
 
@@ -82,7 +83,7 @@ def main() -> None:
     ap.add_argument("--n-per-level", type=int, help="corpus programs per level (default: the recipe's)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--out", default="benchmarks/results/base_speed.json")
+    ap.add_argument("--out", default="experiments/regime/results/base_speed.json")
     a = ap.parse_args()
     recipe = SIZES.get(a.size)
     if recipe is None or not recipe.fast_corpus:

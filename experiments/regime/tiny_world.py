@@ -1,7 +1,7 @@
 """The regime measurement of a tiny-world base model (`lorapop.tiny.world.measure_world`).
 
-    PYTHONPATH=src python benchmarks/tiny_world.py --model tiny --out benchmarks/results/tiny_world_tiny.json
-    PYTHONPATH=src python benchmarks/tiny_world.py --model DIR --proposals 40 --answers 8 --workers 14
+    PYTHONPATH=src python experiments/regime/tiny_world.py --model tiny --out experiments/regime/results/tiny_world_tiny.json
+    PYTHONPATH=src python experiments/regime/tiny_world.py --model DIR --proposals 40 --answers 8 --workers 14
 
 Writes JSON: valid rate at T=1 per type (and level), the model's solve rate on its own valid
 tasks by level 1-5 and type, code_f solved rate, the share of tasks with 0 < s < 1 and the
@@ -27,20 +27,15 @@ from lorapop.engine.load import TINY_DIR, load_base_model, load_tokenizer, resol
 from lorapop.tiny.evaluate import evaluate_tiny
 from lorapop.tiny.grammar import LEVEL_TABLES, TABLE_RULES
 from lorapop.tiny.heldout import build_heldout, fingerprint
-from lorapop.tiny.world import (
-    CODE_F_INPUTS,
-    measure_world,
-    regime_checks,
-    world_of,
-    world_pools,
-)
+from lorapop.tiny.world import CODE_F_INPUTS, world_of
 from lorapop.verify import Sandbox
+from regime_measure import measure_world, regime_checks, world_pools
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="tiny", help="model directory, or `tiny` (the shipped one)")
-    ap.add_argument("--out", default="benchmarks/results/tiny_world.json")
+    ap.add_argument("--out", default="experiments/regime/results/tiny_world.json")
     ap.add_argument("--proposals", type=int, default=20, help="per task type and level")
     ap.add_argument("--answers", type=int, default=8, help="answers per valid task")
     ap.add_argument("--references", type=int,

@@ -1,11 +1,11 @@
 """Build several base-model recipes at once on one GPU and measure each in the regime world.
 
-    PYTHONPATH=src python benchmarks/world_recipes.py --out runs/recipes --device cuda \\
-        --workers 15 --deadline 560 --json benchmarks/results/world_recipes.json \\
+    PYTHONPATH=src python experiments/regime/world_recipes.py --out runs/recipes --device cuda \\
+        --workers 15 --deadline 560 --json experiments/regime/results/world_recipes.json \\
         --measure="--proposals 20" world world-exec world-refs "world,steps=800,lr=2e-3"
-    PYTHONPATH=src python benchmarks/world_recipes.py --smoke --out /tmp/recipes   # CPU check
-    PYTHONPATH=src python benchmarks/world_recipes.py --mix small world world-exec world-refs \\
-        --json benchmarks/results/world_mix.json                 # CPU: the mixes, no training
+    PYTHONPATH=src python experiments/regime/world_recipes.py --smoke --out /tmp/recipes   # CPU check
+    PYTHONPATH=src python experiments/regime/world_recipes.py --mix small world world-exec world-refs \\
+        --json experiments/regime/results/world_mix.json                 # CPU: the mixes, no training
 
 A variant is a `lorapop pretrain-tiny` size, optionally with recipe fields overridden
 (`SIZE,key=value,...`, values as Python literals: `steps=800`, `levels='world'`,
@@ -13,7 +13,7 @@ A variant is a `lorapop pretrain-tiny` size, optionally with recipe fields overr
 Variants on the same level table and corpus size share one corpus, made first with all
 `--workers` (worker processes, `lorapop.tiny.corpus`); then every variant builds in its own
 process, all at once (three 26M builds on an H100: 1.26x the tokens/s of one), the CPU workers
-split between them, and is measured by `benchmarks/tiny_world.py` (its regime checks;
+split between them, and is measured by `experiments/regime/tiny_world.py` (its regime checks;
 `--measure` passes it arguments) as soon as it is built.
 The JSON (`--json`) is rewritten whenever a variant changes state, so a call cut short by a
 time limit still returns every finished variant; `--deadline` stops what is still running at
@@ -46,7 +46,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from statistics import fmean
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_VARIANTS = ("world", "world-exec", "world-refs")
 #: Overrides of every variant in `--smoke`: a CPU-sized model, corpus, pool and measurement.
 SMOKE = {"steps": 2, "n_per_level": 30, "batch_tokens": 8192, "tokenizer_programs": 0,
@@ -78,7 +78,8 @@ def _top_level_split(spec: str) -> list[str]:
 def parse_variant(spec: str) -> tuple[str, dict]:
     """`SIZE,key=value,...` -> (size, overrides); keys must be recipe fields."""
     from lorapop.tiny.grammar import table_levels
-    from lorapop.tiny.pretrain import SIZES, Recipe
+    from lorapop.tiny.pretrain import Recipe
+    from regime_recipes import RECIPES as SIZES
 
     size, *pairs = _top_level_split(spec)
     if size not in SIZES:
@@ -103,7 +104,8 @@ def parse_variant(spec: str) -> tuple[str, dict]:
 
 def recipe_of(size: str, overrides: dict):
     """The `Recipe` a variant builds (`size` overridden by a dict becomes a `ModelSize`)."""
-    from lorapop.tiny.pretrain import SIZES, ModelSize
+    from lorapop.tiny.pretrain import ModelSize
+    from regime_recipes import RECIPES as SIZES
 
     ov = dict(overrides)
     if isinstance(ov.get("size"), dict):
@@ -380,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({
             "benchmark": "world_mix", "command": " ".join(
-                ["PYTHONPATH=src python benchmarks/world_recipes.py", *map(shlex.quote, args)]),
+                ["PYTHONPATH=src python experiments/regime/world_recipes.py", *map(shlex.quote, args)]),
             "machine": _machine("cpu"), "programs_per_level": a.mix_programs,
             "seconds": round(time.time() - t0, 1), "variants": mix}, indent=1) + "\n")  # fmt: skip
         print(json.dumps({k: {"students": v["token_share_students"],
@@ -393,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     per = max(1, a.workers // len(variants))
     res = Results(Path(a.json) if a.json else out / "world_recipes.json", {
         "benchmark": "world_recipes",
-        "command": " ".join(["PYTHONPATH=src python benchmarks/world_recipes.py",
+        "command": " ".join(["PYTHONPATH=src python experiments/regime/world_recipes.py",
                              *map(shlex.quote, args)]),
         "smoke": a.smoke, "machine": _machine(device), "workers": a.workers,
         "workers_per_variant": per, "seed": a.seed, "measure_args": measure,
@@ -425,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.pack:
             res.update(label, packed=pack_model(d, a.pack))
         mp = d / "tiny_world.json"
-        st = _run([sys.executable, str(ROOT / "benchmarks" / "tiny_world.py"), "--model", str(d),
+        st = _run([sys.executable, str(Path(__file__).with_name("tiny_world.py")), "--model", str(d),
                    "--out", str(mp), "--device", device, "--workers", str(per), *measure],
                   out / f"{name}.measure.log", deadline_at)  # fmt: skip
         if st != "ok":
