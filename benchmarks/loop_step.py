@@ -439,20 +439,20 @@ def measure(config: str, overrides: list[str], warmup: int, steps: int, run_dir:
     _patch("sequence_logprobs", counter)
     sp = SelfPlay(cfg, run_dir)
     if skip_update:  # generation phases only: rewards and ratings, no policy-gradient step
-        sp._policy_step = lambda rollouts, rewards: ({}, {}, [None] * len(rollouts))
+        sp.policy.step = lambda rollouts, rewards: ({}, {}, [None] * len(rollouts))
     n_params = flop_params(getattr(sp, "parts", sp).model)  # (older loops: sp.model)
     compile_s = warm_compiled(getattr(sp, "parts", sp).model)
     rows, warm_rows, ab, trace = [], [], [], None
     alloc = allocator_counts()
     last: list = []  # the last policy step's (rollouts, rewards), for the update A/B
     if update_ab or update_trace:
-        policy_step = sp._policy_step
+        policy_step = sp.policy.step
 
         def keep_args(rollouts, rewards):
             last[:] = [rollouts, rewards]
             return policy_step(rollouts, rewards)
 
-        sp._policy_step = keep_args
+        sp.policy.step = keep_args
     try:
         for i in range(warmup + steps):
             sync_cuda()

@@ -428,7 +428,9 @@ def pretrain_tiny(
     from lorapop.tiny.pretrain import SIZES, TINY_MODEL_DIR, pretrain_size
 
     if size not in SIZES:
-        raise _fail(f"unknown --size {size!r}; known: {', '.join(SIZES)}")
+        hint = " (the regime world's recipes: experiments/regime/regime_recipes.py)" \
+            if size.startswith("world") else ""
+        raise _fail(f"unknown --size {size!r}; known: {', '.join(SIZES)}{hint}")
     if out is None:
         raise _fail(f"give --out DIR (to replace the shipped model: --out {TINY_MODEL_DIR})")
     try:

@@ -258,7 +258,7 @@ def test_auto_checkpointing_follows_the_free_memory(tmp_path, monkeypatch):
     """`model.gradient_checkpointing=auto`: the update keeps its activations when a micro-batch
     of the longest sequence fits the free memory, with micro-batches sized to it; micro-batches
     larger than what fits checkpoint, and shared-prompt packs too wide go in parts that fit."""
-    import lorapop.selfplay.loop as loop_mod
+    import lorapop.selfplay.update as update_mod
     from lorapop.engine.logprobs import HEAD_CHUNK
     from lorapop.engine.memory import update_bytes_per_token, update_fixed_bytes
 
@@ -268,26 +268,26 @@ def test_auto_checkpointing_follows_the_free_memory(tmp_path, monkeypatch):
     try:
         fixed, per_token = update_fixed_bytes(model, HEAD_CHUNK), update_bytes_per_token(model)
         for tokens, keep, cap in ((99, 0, 500), (300, 300, 300), (10**6, 10**6, 500)):
-            monkeypatch.setattr(loop_mod, "free_memory", lambda m, t=tokens: fixed + t * per_token)
-            assert sp._update_memory_plan(100) == (keep, cap)
+            monkeypatch.setattr(update_mod, "free_memory", lambda m, t=tokens: fixed + t * per_token)
+            assert sp.policy.memory_plan(100) == (keep, cap)
 
         def checkpointed() -> bool:
             return any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
 
         seen = []  # per micro-batch: (longest sequence, checkpointing on)
-        logprobs = loop_mod.sequence_logprobs
+        logprobs = update_mod.sequence_logprobs
 
         def spy(model_, bank, prompts, comps, *a, **kw):
             longest = max(len(x) + len(y) for x, y in zip(prompts, comps, strict=True))
             seen.append((longest, checkpointed()))
             return logprobs(model_, bank, prompts, comps, *a, **kw)
 
-        monkeypatch.setattr(loop_mod, "sequence_logprobs", spy)
-        monkeypatch.setattr(loop_mod, "free_memory", lambda m: fixed + 60 * per_token)
+        monkeypatch.setattr(update_mod, "sequence_logprobs", spy)
+        monkeypatch.setattr(update_mod, "free_memory", lambda m: fixed + 60 * per_token)
         sp.run(1)  # the tiny config's sequences are longer than 60 tokens: all checkpoint
         assert seen and all(ckpt for _, ckpt in seen)
         seen.clear()
-        monkeypatch.setattr(loop_mod, "free_memory", lambda m: fixed + 10**6 * per_token)
+        monkeypatch.setattr(update_mod, "free_memory", lambda m: fixed + 10**6 * per_token)
         sp.run(2)
         assert seen and not any(ckpt for _, ckpt in seen)
         # room for the shorter sequences only: packs wider than the room go in parts that fit,
@@ -296,7 +296,7 @@ def test_auto_checkpointing_follows_the_free_memory(tmp_path, monkeypatch):
         room = widths[len(widths) // 2]
         seen.clear()
         monkeypatch.setattr("lorapop.engine.memory.MIN_KEEP_TOKENS", 1)
-        monkeypatch.setattr(loop_mod, "free_memory", lambda m: fixed + room * per_token)
+        monkeypatch.setattr(update_mod, "free_memory", lambda m: fixed + room * per_token)
         sp.run(3)
         assert not all(ckpt for _, ckpt in seen)
         assert all(ckpt == (longest > room) for longest, ckpt in seen)
@@ -309,11 +309,11 @@ def test_packed_answers_and_mixed_adapter_micro_batches_train_like_separate_rows
     """`train.share_prompts` and `train.micro_batch_by_slot=false` are exact: a step with packed
     answers, or with every adapter's rows in shared micro-batches, leaves every adapter where
     the same step with one sequence per answer, one adapter per micro-batch, leaves it (fp32)."""
-    import lorapop.selfplay.loop as loop
+    import lorapop.selfplay.update as update
 
     banks, counts = [], []
-    packer = loop.pack_micro_batches
-    monkeypatch.setattr(loop, "pack_micro_batches", lambda *a: counts.append(len(packer(*a)))
+    packer = update.pack_micro_batches
+    monkeypatch.setattr(update, "pack_micro_batches", lambda *a: counts.append(len(packer(*a)))
                         or packer(*a))
     for share, by_slot in ((True, True), (False, True), (True, False)):
         cfg = _cfg(f"train.share_prompts={str(share).lower()}", "tasks.answers_per_task=3",

@@ -13,15 +13,12 @@ from __future__ import annotations
 
 import torch
 
-#: False: plain copies that wait (`benchmarks/update_profile.py --ab transfer` compares them)
-QUEUED = True
-
 
 def host_to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """`t` (a host tensor) on `device`; to CUDA as a queued copy from pinned memory, so the
     host does not wait for the GPU. Stream order makes it safe: kernels queued later on the
     same stream read it after the copy."""
     device = torch.device(device)
-    if not QUEUED or device.type != "cuda" or t.device.type != "cpu":
+    if device.type != "cuda" or t.device.type != "cpu":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)

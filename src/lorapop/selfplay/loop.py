@@ -8,7 +8,8 @@ which the metrics row is computed. A *member* is a name bound to an adapter slot
 `population` mode teachers T0.. and students S0.. are separate members; in `single` mode (the
 Absolute Zero Reasoner baseline) one member A0 proposes and solves its own tasks through the
 same code. Every random choice of step s draws from generators seeded by (seed, s, phase), so
-a resumed run replays exactly what an uninterrupted one does.
+a resumed run replays exactly what an uninterrupted one does. The update's policy step (packing,
+memory plan, loss, all-reduce) is `lorapop.selfplay.update`.
 """
 
 from __future__ import annotations
@@ -35,32 +36,9 @@ from lorapop.engine.determinism import (
     missing_kernel,
 )
 from lorapop.engine.generate import Generation, KeptDecoders, SamplingParams, generate
-from lorapop.engine.load import use_checkpointing
-from lorapop.engine.logprobs import (
-    HEAD_CHUNK,
-    attention_pair_weight,
-    head_compiled,
-    micro_batches,
-    pack_costs,
-    pack_micro_batches,
-    pack_widths,
-    sequence_logprobs,
-    shared_prompt_packs,
-    split_packs,
-)
-from lorapop.engine.memory import free_memory, plan_update
-from lorapop.engine.transfer import host_to_device
 from lorapop.league import Role, match, match_results, plan_replacement, rate_children
 from lorapop.lora import evolve
-from lorapop.rl import (
-    RewardScheme,
-    solve_rate,
-    solve_rates,
-    student_reward,
-    teacher_reward,
-    trr_advantages,
-)
-from lorapop.rl.loss import group_token_counts, policy_loss
+from lorapop.rl import RewardScheme, solve_rate, solve_rates, student_reward, teacher_reward
 from lorapop.run.checkpoint import load_checkpoint, resume_point, save_checkpoint, truncate_jsonl
 from lorapop.run.rollouts import step_records, write_records
 from lorapop.selfplay.parts import build, derive_seed, load_state, save_state
@@ -74,6 +52,7 @@ from lorapop.selfplay.records import (
     Verification,
     step_metrics,
 )
+from lorapop.selfplay.update import PolicyUpdate
 from lorapop.tasks.task import Grade, Task, Validity
 
 
@@ -90,7 +69,6 @@ class SelfPlay:
         """`resume` continues from the last checkpoint, or from the one of `from_step`."""
         self.cfg = cfg
         self.world = world
-        self.allreduce_s = 0.0  # the last step's bank-gradient all-reduce
         keep = cfg.sampling.keep_decoders
         self.decoders = KeptDecoders(keep) if keep else None  # generation shapes kept
         if world.distributed and cfg.lora.dropout > 0:
@@ -106,6 +84,7 @@ class SelfPlay:
         if cfg.train.deterministic:
             fix_cublas_workspace()  # before the model first touches CUDA
         self.parts = build(cfg)
+        self.policy = PolicyUpdate(self.parts, cfg, world)
         self.rewards = RewardScheme(teacher_conversion=cfg.train.teacher_conversion,
                                     teacher_format_penalty=cfg.train.teacher_format_penalty)
         self.step_done = 0
@@ -115,7 +94,7 @@ class SelfPlay:
                                                  lambda folder: load_state(self.parts, folder))
             self.check_ranks("after loading", base=dist.fingerprint(self.parts.model.parameters()))
             #: the first line of the error of an update op without a deterministic kernel
-            self.no_deterministic_kernel = (missing_kernel(self._kernel_probe)
+            self.no_deterministic_kernel = (missing_kernel(self.policy.kernel_probe)
                                             if cfg.train.deterministic else None)
         except BaseException:
             self.parts.close()
@@ -161,7 +140,7 @@ class SelfPlay:
                          clock.generation)
         row = step_metrics(rec, self.league_summary())
         if self.world.distributed:
-            row.update(ranks=self.world.size, allreduce_s=round(self.allreduce_s, 4))
+            row.update(ranks=self.world.size, allreduce_s=round(self.policy.allreduce_s, 4))
         if self.world.main:  # every rank holds the same records
             with open(self.metrics_path, "a") as fh:
                 fh.write(json.dumps(row) + "\n")
@@ -268,9 +247,9 @@ class SelfPlay:
         ]
         rollouts = [p.rollout for p in proposals] + [a.rollout for a in attempts]
         probe = self._kl_rows(rollouts)
-        before = self._token_logprobs(probe)
-        losses, grad_norms, advs = self._policy_step(rollouts, teacher_rewards + student_rewards)
-        kl = self._kl(probe, before)
+        before = self.policy.token_logprobs(probe)
+        losses, grad_norms, advs = self.policy.step(rollouts, teacher_rewards + student_rewards)
+        kl = self.policy.kl(probe, before)
         if self.parts.ratings is not None:
             lg = self.cfg.league
             match_rates = [solve_rate(a.grade.outcome for a in attempts
@@ -289,31 +268,6 @@ class SelfPlay:
         rows = [r for r in rollouts if r.token_ids]
         k = min(self.cfg.train.kl_rows, len(rows))
         return _rng(self.cfg.seed, self.step_done + 1, "kl").sample(rows, k) if k else []
-
-    @torch.no_grad()
-    def _token_logprobs(self, rows: list[Rollout]) -> list[torch.Tensor]:
-        """Each row's completion-token log-probs under its member's current adapter."""
-        p, tc = self.parts, self.cfg.train
-        out: list[torch.Tensor] = [torch.empty(0)] * len(rows)
-        widths = [len(r.prompt_ids) + len(r.token_ids) for r in rows]
-        for group in micro_batches(widths, tc.micro_batch_tokens, tc.micro_batch_size):
-            part = [rows[i] for i in group]
-            lp, mask = sequence_logprobs(p.model, p.bank, [r.prompt_ids for r in part],
-                                         [r.token_ids for r in part],
-                                         [p.slot[r.member] for r in part])
-            for i, row, m in zip(group, lp.float(), mask, strict=True):
-                out[i] = row[m]
-        return out
-
-    def _kl(self, rows: list[Rollout], before: list[torch.Tensor]) -> dict[str, float]:
-        """Per member, the mean per-token KL(before || after) of the update on `rows`: the
-        k3 estimator exp(r) - 1 - r, r = log pi_after - log pi_before, on tokens sampled from
-        the policy before the update (unbiased and never negative)."""
-        per: dict[str, list[torch.Tensor]] = defaultdict(list)
-        for r, old, new in zip(rows, before, self._token_logprobs(rows), strict=True):
-            d = new - old
-            per[r.member].append(torch.expm1(d) - d)
-        return {m: float(torch.cat(v).mean()) for m, v in per.items()}
 
     def replacement(self, step: int) -> list[dict[str, Any]]:
         """The weakest members of each sub-population become children of the strongest; the
@@ -392,82 +346,6 @@ class SelfPlay:
         return dist.sharded([1.0] * len(items), lambda idx: fn([items[i] for i in idx]),
                             self.world)
 
-    def _policy_step(self, rollouts: list[Rollout], rewards: list[float]
-                     ) -> tuple[dict[str, float], dict[str, float], list[float | None]]:
-        """One REINFORCE step with TRR++ advantages for every adapter at once; returns each
-        member's loss and gradient norm (before clipping), and each rollout's advantage (None
-        for an empty completion, which is not trained on)."""
-        p = self.parts
-        # slot order lets the bank use grouped matmuls (advantages are computed per group)
-        batch = sorted(((i, r, rew) for i, (r, rew) in enumerate(zip(rollouts, rewards, strict=True))
-                        if r.token_ids), key=lambda x: p.slot[x[1].member])
-        per_rollout: list[float | None] = [None] * len(rollouts)
-        if not batch:
-            return {}, {}, per_rollout
-        advs = trr_advantages([((r.member, r.role, r.type), rew) for _, r, rew in batch])
-        for (i, _, _), a in zip(batch, advs, strict=True):
-            per_rollout[i] = a
-        rollouts = [r for _, r, _ in batch]
-        dev = next(p.model.parameters()).device
-        slots = torch.tensor([p.slot[r.member] for r in rollouts], device=dev)
-        # on the device once: a host-to-device copy inside the micro-batch loop waits for the
-        # GPU to finish the forward before the loss and backward can be queued
-        adv_all = torch.tensor(advs, device=dev, dtype=torch.float32)
-        lengths = torch.tensor([len(r.token_ids) for r in rollouts], device=dev)
-        full_mask = torch.arange(int(lengths.max()), device=dev)[None, :] < lengths[:, None]
-        token_counts = group_token_counts(full_mask, slots, n_groups=len(p.slot))
-        slot_loss = torch.zeros(len(p.slot), device=dev)
-        p.model.train()
-        p.opt.zero_grad()
-        tc = self.cfg.train
-        # rows of one prompt and adapter (a student's answers to a task) go as one sequence;
-        # this rank's packs, whole; the loss is a sum of rows normalised by the global per-slot
-        # token counts, so summing the ranks' gradients gives the whole batch's
-        prompts, comps = [r.prompt_ids for r in rollouts], [r.token_ids for r in rollouts]
-        slot_list = slots.tolist()
-        packs = (shared_prompt_packs(prompts, slot_list) if tc.share_prompts
-                 else [[i] for i in range(len(rollouts))])
-        widths = pack_widths(packs, prompts, comps)
-        costs = pack_costs(packs, prompts, comps, attention_pair_weight(p.model))
-        mine = dist.shard(costs, self.world.size)[self.world.rank]
-        with p.bank.held_copy(p.model.dtype):  # one cast of the bank for the whole update
-            keep, max_tokens = self._update_memory_plan(max(widths))  # (copy not free memory)
-            my_packs = [packs[j] for j in mine]
-            if keep:  # a pack too wide to keep its activations goes in parts that fit
-                my_packs = split_packs(my_packs, prompts, comps, keep)
-            for rows, padded in pack_micro_batches(
-                    my_packs, pack_widths(my_packs, prompts, comps), max_tokens,
-                    tc.micro_batch_size, slot_list if tc.micro_batch_by_slot else None):
-                if keep is not None:  # checkpoint only what does not fit with activations kept
-                    use_checkpointing(p.model, padded > keep)
-                part = [rollouts[i] for i in rows]
-                # host ids and queued copies: nothing here waits for the GPU, which runs the
-                # last micro-batch's backward while this one is laid out
-                idx = host_to_device(torch.tensor(rows), dev)
-                row_slots = slots[idx]
-                logprobs, mask = sequence_logprobs(
-                    p.model, p.bank, [r.prompt_ids for r in part], [r.token_ids for r in part],
-                    [slot_list[i] for i in rows], share_prompts=tc.share_prompts,
-                )
-                loss, row_loss = policy_loss(logprobs.float(), adv_all[idx], mask, groups=row_slots,
-                                             token_counts=token_counts)
-                loss.backward()
-                slot_loss.index_add_(0, row_slots, row_loss)
-        if self.world.distributed:
-            p.bank.bind_grads_()
-            t0 = time.perf_counter()
-            dist.all_reduce_sum(p.bank.grads, self.world)
-            if p.bank.grads.is_cuda:
-                torch.cuda.synchronize()
-            self.allreduce_s = time.perf_counter() - t0  # with the wait for the slowest rank
-            dist.all_reduce_sum(slot_loss, self.world)
-        norms = p.opt.step()
-        p.opt.zero_grad()
-        p.model.eval()
-        trained = set(slots.tolist())
-        losses = {m: float(slot_loss[i]) for m, i in p.slot.items() if i in trained}
-        return losses, {m: float(norms.get(i, 0.0)) for m, i in p.slot.items()}, per_rollout
-
     @property
     def kernels(self) -> dict[str, Any]:
         """What `run.json` records of the update's kernels: deterministic (strict), and the op
@@ -483,41 +361,6 @@ class SelfPlay:
         if not self.cfg.train.deterministic:
             return nullcontext()
         return deterministic_algorithms(warn_only=self.no_deterministic_kernel is not None)
-
-    def _kernel_probe(self) -> None:
-        """One forward and backward of `_policy_step`'s kernels on made-up tokens: rows of two
-        slots together (the bank's grouped routing) and of one slot (its plain one), answers
-        packed on a shared prompt when the config packs them, the loss. Gradients are dropped;
-        weights, optimizer and random state (LoRA dropout draws on it) are left as they were."""
-        p, tc = self.parts, self.cfg.train
-        dev = next(p.model.parameters()).device
-        prompts, comps = [[1, 2, 3]] * 3 + [[4, 5]], [[6, 7], [8], [9], [10, 11]]
-        slots = torch.tensor([0, 0, 0, len(p.slot) - 1], device=dev)
-        p.model.train()
-        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []), \
-                p.bank.held_copy(p.model.dtype):
-            for rows in ([0, 1, 2, 3], [0, 1, 2]):
-                idx = torch.tensor(rows, device=dev)
-                logprobs, mask = sequence_logprobs(
-                    p.model, p.bank, [prompts[i] for i in rows], [comps[i] for i in rows],
-                    slots[idx], share_prompts=tc.share_prompts)
-                counts = group_token_counts(mask, slots[idx], n_groups=len(p.slot))
-                loss, _ = policy_loss(logprobs.float(), torch.ones(len(rows), device=dev), mask,
-                                      groups=slots[idx], token_counts=counts)
-                loss.backward()
-        p.opt.zero_grad()
-        p.model.eval()
-
-    def _update_memory_plan(self, longest: int) -> tuple[int | None, int]:
-        """`(keep_tokens, micro_batch_tokens)`: with `auto`, micro-batches of at most
-        `keep_tokens` padded tokens run without activation checkpointing, larger ones with it
-        (`engine/memory.plan_update`); otherwise keep_tokens is None (the config decides)."""
-        mode, max_tokens = self.cfg.model.gradient_checkpointing, self.cfg.train.micro_batch_tokens
-        if mode != "auto":
-            return None, max_tokens
-        model = self.parts.model
-        return plan_update(model, longest, max_tokens, HEAD_CHUNK, free_memory(model),
-                           head_compiled(model))
 
     def _base_program(self, type_: str, rng: random.Random) -> Task | None:
         """code_f writes inputs for a program taken from the other buffers (AZR)."""
