@@ -26,6 +26,7 @@ times, peak memory, generated tokens/s and the update's tokens/s and model FLOP 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import gc
 import json
@@ -42,6 +43,7 @@ from statistics import median
 import torch
 from torch import profiler
 
+from lorapop.engine.generate import GenerateSpec
 from lorapop.lora.routing import KERNELS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,7 +102,8 @@ def length_stop(median_len: float, sigma: float, cap: int | None):
         def run(*a, **kw):
             calls[0] += 1
             call = calls[0]
-            params = a[5] if len(a) > 5 else kw["params"]
+            spec = a[5] if len(a) > 5 else kw.get("spec") or GenerateSpec()
+            params = spec.params
             top = min(cap or params.max_new_tokens, params.max_new_tokens)
 
             def want(i: int) -> int:
@@ -125,7 +128,10 @@ def static_batches(generate):
 
     @functools.wraps(generate)
     def run(*a, **kw):
-        return generate(*a, refill=False, **kw)
+        if len(a) > 5:
+            a, kw["spec"] = a[:5], a[5]
+        kw["spec"] = dataclasses.replace(kw.get("spec") or GenerateSpec(), refill=False)
+        return generate(*a, **kw)
 
     return run
 

@@ -287,7 +287,7 @@ def update_case(parts, prompt: int, completion: int, tokens: int, ckpt: bool, re
 
 
 def decode_case(parts, rows: int, prompt: int, new: int, profile: bool) -> dict:
-    from lorapop.engine.generate import generate
+    from lorapop.engine.generate import GenerateSpec, generate
     from lorapop.engine.sampling import SamplingParams
 
     model, bank = parts.model, parts.bank
@@ -302,7 +302,8 @@ def decode_case(parts, rows: int, prompt: int, new: int, profile: bool) -> dict:
         timing: dict = {}
         sync_cuda()
         t0 = time.perf_counter()
-        generate(model, bank, None, prompts, slots, p, seed=0, batch_size=rows, timing=timing)
+        generate(model, bank, None, prompts, slots, GenerateSpec(params=p, seed=0, batch_size=rows),
+                 timing=timing)
         sync_cuda()
         return time.perf_counter() - t0, timing
 
@@ -316,8 +317,8 @@ def decode_case(parts, rows: int, prompt: int, new: int, profile: bool) -> dict:
             p = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=n_new, eos_token_ids=())
             with profiler.profile(activities=[profiler.ProfilerActivity.CUDA,
                                               profiler.ProfilerActivity.CPU]) as prof:
-                generate(model, bank, None, prompts, slots, p, seed=0, batch_size=rows,
-                         cuda_graph=False)
+                generate(model, bank, None, prompts, slots,
+                         GenerateSpec(params=p, seed=0, batch_size=rows, cuda_graph=False))
                 sync_cuda()
             times: dict[str, float] = {}
             for k in kernel_table(prof, None):  # names cut at 120 characters may repeat

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from lorapop.engine.generate import KeptDecoders, generate
+from lorapop.engine.generate import GenerateSpec, KeptDecoders, generate
 from lorapop.engine.load import TINY_DIR, load_tokenizer
 from lorapop.engine.sampling import SamplingParams
 from lorapop.lora.bank import AdapterBank
@@ -66,9 +66,9 @@ def _step(model, bank, rng: random.Random, vocab: int, kept: KeptDecoders | None
         timing: dict[str, float] = {}
         sync()
         t0 = time.perf_counter()
-        gens = generate(model, bank, None, prompts, slot_ids, params, seed=seed,
-                        batch_size=1024, timing=timing, decoders=kept,
-                        stop_fn=partial(_stop_at, stops))
+        gens = generate(model, bank, None, prompts, slot_ids,
+                        GenerateSpec(params=params, seed=seed, batch_size=1024, decoders=kept),
+                        timing=timing, stop_fn=partial(_stop_at, stops))
         sync()
         out["wall_s"] += time.perf_counter() - t0
         for k in ("capture_s", "decode_s", "prefill_s"):

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from statistics import fmean, pvariance
 from typing import Any
 
-from lorapop.engine.generate import SamplingParams, generate
+from lorapop.engine.generate import GenerateSpec, SamplingParams, generate
 from lorapop.rl import RewardScheme, teacher_reward
 from lorapop.tasks import Outcome, Runner, Task, get_family, program_metrics
 from lorapop.tasks.domain import WorldRules
@@ -115,8 +115,8 @@ def measure_world(
                                  tuple(picked[references:]), base))  # fmt: skip
     params = SamplingParams(temperature=temperature, max_new_tokens=teacher_max_new_tokens)
     prompts = [fams[a.kind].teacher_prompt(list(a.shown), a.base) for a in asks]
-    gens = generate(model, bank, tokenizer, prompts, [slot] * len(prompts), params,
-                    seed=seed, batch_size=batch_size)  # fmt: skip
+    gens = generate(model, bank, tokenizer, prompts, [slot] * len(prompts),
+                    GenerateSpec(params=params, seed=seed, batch_size=batch_size))  # fmt: skip
     verdicts: list[Any] = [None] * len(asks)
     for kind in KINDS:
         idx = [i for i, a in enumerate(asks) if a.kind == kind]
@@ -156,8 +156,8 @@ def _solve(model: Any, tokenizer: Any, runner: Runner, fams: Mapping[str, Any],
         rows = [i for i in idx for _ in range(answers)]
         params = SamplingParams(temperature=temperature, max_new_tokens=MAX_NEW[kind])
         gens = generate(model, bank, tokenizer, [fams[kind].student_prompt(tasks[i]) for i in rows],
-                        [slot] * len(rows), params, seed=seed + 1 + k,
-                        batch_size=batch_size)  # fmt: skip
+                        [slot] * len(rows),
+                        GenerateSpec(params=params, seed=seed + 1 + k, batch_size=batch_size))  # fmt: skip
         grades = fams[kind].check([tasks[i] for i in rows], [g.text for g in gens], runner)
         for i, g in zip(rows, grades, strict=True):
             correct[i] += g.outcome == Outcome.CORRECT

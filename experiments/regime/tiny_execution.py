@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from lorapop.engine.generate import SamplingParams, generate
+from lorapop.engine.generate import GenerateSpec, SamplingParams, generate
 from lorapop.engine.load import load_base_model, load_tokenizer, resolve_device
 from lorapop.tasks import Outcome, get_family
 from lorapop.tiny.corpus import generate_corpus
@@ -58,7 +58,8 @@ from regime_recipes import RECIPES as SIZES
 def accuracy(model, tok, tasks, sb, temperature: float) -> dict:
     fam = get_family("code_o", template="compact")
     gens = generate(model, None, tok, [fam.student_prompt(t) for t in tasks], [0] * len(tasks),
-                    SamplingParams(temperature=temperature, max_new_tokens=48), seed=0)  # fmt: skip
+                    GenerateSpec(params=SamplingParams(temperature=temperature, max_new_tokens=48),
+                                 seed=0))  # fmt: skip
     by: dict[str, list[bool]] = defaultdict(list)
     for t, g in zip(tasks, fam.check(tasks, [g.text for g in gens], sb), strict=True):
         ok = g.outcome == Outcome.CORRECT

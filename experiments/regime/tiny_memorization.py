@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from lorapop.engine.generate import SamplingParams, generate
+from lorapop.engine.generate import GenerateSpec, SamplingParams, generate
 from lorapop.engine.load import load_base_model, load_tokenizer
 from lorapop.tasks import get_family
 from lorapop.tiny.generator import generate_variants, normalize
@@ -71,7 +71,8 @@ def proposal_shapes(model, tok, sb, levels: list[int], n: int, seed: int) -> dic
             fam = get_family(kind, template="compact")
             shown = [rng.sample(pools[lv][kind], 2) for _ in range(n)]
             gens = generate(model, None, tok, [fam.teacher_prompt(s) for s in shown], [0] * n,
-                            SamplingParams(temperature=1.0, max_new_tokens=512), seed=seed)
+                            GenerateSpec(params=SamplingParams(temperature=1.0, max_new_tokens=512),
+                                         seed=seed))
             verdicts = fam.verify([g.text for g in gens], sb)
             helper = copies = 0
             for g, refs in zip(gens, shown, strict=True):

@@ -12,7 +12,7 @@ import lorapop.engine.generate as gen_mod
 import lorapop.engine.memory as memory
 from lorapop.engine.byte_tokenizer import byte_tokenizer
 from lorapop.engine.decoder import Decoder
-from lorapop.engine.generate import generate
+from lorapop.engine.generate import GenerateSpec, generate
 from lorapop.engine.memory import (
     GenerationMemoryError,
     fit_batch,
@@ -70,13 +70,15 @@ def test_generate_uses_the_budget_and_fails_before_any_work(monkeypatch):
     monkeypatch.setattr(gen_mod, "Decoder", Spy)
     length = 64  # 20 + 8 - 1 tokens, rounded up to 64
     budget = prefill_bytes(model, length, 128) + 4 * row_bytes(model, length, 8)
-    small = generate(model, None, tok, prompts, [0] * 15, PARAMS, seed=1, prefill_tokens=128,
-                     memory_budget=budget)  # fmt: skip
+    small = generate(model, None, tok, prompts, [0] * 15,
+                     GenerateSpec(params=PARAMS, seed=1, prefill_tokens=128, memory_budget=budget))  # fmt: skip
     assert sizes == [4]
-    full = generate(model, None, tok, prompts, [0] * 15, PARAMS, seed=1, prefill_tokens=128)
+    full = generate(model, None, tok, prompts, [0] * 15,
+                    GenerateSpec(params=PARAMS, seed=1, prefill_tokens=128))
     assert [g.token_ids for g in small] == [g.token_ids for g in full]
     with pytest.raises(GenerationMemoryError, match="one sampling row needs .* GiB"):
-        generate(model, None, tok, prompts, [0] * 15, PARAMS, memory_budget=budget // 8)
+        generate(model, None, tok, prompts, [0] * 15,
+                 GenerateSpec(params=PARAMS, memory_budget=budget // 8))
     assert len(sizes) == 2  # no decoder was built: no cache, no forward
 
 

@@ -13,8 +13,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
-from lorapop.engine.fused import fuse_mlps, fuse_rms_norms, fuse_rotary
-from lorapop.engine.merged import merge_projections
+from lorapop.engine.patches import patch_base_model
 
 hf_logging.disable_progress_bar()  # a 3 MB model's "Loading weights" bar is noise in run logs
 
@@ -131,8 +130,8 @@ def load_base_model(
     random_init: bool = False,
 ) -> torch.nn.Module:
     """The frozen base: every parameter has requires_grad False; adapters are added later.
-    Its RMSNorms run the fused kernel (`engine/fused.py`), and in decode steps its q/k/v and
-    gate/up projections run as one GEMM each (`engine/merged.py`).
+    Patched by `engine/patches.patch_base_model` (fused norms, SwiGLU and rotary; merged
+    projections in decode steps): the table in `engine/patches.py` lists every change.
 
     `random_init` builds the architecture from the config alone, directly on the device.
     """
@@ -161,10 +160,7 @@ def load_base_model(
     model.to(device=dev, dtype=dt)
     model.requires_grad_(False)
     model.eval()
-    fuse_rms_norms(model)
-    fuse_mlps(model)
-    fuse_rotary(model)
-    merge_projections(model)
+    patch_base_model(model)
     return model
 
 

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from lorapop.engine import pack_attention
 from lorapop.engine.decoder import route
 from lorapop.engine.fused import compile_failures, fast_pass
+from lorapop.engine.patches import use_pack_attention
 from lorapop.engine.transfer import host_to_device
 
 HEAD_CHUNK = 2048  # positions whose logits are formed at once (memory.update_fixed_bytes)
@@ -165,7 +166,7 @@ def sequence_logprobs(
     # no mask step (`maskless`): the all-ones padding mask only stops transformers searching
     # the position ids for packed sequences; packs attend through their layout, lone rows
     # causally (padding only follows real tokens)
-    pack_attention.install(model)
+    use_pack_attention(model)
     extra: dict[str, Any] = {"attention_mask": torch.ones(n, width, dtype=torch.long, device=dev)}
     if shared:
         extra["pack_layout"] = pack_attention.PackLayout.build(

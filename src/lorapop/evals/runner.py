@@ -96,7 +96,7 @@ def load_population(base: str, members: list[Member], device: str, dtype: str, s
     adapters = [m for m in members if m.adapter is not None]
     if not adapters:
         return tok, model, None
-    from lorapop.lora.bank import AdapterBank
+    from lorapop.engine.patches import attach_lora
     from lorapop.lora.peft_io import import_slot
 
     cfgs = [json.loads((m.adapter / CONFIG_NAME).read_text()) for m in adapters]  # type: ignore[operator]
@@ -107,7 +107,7 @@ def load_population(base: str, members: list[Member], device: str, dtype: str, s
     rank = ranks.pop()
     alpha = float(cfgs[0].get("lora_alpha", rank))
     try:
-        bank = AdapterBank(model, n_slots=len(members), rank=rank, alpha=alpha,
+        bank = attach_lora(model, n_slots=len(members), rank=rank, alpha=alpha,
                            target_modules=targets, dtype=next(model.parameters()).dtype)  # fmt: skip
         for i, m in enumerate(members):
             if m.adapter is None:  # the base model: a slot whose delta is exactly zero

@@ -35,7 +35,7 @@ from lorapop.engine.determinism import (
     fix_cublas_workspace,
     missing_kernel,
 )
-from lorapop.engine.generate import Generation, KeptDecoders, SamplingParams, generate
+from lorapop.engine.generate import GenerateSpec, Generation, KeptDecoders, SamplingParams, generate
 from lorapop.league import Role, match, match_results, plan_replacement, rate_children
 from lorapop.lora import evolve
 from lorapop.rl import RewardScheme, solve_rate, solve_rates, student_reward, teacher_reward
@@ -325,10 +325,12 @@ class SelfPlay:
         def run(idx: list[int]) -> list[Generation]:
             t0, timing = time.perf_counter(), {}
             out = generate(p.model, p.bank, p.tokenizer, [ids[i] for i in idx],
-                           [slots[i] for i in idx], params, seed=seed, batch_size=sp.batch_size,
-                           compile=None if sp.compile else False, row_keys=idx,
-                           prefill_tokens=sp.prefill_tokens, cuda_graph=sp.cuda_graph,
-                           timing=timing, decoders=self.decoders)
+                           [slots[i] for i in idx],
+                           GenerateSpec(params=params, seed=seed, batch_size=sp.batch_size,
+                                        compile=None if sp.compile else False,
+                                        prefill_tokens=sp.prefill_tokens, cuda_graph=sp.cuda_graph,
+                                        decoders=self.decoders),
+                           row_keys=idx, timing=timing)
             clock.generation_s += time.perf_counter() - t0
             acc = clock.generation.setdefault(clock.current, {})
             for k in ("prefill_s", "capture_s", "decode_s", "steps"):

@@ -22,6 +22,7 @@ import torch
 from lorapop.config import Config, dump_config
 from lorapop.engine.load import load_base_model, load_tokenizer, use_checkpointing
 from lorapop.engine.optim import BankOptimizer
+from lorapop.engine.patches import attach_lora
 from lorapop.league import Lineage, Ratings
 from lorapop.lora.bank import AdapterBank
 from lorapop.lora.peft_io import export_slot, import_slot
@@ -87,7 +88,7 @@ def build(cfg: Config) -> Parts:
         teachers = [f"T{i}" for i in range(cfg.league.teachers)]
         students = [f"S{i}" for i in range(cfg.league.students)]
     slot = {name: i for i, name in enumerate(dict.fromkeys(teachers + students))}
-    bank = AdapterBank(model, n_slots=len(slot), rank=cfg.lora.rank, alpha=cfg.lora.alpha,
+    bank = attach_lora(model, n_slots=len(slot), rank=cfg.lora.rank, alpha=cfg.lora.alpha,
                        dropout=cfg.lora.dropout, target_modules=cfg.lora.target_modules)
     for name, i in slot.items():
         bank.reset_slot(i, seed=derive_seed(cfg.seed, "init", name))
