@@ -68,7 +68,7 @@ def summarise(runs: dict[str, Path]) -> dict:
 
     times = {n: {"update_s": mean(n, "update"), "step_s": mean(n, None)} for n in runs}
     # the second deterministic run against the default one: the first process also compiles
-    # what later ones read from the compiler's disk cache (session 24, H200: update 1.12 s a
+    # what later ones read from the compiler's disk cache (H200: update 1.12 s a
     # step in the first run, 0.62 s in the second, 1.03 s without the switch)
     ratio = (times[b]["update_s"] / times[off]["update_s"]
              if times[b]["update_s"] and times[off]["update_s"] else None)  # fmt: skip

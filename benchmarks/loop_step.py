@@ -310,7 +310,7 @@ def op_table(prof, n: int = 25) -> list[dict]:
 # first match wins: FlashAttention's kernels name cutlass types, so attention comes first, and
 # torch.compile's kernels (`triton_poi_fused__to_copy_mul_silu_0`: the SwiGLU, rotary and head
 # passes) name the casts they fuse, so they come before the copies; the driver's `Memcpy` and
-# `Memset` are copies (until session 28 the first counted as copies/casts, the others as other)
+# `Memset` are copies
 KINDS = {"attention": ("fmha", "flash", "attention", "sdpa", "efficient"),
          "gemm": ("gemm", "xmma", "cutlass", "nvjet", "matmul"),
          "compiled": ("triton_",),
@@ -446,8 +446,8 @@ def measure(config: str, overrides: list[str], warmup: int, steps: int, run_dir:
     sp = SelfPlay(cfg, run_dir)
     if skip_update:  # generation phases only: rewards and ratings, no policy-gradient step
         sp.policy.step = lambda rollouts, rewards: ({}, {}, [None] * len(rollouts))
-    n_params = flop_params(getattr(sp, "parts", sp).model)  # (older loops: sp.model)
-    compile_s = warm_compiled(getattr(sp, "parts", sp).model)
+    n_params = flop_params(sp.parts.model)
+    compile_s = warm_compiled(sp.parts.model)
     rows, warm_rows, ab, trace = [], [], [], None
     alloc = allocator_counts()
     last: list = []  # the last policy step's (rollouts, rewards), for the update A/B

@@ -63,7 +63,7 @@ def update_pass(parts, rows: tuple[list, list, list], share: bool, mode: bool | 
                 max_tokens: int, profile: bool = False, held: bool = True) -> dict:
     """The loop's update over `rows` (`SelfPlay._policy_step` minus advantages and the
     optimizer): timed, with its peak memory; `profile` tabulates the first micro-batch;
-    `held=False` casts the bank in every forward (round 1) instead of holding one copy."""
+    `held=False` casts the bank in every forward instead of holding one copy."""
     from lorapop.engine.load import use_checkpointing
     from lorapop.engine.logprobs import (
         HEAD_CHUNK,
@@ -196,7 +196,7 @@ def paper_case(parts, args, write) -> dict:
               "budget does not shape these micro-batches as it does the paper step's: pass more "
               "--tasks / --teachers", file=sys.stderr)
     update_pass(parts, student, True, "auto", args.max_tokens)  # warm-up
-    # (rows, share, mode, held copy): the last two cast the bank in every forward (round 1)
+    # (rows, share, mode, held copy): the last two cast the bank in every forward
     cases = [("student", False, True, True), ("student", True, True, True),
              ("student", False, "auto", True), ("student", True, "auto", True),
              ("teacher", False, True, True), ("teacher", False, "auto", True),

@@ -4,10 +4,9 @@
         --shape "" --shape hidden=768,layers=12,heads=12,kv_heads=4,intermediate=2048 \\
         --out $OUT/base_speed.json
 
-Issue 15's gate keeps failing on one reading: the 26M students of the world bases execute the
-grammar's arithmetic too poorly, and a larger base is the lever left. But a base must be built
-and gated on one device machine (30 minutes held; its parts must fit the 64 MiB carry to move),
-so what counts is how a recipe's build time grows with the shape. This makes the recipe's
+The gate kept failing on one reading: the 26M students of the world bases execute the
+grammar's arithmetic too poorly, and a larger base is the lever left. What counts then is how a
+recipe's build time grows with the shape. This makes the recipe's
 corpus once, then trains each shape (`--shape`, fields of `ModelSize`; "" is the recipe's own)
 for `--steps` steps on the recipe's own batches (`pretrain_tiny` with the recipe's settings,
 that shape and the corpus given; the pool is drawn per shape, sized to the steps). It records

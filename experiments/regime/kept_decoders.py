@@ -1,6 +1,6 @@
 """Kept decoders against fresh ones: a world step's two generations, same card, same process.
 
-Each step generates as a `world.yaml` step on `world-nocount-77m` does (session 25's rollouts,
+Each step generates as a `world.yaml` step on `world-nocount-77m` does (a run's rollouts at
 steps 290-291): 48 teacher prompts of ~110 tokens (max ~350) under 4 slots, up to 256 new
 tokens, completions ~40 tokens (p90 ~100); then 42 student prompts of ~90 tokens, 16 answers
 each, under 4 other slots, up to 192 new tokens, answers ~8 tokens (p90 ~20). The model has

@@ -1,6 +1,6 @@
 """Is a base model in the regime where self-play can show the paper's effect? Measure it.
 
-Before any self-play, a world must have (issue 15): proposals mostly valid at temperature 1;
+Before any self-play, a world must have: proposals mostly valid at temperature 1;
 a student that solves some but not all of its own tasks, fewer at higher levels; code_f
 solvable at all; and proposals that depend on the references shown (else a teacher has no cue
 to raise difficulty). `measure_world` measures each on the plain base model (or one adapter
@@ -243,7 +243,7 @@ def _dependence(valid: Sequence[tuple[_Ask, Task]]) -> dict:
 
 
 def regime_checks(m: Mapping[str, Any]) -> dict[str, bool | None]:
-    """Issue 15's targets for a world, each True/False (None: not measured)."""
+    """The regime's targets for a world, each True/False (None: not measured)."""
 
     def ok(x: float | None, test: Any) -> bool | None:
         return None if x is None else bool(test(x))

@@ -11,8 +11,7 @@ from __future__ import annotations
 from lorapop.tiny.pretrain import SIZES, ModelSize, Recipe
 
 RECIPES: dict[str, Recipe] = dict(SIZES)
-# Regime-world candidates (issue 15; built and measured side by side by
-# experiments/regime/world_recipes.py, results in experiments/regime/results/world_recipes_*.json): `small`'s
+# Regime-world candidates (built and measured side by side by world_recipes.py): `small`'s
 # model and corpus size on the world's level table (levels 4-5 of ~250/~350 characters, not
 # ~500/~1000) and a token budget per role and level instead of example weights, so many short
 # student examples at levels 1-3 get the tokens that long teacher examples took; one reference
@@ -56,34 +55,33 @@ RECIPES |= {
     # on a level table whose every level is short (`grammar.SHORT_LEVELS`: level 5 is ~220
     # characters, like the standard level 3), since validity at temperature 1 falls with
     # program length (`small`: code_o .90 .75 .45 .25 .00 at 60 / 155 / 220 / 500 / 1000
-    # characters) and students execute short programs best; 2000 steps (~150M tokens), one
-    # build filling one H100 call (measured: experiments/regime/results/tiny_world_world-short.json)
+    # characters) and students execute short programs best; 2000 steps (~150M tokens, ~8
+    # minutes on an H100)
     "world-short": Recipe(**RECIPES["world-steps"].__dict__ | {
         "levels": "short", "steps": 2000, "batch_tokens": 81_920, "lr": 1.5e-3}),
 }  # fmt: skip
 # `world-short` on bounded inputs (`grammar.TABLE_RULES["narrow"]`: ints -5..9, strings of
 # <= 4 characters, <= 4 items): on `world-short` the single agent's one-line programs stayed
 # half unsolved through their values (two-digit products, counts over 7-letter strings), so
-# its teacher found difficulty without complexity (benchmarks/README.md, session 11)
+# its teacher found difficulty without complexity
 RECIPES["world-narrow"] = Recipe(**RECIPES["world-short"].__dict__ | {"levels": "narrow"})
 # `world-narrow` without dead statements (`grammar.TABLE_RULES["live"]`): on `world-narrow` the
 # single agent padded its one-line programs with `x = x` chains and values never read and its
-# own solve rate fell (benchmarks/README.md, session 12); this base never sees dead code
+# own solve rate fell; this base never sees dead code
 RECIPES["world-live"] = Recipe(**RECIPES["world-short"].__dict__ | {"levels": "live"})
 # `world-live` on non-negative values (`grammar.TABLE_RULES["natural"]`): on `world-live` many
 # of the single agent's unsolved tasks did arithmetic through negative values
-# (docs/world-regime.md, session 13)
 RECIPES["world-natural"] = Recipe(**RECIPES["world-short"].__dict__ | {"levels": "natural"})
 # `world-natural` on `grammar.DIRECT_LEVELS` (level 1: one `return` expression): on
 # `world-natural` the single agent's student stayed at ~50% on such one-liners, rare in its base's
-# corpus, and its teacher kept proposing them (benchmarks/README.md, session 14)
+# corpus, and its teacher kept proposing them
 RECIPES["world-direct"] = Recipe(**RECIPES["world-short"].__dict__ | {"levels": "direct"})
 # `world-direct` with 1.35x the steps, most of them for students executing level-1 programs: on
 # `world-direct` the single agent's code_o stayed at 0.5-0.6 on one-liners (its base answered 0.34
 # of its own level-1 code_o tasks), while a model of its shape trained on that role alone, with
-# as many examples, answered 0.61 of unseen ones at T=1, its loss still falling
-# (benchmarks/README.md, session 15). ~2.3x the level-1 code_o tokens, more in every other cell;
-# 2,700 steps keep the build and its measurement inside one ~600 s device call (~520 s)
+# as many examples, answered 0.61 of unseen ones at T=1, its loss still falling. ~2.3x the
+# level-1 code_o tokens, more in every other cell; 2,700 steps (the build and its measurement:
+# ~520 s on an H100)
 RECIPES["world-direct-exec"] = Recipe(**RECIPES["world-direct"].__dict__ | {
     "steps": 2700,
     "token_shares": {"teacher/code_o": 0.14, "teacher/code_i": 0.14, "teacher/code_f": 0.07,
@@ -92,27 +90,25 @@ RECIPES["world-direct-exec"] = Recipe(**RECIPES["world-direct"].__dict__ | {
                      "student": {1: 4, 2: 3, 3: 2, 4: 1, 5: 1}}})  # fmt: skip
 # `world-direct-exec` without `count` calls (`grammar.TABLE_RULES["nocount"]`): on
 # `world-direct-exec` 69% of one seed's unsolved code_o tasks counted characters, as 86% of one
-# on `world-direct` (benchmarks/README.md, session 16)
+# on `world-direct`
 RECIPES["world-nocount"] = Recipe(**RECIPES["world-direct-exec"].__dict__ | {"levels": "nocount"})
 # ... and without `join` (`TABLE_RULES["nojoin"]`): on `world-nocount` the seed whose solve
 # rate fell had 91-96% of its unsolved code_o/code_i tasks on `''.join(map(str, xs))`
-# (benchmarks/README.md, session 16)
 RECIPES["world-nojoin"] = Recipe(**RECIPES["world-direct-exec"].__dict__ | {"levels": "nojoin"})
 # `world-nocount` three times larger (768 x 12, 77M parameters): on every 26M base the gate's
-# single agent lost its solve rate to short programs its student executes wrongly
-# (docs/world-regime.md, session 19), so a stronger student was the lever left. On it the gate
-# holds (2 of 3, session 20), though its loss ends above the 26M's (0.410 against 0.344). Built
-# data parallel on 2 H100s (torchrun): 442 s of training. At 154 MB in bf16 it does not fit a
-# device call's carry, so it is built and played on one machine
+# single agent lost its solve rate to short programs its student executes wrongly, so a
+# stronger student was the lever left. On it the gate holds in 2 of 3 seeds, though its loss
+# ends above the 26M's (0.410 against 0.344). Built data parallel on 2 H100s (torchrun): 442 s
+# of training; 154 MB in bf16
 _SIZE_77M = ModelSize(hidden=768, layers=12, heads=12, kv_heads=4, intermediate=2048)
 RECIPES["world-nocount-77m"] = Recipe(**RECIPES["world-nocount"].__dict__ | {"size": _SIZE_77M})
-# `world-nojoin` at 77M: in session 25's verdict arms on `world-nocount-77m` the single agent's
+# `world-nojoin` at 77M: in the verdict arms on `world-nocount-77m` the single agent's
 # solve rate fell back in 2 of 3 seeds, in seed 0 on `''.join(map(str, xs))` tasks (71% of its
 # last steps' code_o/code_i tasks; its students solved 0.56 of their inverses). On it the gate
-# holds in 3 of 3 seeds (session 26: 2 ranks on H200s, final loss 0.422)
+# holds in 3 of 3 seeds (2 ranks on H200s, final loss 0.422)
 RECIPES["world-nojoin-77m"] = Recipe(**RECIPES["world-nojoin"].__dict__ | {"size": _SIZE_77M})
 # `world-nojoin-77m` for a world of 3 code_f inputs (2 shown, 1 checking) and with more level-5
-# teacher tokens: it passed 3 of the 5 regime checks (session 26). Its code_o/code_i proposals
+# teacher tokens: `world-nojoin-77m` passed 3 of the 5 regime checks. Its code_o/code_i proposals
 # were valid 0.38 / 0.48 at level 5 (0.75-0.93 below it) and its code_f ones 0.72 at levels 1-4,
 # nearly all for duplicate inputs (one argument of 0-9: 4 random draws repeat one half the
 # time, 3 over a quarter of it), and it solved 0.087 of code_f (>= 0.1 asked). Level 5 gets 2.25x
@@ -123,7 +119,7 @@ RECIPES["world-nojoin-f3-77m"] = Recipe(**RECIPES["world-nojoin-77m"].__dict__ |
                      "student": RECIPES["world-nojoin-77m"].token_levels["student"]}})  # fmt: skip
 # `world-nojoin-f3-77m` on twice the programs and steps (on 4 ranks, expected to build in about
 # its parent's 2-rank time):
-# it passed 4 of the 5 checks (session 29: code_f valid 0.83, solved 0.12), validity >= 0.8 still
+# it passed 4 of the 5 checks (code_f valid 0.83, solved 0.12), validity >= 0.8 still
 # short for code_o / code_i (0.76 / 0.69: syntax and runtime errors, dead code). Its loss (0.450)
 # ends above the 26M bases' (0.34), whose proposals were more often valid: 224M tokens are a
 # small share of what 77M parameters can take in. Level 1's one-expression programs run short

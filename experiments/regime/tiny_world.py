@@ -5,7 +5,7 @@
 
 Writes JSON: valid rate at T=1 per type (and level), the model's solve rate on its own valid
 tasks by level 1-5 and type, code_f solved rate, the share of tasks with 0 < s < 1 and the
-teacher rewards they would earn, reference dependence, issue 15's targets (`checks`), and
+teacher rewards they would earn, reference dependence, the regime's targets (`checks`), and
 optionally held-out greedy pass@1 (`--heldout-per-level`), with machine and command. Levels
 are those of the model's own level table (`--level-table`; the world recipes' is `world`).
 """

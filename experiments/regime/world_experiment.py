@@ -1,4 +1,4 @@
-"""Issue 15's experiment: PopuLoRA vs its controls in the regime world, several seeds, one GPU.
+"""The regime experiment: PopuLoRA vs its controls in the regime world, several seeds, one GPU.
 
 Arms (all with the same generation compute per step: proposals and answers):
   population   (a) PopuLoRA, T teachers + S students (configs/world.yaml: 4 + 4)
@@ -301,7 +301,7 @@ def rollout_counts(run_dir: Path) -> dict[int, dict[str, list[int]]]:
 
 def metric_counts(rows: list[dict]) -> dict[int, dict[str, list[int]]]:
     """`rollout_counts` from the metrics rows, every step, where they have per-type answers
-    (`programs[type]["answers"]` and `["solve_rate"]`, logged since session 16; {} before)."""
+    (`programs[type]["answers"]` and `["solve_rate"]`; {} where the rows lack them)."""
     out: dict[int, dict[str, list[int]]] = {}
     for r in rows:
         by = {t: [round(p["solve_rate"] * p["answers"]), p["answers"]]
@@ -405,7 +405,7 @@ def _gate(single: dict[int, dict], seeds: list[int]) -> dict:
 
 
 #: complexity measures whose slopes are reported beside C1's cyclomatic one, not scored: in a
-#: table of branch-free programs (session 25) cyclomatic complexity sits at its floor, 1.0
+#: table of branch-free programs cyclomatic complexity sits at its floor, 1.0
 REPORTED_COMPLEXITY = ("ast_depth", "loc")
 
 
@@ -592,7 +592,7 @@ def _coverage_table(arm_curves: dict, seeds: list[int]) -> dict:
 
 def sandbox_workers(cpus: int, runs: int) -> int:
     """Each of `runs` concurrent runs' sandbox workers: its share of the cores left after one
-    per run's trainer, at least 2 (session 14's gate, 3 runs of 2 workers on 16 cores, spent
+    per run's trainer, at least 2 (a gate of 3 runs of 2 workers on 16 cores spent
     ~0.7 s of its 2.4 s steps grading answers at a load of ~4.5)."""
     return max(2, (cpus - runs) // max(1, runs))
 

@@ -177,7 +177,7 @@ def _run(cmd: list[str], log: Path, deadline_at: float) -> str:
 
 def pack_model(model_dir: Path, dest: Path, part_bytes: int = 15 << 20) -> list[str]:
     """Write `model_dir` as a gzipped tar, weights cast to bf16, in `part_bytes` parts
-    `dest/NAME_bf16.tgz.partaa`, `...partab`, ...: small enough to come back from a device call.
+    `dest/NAME_bf16.tgz.partaa`, `...partab`, ...: small enough to copy between machines in 15 MiB pieces.
     Returns the part names."""
     import io
     import itertools

@@ -97,7 +97,7 @@ def blind_spots(ts: list[dict], top: int = 3, min_share: float = 0.05) -> list[d
     tasks, its share, the mean solve rate of tasks with and without it, and `lost`, share x
     (without - with): how much higher the mean would be if its tasks were solved as the rest
     (those with `lost` > 0, most first). A teacher paid for tasks its student fails settles on
-    such an operation (docs/world-regime.md, session 16)."""
+    such an operation."""
     rows = []
     for op in sorted({o for t in ts for o in t["ops"]}):
         with_ = [t["solve"] for t in ts if op in t["ops"]]

@@ -413,7 +413,7 @@ def pretrain_tiny(
                                 "processes for the larger sizes) and the example pool."),
     stop_after: float = typer.Option(
         None, help="Seconds after which training stops and keeps its state in OUT/partial; the "
-        "same command again goes on from there to the model one sitting makes."),
+        "same command again goes on from there to the model an uninterrupted build makes."),
 ) -> None:
     """Re-make the tiny world's base model: corpus, tokenizer, supervised warm start.
 

@@ -503,7 +503,7 @@ def test_each_runs_sandbox_gets_its_share_of_the_cores_and_never_fewer_than_two(
 
 
 def test_arms_c_and_d_from_a_later_call_join_the_verdict_call(tmp_path) -> None:
-    """Issue 15's plan: arms (a) and (b) in one call, (c) and (d) in another on the same base;
+    """Arms (a) and (b) in one call, (c) and (d) in another on the same base;
     --merge reports the population against all three controls, the verdict unchanged."""
     we = _module()
     ab = _results([0, 1, 2], 0.0)

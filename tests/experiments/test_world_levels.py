@@ -258,7 +258,7 @@ def test_tables_without_calls_are_the_direct_stream_less_those_calls(table, bann
 @pytest.mark.parametrize("table", ["nocount", "nojoin"])
 def test_a_77m_world_base_is_its_26m_recipe_three_times_larger(table: str) -> None:
     """The larger base differs from its 26M recipe in its shape alone (so a gate on it tests
-    the student's size), at ~77M parameters: too large to carry, built where it is gated."""
+    the student's size), at ~77M parameters."""
     from lorapop.engine.load import TINY_DIR, load_tokenizer
     from lorapop.tiny.pretrain import build_model
 

@@ -265,7 +265,7 @@ def test_budgeted_world_recipe_fills_one_pass_and_records_its_budget(tmp_path, c
 
 @pytest.mark.parametrize("pool", [0, 40])  # batches drawn afresh (the tiny recipe) / a pool
 def test_a_build_stopped_and_resumed_equals_one_built_in_one_go(tmp_path, corpus, pool) -> None:
-    """A build longer than one device call stops, keeps its state, and the same call goes on
+    """A build told to stop early stops, keeps its state, and the same call goes on
     to the very model an uninterrupted build makes; another recipe does not take it over."""
     import torch
     from safetensors.torch import load_file

@@ -49,7 +49,7 @@ class KeptDecoders:
     A decoder captures one CUDA graph per (rows, attention width) it meets; made anew at
     every call, a small model spends more time capturing than decoding (a 77M world step on
     an H100: 0.77 s of captures against 0.57 s of decode steps). Kept, each (rows, width) is
-    captured once per run (session 25: ~0 s a step). Calls that pass this object round their
+    captured once per run (~0 s a step). Calls that pass this object round their
     batch and cache length up to a few buckets (`compile_buckets`) so that shapes repeat, and
     the kept caches hold their memory between calls (through the update too): for models
     whose caches are small. The least recently used decoder goes when a new shape would

@@ -125,7 +125,7 @@ class AdapterBank:
     else "gather" (row permutations cost more than per-row weight gathers); for one-token
     rows "fused" without grad (a cached compute-dtype copy of the bank, 3 GEMM-sized kernels
     per projection, q/k/v and gate/up sharing their A GEMM) and "dense" with grad.
-    Measurements in benchmarks/README.md.
+    Measurements in docs/performance.md.
 
     The "fused" cache is refreshed when `weights` changed since it was built, detected by
     the tensor's version counter (every in-place write through `weights`, its views or the

@@ -154,8 +154,8 @@ SIZES: dict[str, Recipe] = {
     # repeats) see each program a few times and the model learns the grammar, not its corpus;
     # references of the completion's level; more student examples, of levels 1-3 above all,
     # weighted by n_tokens ** -0.5, and string literals one token per character, so students
-    # can learn to execute; length-bucketed batches of ~80k tokens; steps sized to fit one
-    # 9-minute GPU call with the regime measurement
+    # can learn to execute; length-bucketed batches of ~80k tokens; 1,500 steps (~6 minutes on
+    # an H100)
     "small": Recipe(ModelSize(hidden=512, layers=8, heads=8, kv_heads=4, intermediate=1536),
                     steps=1500, n_per_level=24_000, lr=1.5e-3, teacher_max_level=5,
                     variant_share=0.25, level_refs=True, ref_max_chars=1500, max_len=1536,
@@ -842,7 +842,7 @@ def pretrain_tiny(
     examples, or with `pool` 0 of about `steps` x `batch_tokens` tokens (one pass).
     Training on CPU is bit-for-bit reproducible; on GPU, kernels may add float noise.
 
-    A build longer than one sitting (a device call) stops where `stop(steps done)` says so and
+    A build that must end early stops where `stop(steps done)` says so and
     keeps its training state in `out_dir/partial` (the returned record has `stopped_at`); the
     same call again remakes the corpus, tokenizer and batches from the seed, loads that state
     and goes on, ending with the model an uninterrupted build makes. A partial build of other
