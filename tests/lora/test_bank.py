@@ -382,3 +382,33 @@ def test_one_slot_forwards_add_the_lora_term_without_copying_the_output(grad):
     expands = [e.name for e in prof.events() if e.name in ("aten::addmm", "aten::addmm_")
                and e.input_shapes[1] == [ids.numel(), bank.rank]]
     assert expands and set(expands) == {"aten::addmm_"}
+
+
+def test_the_hook_names_the_path_each_forward_takes(monkeypatch):
+    """`AdapterBank._path`, the one dispatch: one token a row without grad takes the decode
+    cache, with grad the dense kernel; one slot under grad the frozen-linear path; runs of one
+    slot the addmm path (under grad only as one run); anything else, or a kernel asked for by
+    name, the batched kernels."""
+    model = tiny_model().train()
+    bank = AdapterBank(model, n_slots=3, rank=4, alpha=8)
+    seen: list[str] = []
+    real = bank._path
+    monkeypatch.setattr(bank, "_path", lambda *a: seen.append(real(*a)) or seen[-1])
+    ids = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(0))
+
+    def paths(slots, grad, tokens=5, kernel="auto"):
+        seen.clear()
+        bank.kernel = bank.decode_kernel = kernel
+        with bank.route(slots), torch.set_grad_enabled(grad):
+            model(ids[:, :tokens])
+        return set(seen)
+
+    batched = {"grouped", "gather"}
+    assert paths([1, 1], True) == {"one_slot"}
+    assert paths([0, 1], True) <= batched and len(paths([0, 1], True)) == 1
+    assert paths([0, 1], False) == paths([1, 1], False) == {"runs"}
+    assert paths([1, 0], False) == {"gather"}  # not in slot order: no runs, no grouped kernel
+    assert paths([1, 0], True, tokens=1) == {"dense"}
+    assert paths([1, 0], False, tokens=1) == {"decode_cache"}
+    assert paths([1, 1], True, kernel="gather") == {"gather"}
+    assert paths([1, 0], False, tokens=1, kernel="dense") == {"dense"}
