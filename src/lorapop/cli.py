@@ -394,16 +394,9 @@ def pretrain_tiny(
         None, "--out", help="Model directory to write (required: the shipped model is not "
         "overwritten by accident; name its directory to replace it)."),
     size: str = typer.Option(
-        "tiny", help="tiny (the shipped 3.5M model), small (~26M, the regime world; GPU), or "
-        "world, world-exec, world-refs, world-steps (small on the world's level table, "
-        "token-budgeted mixes), world-short (world-steps on the short level table), "
-        "world-narrow, world-live, world-natural, world-direct (world-short on those level "
-        "tables and their world rules), world-direct-exec (world-direct, 1.35x the steps, "
-        "most for students executing level-1 programs), world-nocount (world-direct-exec "
-        "without count calls), world-nojoin (world-nocount without join calls), "
-        "world-nocount-77m, world-nojoin-77m (those two at 77M parameters), "
-        "world-nojoin-f3-77m (world-nojoin-77m for 3 code_f inputs, more level-5 teacher "
-        "tokens), world-nojoin-f3-77m-2x (that on twice the programs and steps)."
+        "tiny", help="tiny (the shipped 3.5M model) or small (~26M: all five levels for "
+        "teachers, reference-conditioned examples; GPU). The regime world's recipes are built "
+        "by experiments/regime/."
     ),
     seed: int = typer.Option(0, help="Seed for the corpus, tokenizer and training."),
     steps: int = typer.Option(None, help="Optimizer steps (default: the size's)."),

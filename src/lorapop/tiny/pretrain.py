@@ -25,11 +25,12 @@ completion is a harder variant of it (`generate_variants`: the anchor becomes he
 new, longer `f`), so what a teacher proposes depends on what it is shown and it has a cue to
 raise difficulty. Their corpus is large enough not to be memorised (`lorapop.tiny.corpus` makes
 it in worker processes), the pool is drawn once and trained in one pass, and the example mix,
-the loss weights and the tokenizer favour students learning to execute (`Recipe`). The `world*`
-sizes draw from the world's level table (`grammar.WORLD_LEVELS`: shorter levels 4-5) and give
-each (role, level) a share of the pool's tokens rather than of its examples (`budget_cells`,
-`Examples.budget`), so short student examples are not crowded out by long teacher ones;
-`world-short` draws from a table whose every level is short (`grammar.SHORT_LEVELS`).
+the loss weights and the tokenizer favour students learning to execute (`Recipe`). A recipe
+may draw from another level table (`Recipe.levels`, `grammar.LEVEL_TABLES`) and give each
+(role, level) a share of the pool's tokens rather than of its examples (`budget_cells`,
+`Examples.budget`), so short student examples are not crowded out by long teacher ones: the
+regime world's recipes do (experiments/regime/regime_recipes.py, built with
+`pretrain_size(..., sizes=RECIPES)`).
 """
 
 from __future__ import annotations
