@@ -20,11 +20,11 @@ demo: install
 	$(BIN)/lorapop train configs/tiny.yaml --out runs/tiny run.with_baseline=true
 
 test: install
-	$(BIN)/ruff check src tests benchmarks scripts
+	$(BIN)/ruff check src tests benchmarks experiments scripts
 	$(BIN)/pytest
 
 lint: install
-	$(BIN)/ruff check src tests benchmarks scripts
+	$(BIN)/ruff check src tests benchmarks experiments scripts
 
 # lorapop's dependencies that a GPU image with torch, transformers and peft lacks, as wheels at
 # the versions installed here, for a machine without an index (the benchmarks' device runs):

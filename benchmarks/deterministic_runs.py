@@ -26,10 +26,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from lorapop import runinfo  # noqa: E402
-from lorapop.checkpoint import latest_checkpoint  # noqa: E402
-from lorapop.report import read_metrics  # noqa: E402
-from lorapop.steplog import without_timings  # noqa: E402
+from lorapop.run import runinfo  # noqa: E402
+from lorapop.run.checkpoint import latest_checkpoint  # noqa: E402
+from lorapop.run.report import read_metrics  # noqa: E402
+from lorapop.selfplay.records import without_timings  # noqa: E402
 
 RUNS = (("deterministic_a", True), ("deterministic_b", True), ("default", False))
 
@@ -68,7 +68,7 @@ def summarise(runs: dict[str, Path]) -> dict:
 
     times = {n: {"update_s": mean(n, "update"), "step_s": mean(n, None)} for n in runs}
     # the second deterministic run against the default one: the first process also compiles
-    # what later ones read from the compiler's disk cache (session 24, H200: update 1.12 s a
+    # what later ones read from the compiler's disk cache (H200: update 1.12 s a
     # step in the first run, 0.62 s in the second, 1.03 s without the switch)
     ratio = (times[b]["update_s"] / times[off]["update_s"]
              if times[b]["update_s"] and times[off]["update_s"] else None)  # fmt: skip

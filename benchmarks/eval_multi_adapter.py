@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from lorapop.engine.generate import generate
+from lorapop.engine.generate import GenerateSpec, generate
 from lorapop.engine.sampling import SamplingParams
 from lorapop.evals import codecheck, data, prompts
 from lorapop.evals.pool import Pool
@@ -70,7 +70,7 @@ def main() -> None:
 
     probs = data.load("humanevalplus", args.data_dir, limit=args.problems) if args.data_dir else []
     if args.tiny:
-        from lorapop.engine.model import load_base_model, load_tokenizer
+        from lorapop.engine.load import load_base_model, load_tokenizer
 
         tok = load_tokenizer("tiny-random")
         model = load_base_model("tiny-random", tok, device="cpu")
@@ -119,10 +119,11 @@ def main() -> None:
         rows = [p for _ in range(members) for p in base_prompts]
         slots = [m for m in range(members) for _ in base_prompts]
         batch = args.batch_size or auto_batch(model, len(rows), plen + args.new_tokens + 64)
-        generate(model, bank, tok, rows[:batch], slots[:batch], warm, batch_size=batch)
+        generate(model, bank, tok, rows[:batch], slots[:batch],
+                 GenerateSpec(params=warm, batch_size=batch))
         sync()
         t0 = time.perf_counter()
-        gens = generate(model, bank, tok, rows, slots, params, batch_size=batch)
+        gens = generate(model, bank, tok, rows, slots, GenerateSpec(params=params, batch_size=batch))
         sync()
         t_gen = time.perf_counter() - t0
         case = {"rows": len(rows), "batch_size": batch, "generate_s": t_gen,

@@ -34,7 +34,7 @@ import torch
 import transformers
 
 from lorapop.engine.decoder import Decoder, route
-from lorapop.engine.generate import generate
+from lorapop.engine.generate import GenerateSpec, generate
 from lorapop.engine.kvcache import static_kv
 from lorapop.engine.logprobs import sequence_logprobs
 from lorapop.engine.sampling import SamplingParams, row_uniforms
@@ -191,10 +191,10 @@ def main() -> None:
             setup_s=time.perf_counter() - t0,
         )
 
-    def e2e_case(key, bank, slots, **kw) -> None:
-        kw.setdefault("compile", False)  # generate() compiles by default on CUDA
-        generate(model, bank, None, prompts, slots, params, **kw)  # warm-up (and compile)
-        s, m = peak_gb(lambda: generate(model, bank, None, prompts, slots, params, **kw))
+    def e2e_case(key, bank, slots, compile: bool = False) -> None:
+        spec = GenerateSpec(params=params, compile=compile)
+        generate(model, bank, None, prompts, slots, spec)  # warm-up (and compile)
+        s, m = peak_gb(lambda: generate(model, bank, None, prompts, slots, spec))
         record(key, s, m)
 
     banks: dict[tuple[int, torch.dtype], AdapterBank] = {}
@@ -239,15 +239,16 @@ def main() -> None:
         bank.decode_kernel = "auto"
         if n == 8:
             greedy = SamplingParams(temperature=0.0, max_new_tokens=16, eos_token_ids=())
-            a = generate(model, bank, None, prompts, slots_of(8), greedy, compile=False)
-            b = generate(
-                model, bank, None, prompts, slots_of(8), greedy, cuda_graph=False, compile=False
-            )
+            a = generate(model, bank, None, prompts, slots_of(8),
+                         GenerateSpec(params=greedy, compile=False))
+            b = generate(model, bank, None, prompts, slots_of(8),
+                         GenerateSpec(params=greedy, cuda_graph=False, compile=False))
             checks["graph_equals_eager_tokens"] = [x.token_ids for x in a] == [
                 x.token_ids for x in b
             ]
             bank.decode_kernel = "dense"
-            c = generate(model, bank, None, prompts, slots_of(8), greedy, compile=False)
+            c = generate(model, bank, None, prompts, slots_of(8),
+                         GenerateSpec(params=greedy, compile=False))
             bank.decode_kernel = "auto"
             same = [x.token_ids == y.token_ids for x, y in zip(a, c, strict=True)]
             checks["fused_vs_dense_rows_same_greedy_tokens"] = sum(same) / len(same)
@@ -324,8 +325,10 @@ def compiled_cases(model, prompts, slots_of, checks, step, e2e, record, bank_for
         if n == 8:  # generate() with a new decoder of the same shapes: no recompilation
             e2e(f"{key}_e2e", bank, slots_of(8), compile=True)
             greedy = SamplingParams(temperature=0.0, max_new_tokens=NEW, eos_token_ids=())
-            a = generate(model, bank, None, prompts, slots_of(8), greedy, compile=True)
-            b = generate(model, bank, None, prompts, slots_of(8), greedy, compile=False)
+            a = generate(model, bank, None, prompts, slots_of(8),
+                         GenerateSpec(params=greedy, compile=True))
+            b = generate(model, bank, None, prompts, slots_of(8),
+                         GenerateSpec(params=greedy, compile=False))
             # token 0 comes from the (eager) prefill, token 1 from the first decode step
             pairs = list(zip(a, b, strict=True))
             same = [x.token_ids[1] == y.token_ids[1] for x, y in pairs]

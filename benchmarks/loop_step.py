@@ -29,6 +29,7 @@ times, peak memory, generated tokens/s and the update's tokens/s and model FLOP 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import gc
 import json
@@ -45,6 +46,7 @@ from statistics import median
 import torch
 from torch import profiler
 
+from lorapop.engine.generate import GenerateSpec
 from lorapop.lora.routing import KERNELS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,7 +109,8 @@ def length_stop(median_len: float, sigma: float, cap: int | None):
                 return generate(*a, **kw)
             calls[0] += 1
             call = calls[0]
-            params = a[5] if len(a) > 5 else kw["params"]
+            spec = a[5] if len(a) > 5 else kw.get("spec") or GenerateSpec()
+            params = spec.params
             top = min(cap or params.max_new_tokens, params.max_new_tokens)
 
             def want(i: int) -> int:
@@ -133,7 +136,10 @@ def static_batches(generate):
 
     @functools.wraps(generate)
     def run(*a, **kw):
-        return generate(*a, refill=False, **kw)
+        if len(a) > 5:
+            a, kw["spec"] = a[:5], a[5]
+        kw["spec"] = dataclasses.replace(kw.get("spec") or GenerateSpec(), refill=False)
+        return generate(*a, **kw)
 
     return run
 
@@ -312,7 +318,7 @@ def op_table(prof, n: int = 25) -> list[dict]:
 # first match wins: FlashAttention's kernels name cutlass types, so attention comes first, and
 # torch.compile's kernels (`triton_poi_fused__to_copy_mul_silu_0`: the SwiGLU, rotary and head
 # passes) name the casts they fuse, so they come before the copies; the driver's `Memcpy` and
-# `Memset` are copies (until session 28 the first counted as copies/casts, the others as other)
+# `Memset` are copies
 KINDS = {"attention": ("fmha", "flash", "attention", "sdpa", "efficient"),
          "gemm": ("gemm", "xmma", "cutlass", "nvjet", "matmul"),
          "compiled": ("triton_",),
@@ -498,7 +504,7 @@ def measure(config: str, overrides: list[str], warmup: int, steps: int, run_dir:
     """One run's timed steps (and the update replays); `save` gets what is measured so far
     after every step and replay, so a call cut by its time limit still returns it."""
     from lorapop.config import load_config
-    from lorapop.loop import SelfPlay
+    from lorapop.selfplay.loop import SelfPlay
 
     cfg = load_config(ROOT / config, overrides)
     cuda = torch.cuda.is_available()
@@ -508,20 +514,20 @@ def measure(config: str, overrides: list[str], warmup: int, steps: int, run_dir:
     _patch("sequence_logprobs", counter)
     sp = SelfPlay(cfg, run_dir)
     if skip_update:  # generation phases only: rewards and ratings, no policy-gradient step
-        sp._policy_step = lambda rollouts, rewards: ({}, {}, [None] * len(rollouts))
-    n_params = flop_params(getattr(sp, "parts", sp).model)  # (older loops: sp.model)
-    compile_s = warm_compiled(getattr(sp, "parts", sp).model)
+        sp.policy.step = lambda rollouts, rewards: ({}, {}, [None] * len(rollouts))
+    n_params = flop_params(sp.parts.model)
+    compile_s = warm_compiled(sp.parts.model)
     rows, warm_rows, ab, trace = [], [], [], None
     alloc = allocator_counts()
     last: list = []  # the last policy step's (rollouts, rewards), for the update A/B
     if update_ab or update_trace:
-        policy_step = sp._policy_step
+        policy_step = sp.policy.step
 
         def keep_args(rollouts, rewards):
             last[:] = [rollouts, rewards]
             return policy_step(rollouts, rewards)
 
-        sp._policy_step = keep_args
+        sp.policy.step = keep_args
     GENERATE_CALLS.clear()
     try:
         for i in range(warmup + steps):

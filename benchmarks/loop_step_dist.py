@@ -59,7 +59,7 @@ def worker(args: argparse.Namespace) -> None:
     """One rank: warm up, time `--steps` steps, gather every rank's figures on rank 0."""
     from lorapop import dist
     from lorapop.config import load_config
-    from lorapop.loop import SelfPlay
+    from lorapop.selfplay.loop import SelfPlay
 
     cfg = load_config(ROOT / args.config, args.overrides)
     world = dist.init(cfg.model.device)

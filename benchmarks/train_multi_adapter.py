@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from lorapop.engine.step import BankOptimizer
+from lorapop.engine.optim import BankOptimizer
 from lorapop.lora import DEFAULT_TARGETS, AdapterBank
 from lorapop.lora.routing import Routing, grouped_probe, lora_delta
 from qwen7b import ARCH, build_qwen7b

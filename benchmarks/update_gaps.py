@@ -115,7 +115,7 @@ def main() -> None:
     if dev != "cuda" and not args.smoke:
         sys.exit("update_gaps.py needs a CUDA GPU (or --smoke for a CPU check of the script)")
     from lorapop.config import load_config
-    from lorapop.parts import build
+    from lorapop.selfplay.parts import build
 
     overrides = [*bench_overrides(Path(tempfile.mkdtemp()), 4),
                  *(update_profile.SMOKE if args.smoke else [])]

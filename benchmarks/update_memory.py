@@ -57,7 +57,7 @@ def mixes(cap: int) -> dict:
 
 def rollouts(sp, draw, name: str, scale: float, vocab: int, seed: int) -> list:
     """Teacher and student rows as the paper's step makes them, `scale` of its counts."""
-    from lorapop.steplog import Rollout
+    from lorapop.selfplay.records import Rollout
 
     rng = random.Random(f"{seed}/{name}")
     members = list(sp.parts.slot)
@@ -83,7 +83,7 @@ def sweep(config: str, overrides: list[str], scale: float, seed_dir: Path, run_d
     from loop_step import bench_overrides
     from lorapop.config import load_config
     from lorapop.engine.memory import GIB, free_memory
-    from lorapop.loop import SelfPlay
+    from lorapop.selfplay.loop import SelfPlay
 
     cfg = load_config(ROOT / config, [*bench_overrides(seed_dir, 12), *overrides])
     sp = SelfPlay(cfg, run_dir)
@@ -107,7 +107,7 @@ def sweep(config: str, overrides: list[str], scale: float, seed_dir: Path, run_d
                    "completion_tokens": sorted(len(r.token_ids) for r in batch)[::max(1, len(batch) // 8)],
                    "budget_gib": budget / GIB}
             try:
-                sp._policy_step(batch, rewards)
+                sp.policy.step(batch, rewards)
                 torch.cuda.synchronize()
                 rec["oom"] = False
             except torch.OutOfMemoryError as e:

@@ -25,7 +25,6 @@ import json
 import sys
 import tempfile
 import time
-import types
 from pathlib import Path
 
 import torch
@@ -64,20 +63,19 @@ def update_pass(parts, rows: tuple[list, list, list], share: bool, mode: bool | 
                 max_tokens: int, profile: bool = False, held: bool = True) -> dict:
     """The loop's update over `rows` (`SelfPlay._policy_step` minus advantages and the
     optimizer): timed, with its peak memory; `profile` tabulates the first micro-batch;
-    `held=False` casts the bank in every forward (round 1) instead of holding one copy."""
-    from lorapop import transfer
+    `held=False` casts the bank in every forward instead of holding one copy."""
+    from lorapop.engine.load import use_checkpointing
     from lorapop.engine.logprobs import (
         HEAD_CHUNK,
         head_compiled,
-        pack_micro_batches,
         pack_widths,
         sequence_logprobs,
         shared_prompt_packs,
     )
     from lorapop.engine.memory import free_memory, plan_update, update_bytes_per_token
-    from lorapop.engine.model import use_checkpointing
+    from lorapop.engine.transfer import host_to_device
     from lorapop.rl.loss import group_token_counts, policy_loss
-    from lorapop.transfer import host_to_device
+    from lorapop.selfplay.update import pack_micro_batches
 
     model = parts.model
     prompts, comps, slot_list = rows
@@ -90,14 +88,12 @@ def update_pass(parts, rows: tuple[list, list, list], share: bool, mode: bool | 
                                 slots, n_groups=len(parts.slot))  # once per update, as the loop
 
     def micro(idx: list[int]) -> None:
-        # as the loop: host slot ids, queued copies, the update's token counts (`--ab transfer`:
-        # as before, waiting, and the loss reading its device group ids back)
+        # as the loop: host slot ids, queued copies, the update's token counts
         i = host_to_device(torch.tensor(idx), DEV)
-        ids = [slot_list[j] for j in idx] if transfer.QUEUED else slots[i]
         lp, mask = sequence_logprobs(model, parts.bank, [prompts[j] for j in idx],
-                                     [comps[j] for j in idx], ids, share_prompts=share)
-        loss, _ = policy_loss(lp.float(), adv[i], mask, groups=slots[i],
-                              token_counts=counts if transfer.QUEUED else None)
+                                     [comps[j] for j in idx], [slot_list[j] for j in idx],
+                                     share_prompts=share)
+        loss, _ = policy_loss(lp.float(), adv[i], mask, groups=slots[i], token_counts=counts)
         loss.backward()
 
     sync_cuda()
@@ -108,7 +104,7 @@ def update_pass(parts, rows: tuple[list, list, list], share: bool, mode: bool | 
     with parts.bank.held_copy(model.dtype) if held else contextlib.nullcontext():
         # as the loop: the copy is made before the memory plan
         keep, cap = (plan_update(model, max(widths), max_tokens, HEAD_CHUNK, free_memory(model),
-                                 head_compiled(model) and PLAN_COMPILED_HEAD)
+                                 head_compiled(model))
                      if mode == "auto" else (None, max_tokens))
         ckpt = bool(mode) if keep is None else keep < max(widths)
         model.train()
@@ -172,93 +168,6 @@ def packed_difference(parts, rows: tuple[list, list, list]) -> dict:
             "alone_vs_batch_max_abs": float((alone.float() - unpacked[:1].float()).abs()[mask[:1]].max())}
 
 
-AB_VARIANTS = {"norms": ("HF norms", "fused norms"), "head": ("eager head", "compiled head"),
-               "swiglu": ("plain SwiGLU", "fused SwiGLU"),
-               "lora": ("grouped LoRA", "addmm LoRA"),
-               "rotary": ("plain rotary", "fused rotary"),
-               "slotgrad": ("slot grads through autograd", "slot grads in place"),
-               "transfer": ("waiting copies", "queued copies"),
-               "headplan": ("eager head planned", "compiled head planned"),
-               "inputgrad": ("two input grads", "one input grad"),
-               "normweight": ("norm weight multiplied", "norm weight in the kernel"),
-               "merged": ("separate projections", "merged projections")}
-#: False: the memory plan reserves the eager LM head's bytes (`--ab headplan`)
-PLAN_COMPILED_HEAD = True
-
-
-def _slot_weights_through_autograd(self, target, dtype, s):
-    """The bank's slot weights as before `_SlotView`: slot s of the whole (held or cast) A and
-    B, so autograd writes, casts and accumulates a gradient for every slot."""
-    a, b = self._compute_weights(target, dtype)
-    return a[s], b[s]
-
-
-_MASKLESS = None  # pack_attention.maskless, kept while `--ab transfer` swaps it out
-
-
-def set_variant(parts, variant: str) -> None:
-    """One `--ab` variant: the model's RMSNorms (the classes' own or the fused kernel), its
-    SwiGLU MLPs (the classes' own or `_SwiGLU`: less memory, so larger micro-batches), the
-    LM head's log-softmax (eager or compiled), or the LoRA of rows in runs of one slot (the
-    grouped kernel and an add, or the add in the expand GEMM: `routing.add_delta_by_runs`), the
-    rotary embedding of training forwards (the model's own or `fused._Rotary`), the
-    gradient of a one-slot micro-batch's LoRA weights (through autograd, or `bank._SlotView`),
-    how a micro-batch's inputs reach the GPU (copies that wait for it, device slot ids read
-    back by the layout and the loss, or queued ones and no read-back), or
-    what the memory plan reserves for the LM head (the eager passes' bytes or the compiled),
-    or a projection's input gradient (base and LoRA summed by autograd, or formed as one:
-    `bank.one_input_grad`), or an RMSNorm's weight (a multiply each way after the norm kernel,
-    or inside it: `fused.NORM_WEIGHT_IN_KERNEL`), or q/k/v and gate/up outside training (a GEMM
-    each or one per group: `merged.MERGE`)."""
-    import lorapop.engine.logprobs as logprobs
-    from lorapop.engine.fused import (
-        fuse_mlps,
-        fuse_rms_norms,
-        fuse_rotary,
-        unfuse_mlps,
-        unfuse_rms_norms,
-        unfuse_rotary,
-    )
-
-    global PLAN_COMPILED_HEAD
-    if variant.endswith("planned"):  # fewer, larger micro-batches where memory is short
-        PLAN_COMPILED_HEAD = variant == "compiled head planned"
-    elif variant.endswith("copies"):  # the micro-batch's inputs: waiting copies, device slot
-        # ids read back and a mask step as before, or none of these waits
-        import lorapop.engine.pack_attention as pack_attention
-        from lorapop import transfer
-
-        global _MASKLESS
-        _MASKLESS = _MASKLESS or pack_attention.maskless
-        transfer.QUEUED = variant == "queued copies"
-        pack_attention.maskless = _MASKLESS if transfer.QUEUED else contextlib.nullcontext
-    elif variant.endswith(("input grads", "input grad")):
-        parts.bank.one_input_grad = variant == "one input grad"
-    elif variant.startswith("norm weight"):
-        import lorapop.engine.fused as fused
-
-        fused.NORM_WEIGHT_IN_KERNEL = variant == "norm weight in the kernel"
-    elif variant.endswith("projections"):
-        import lorapop.engine.merged as merged
-
-        merged.MERGE = variant == "merged projections"
-    elif variant.endswith("rotary"):
-        (fuse_rotary if variant == "fused rotary" else unfuse_rotary)(parts.model)
-    elif variant.startswith("slot grads"):
-        if variant == "slot grads in place":
-            vars(parts.bank).pop("_slot_weights", None)
-        else:
-            parts.bank._slot_weights = types.MethodType(_slot_weights_through_autograd, parts.bank)
-    elif variant.endswith("norms"):
-        (fuse_rms_norms if variant == "fused norms" else unfuse_rms_norms)(parts.model)
-    elif variant.endswith("SwiGLU"):
-        (fuse_mlps if variant == "fused SwiGLU" else unfuse_mlps)(parts.model)
-    elif variant.endswith("LoRA"):  # "auto" takes the addmm path where rows come in runs
-        parts.bank.kernel = "auto" if variant == "addmm LoRA" else "grouped"
-    else:
-        logprobs.COMPILE_HEAD = variant == "compiled head"
-
-
 def slot_tokens(args, students: int, teachers: int) -> dict[str, int]:
     """Forward tokens of one slot's student packs (prompt shared by its answers) and teacher
     rows: the most a micro-batch of that slot can hold (the paper step: 48 tasks, 48 rows)."""
@@ -287,26 +196,11 @@ def paper_case(parts, args, write) -> dict:
               "budget does not shape these micro-batches as it does the paper step's: pass more "
               "--tasks / --teachers", file=sys.stderr)
     update_pass(parts, student, True, "auto", args.max_tokens)  # warm-up
-    # (rows, share, mode, held copy): the last two cast the bank in every forward (round 1)
+    # (rows, share, mode, held copy): the last two cast the bank in every forward
     cases = [("student", False, True, True), ("student", True, True, True),
              ("student", False, "auto", True), ("student", True, "auto", True),
              ("teacher", False, True, True), ("teacher", False, "auto", True),
              ("student", True, "auto", False), ("teacher", False, "auto", False)]
-    if args.ab:  # two variants of one part of the model, alternating; one part after another
-        cases = [("student", True, "auto", True), ("teacher", False, "auto", True)]
-        for variants in map(AB_VARIANTS.get, args.ab):
-            for variant in [*variants, *variants]:
-                set_variant(parts, variant)
-                for name, share, mode, held in cases:
-                    rows = student if name == "student" else teacher
-                    r = {"rows": name, "variant": variant,
-                         **update_pass(parts, rows, share, mode, args.max_tokens, False, held)}
-                    print(json.dumps({k: v for k, v in r.items() if k not in ("kernels", "cpu_ops", "ops")}),
-                          flush=True)
-                    out["runs"].append(r)
-                    write()
-            set_variant(parts, variants[-1])
-        return out
     for name, share, mode, held in cases:
         rows = student if name == "student" else teacher
         profile = mode == "auto" and held and (share or name == "teacher")
@@ -337,8 +231,8 @@ def paper_case(parts, args, write) -> dict:
 
 def update_case(parts, prompt: int, completion: int, tokens: int, ckpt: bool, reps: int,
                 profile: bool) -> dict:
+    from lorapop.engine.load import use_checkpointing
     from lorapop.engine.logprobs import sequence_logprobs
-    from lorapop.engine.model import use_checkpointing
     from lorapop.rl.loss import policy_loss
 
     model, bank = parts.model, parts.bank
@@ -393,7 +287,7 @@ def update_case(parts, prompt: int, completion: int, tokens: int, ckpt: bool, re
 
 
 def decode_case(parts, rows: int, prompt: int, new: int, profile: bool) -> dict:
-    from lorapop.engine.generate import generate
+    from lorapop.engine.generate import GenerateSpec, generate
     from lorapop.engine.sampling import SamplingParams
 
     model, bank = parts.model, parts.bank
@@ -408,7 +302,8 @@ def decode_case(parts, rows: int, prompt: int, new: int, profile: bool) -> dict:
         timing: dict = {}
         sync_cuda()
         t0 = time.perf_counter()
-        generate(model, bank, None, prompts, slots, p, seed=0, batch_size=rows, timing=timing)
+        generate(model, bank, None, prompts, slots, GenerateSpec(params=p, seed=0, batch_size=rows),
+                 timing=timing)
         sync_cuda()
         return time.perf_counter() - t0, timing
 
@@ -422,8 +317,8 @@ def decode_case(parts, rows: int, prompt: int, new: int, profile: bool) -> dict:
             p = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=n_new, eos_token_ids=())
             with profiler.profile(activities=[profiler.ProfilerActivity.CUDA,
                                               profiler.ProfilerActivity.CPU]) as prof:
-                generate(model, bank, None, prompts, slots, p, seed=0, batch_size=rows,
-                         cuda_graph=False)
+                generate(model, bank, None, prompts, slots,
+                         GenerateSpec(params=p, seed=0, batch_size=rows, cuda_graph=False))
                 sync_cuda()
             times: dict[str, float] = {}
             for k in kernel_table(prof, None):  # names cut at 120 characters may repeat
@@ -453,18 +348,6 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16384, help="train.micro_batch_tokens")
     ap.add_argument("--budgets", default="", help="tokens,... one micro-batch per budget")
     ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--ab", type=lambda v: v.split(","), default=[],
-                    help=f"PART,... of {sorted(AB_VARIANTS)}: paper and decode cases: only two "
-                         "variants of each part, twice each: HF vs fused RMSNorms, plain vs fused "
-                         "SwiGLU, the eager vs compiled LM-head log-softmax, grouped vs addmm "
-                         "LoRA, plain vs fused rotary embedding, or a one-slot micro-batch's LoRA "
-                         "gradients through autograd (all slots) vs added in place, waiting vs "
-                         "queued copies of a micro-batch's inputs (and device ids read back or "
-                         "not), or the memory plan's eager vs "
-                         "compiled LM-head bytes (with --card-gib: micro-batch sizes), or "
-                         "a projection's base and LoRA input gradients summed vs formed as "
-                         "one, or an RMSNorm's weight multiplied after its kernel vs inside it, "
-                         "or q/k/v and gate/up as a GEMM each vs one per group (decode cases)")
     ap.add_argument("--card-gib", type=float, default=None,
                     help="hold all but this many GiB of the GPU first (as loop_step.py): "
                          "micro-batches sized as on a smaller card, e.g. 79.6 for an H100 80GB")
@@ -475,14 +358,12 @@ def main() -> None:
                     help="CPU check of the script: tiny random model (pass small sizes)")
     ap.add_argument("overrides", nargs="*", help="extra key.path=value")
     args = ap.parse_args()
-    if unknown := set(args.ab) - set(AB_VARIANTS):
-        ap.error(f"--ab: unknown part(s) {sorted(unknown)}; expected some of {sorted(AB_VARIANTS)}")
     if args.smoke:  # a CPU check of the script: tiny random model in bf16 (the held copy)
         args.overrides = [*SMOKE, *args.overrides]
     elif DEV != "cuda":
         sys.exit("update_profile.py needs a CUDA GPU (or --smoke for a CPU check of the script)")
     from lorapop.config import load_config
-    from lorapop.parts import build
+    from lorapop.selfplay.parts import build
 
     seeds = Path(tempfile.mkdtemp())
     cfg = load_config(ROOT / args.config, [*bench_overrides(seeds, 4), *args.overrides])
@@ -509,15 +390,6 @@ def main() -> None:
             write()
     for case in filter(None, args.decode.split(",")):
         rows, prompt = map(int, case.split(":"))
-        for part in args.ab:
-            for variant in [*AB_VARIANTS[part], *AB_VARIANTS[part]]:
-                set_variant(parts, variant)
-                r = {"variant": variant, **decode_case(parts, rows, prompt, args.decode_new, False)}
-                print(json.dumps(r), flush=True)
-                result["decode"].append(r)
-                write()
-        if args.ab:
-            continue
         r = decode_case(parts, rows, prompt, args.decode_new, profile=True)
         print(json.dumps({k: v for k, v in r.items() if k not in ("step_kernels",)}), flush=True)
         result["decode"].append(r)

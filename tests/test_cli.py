@@ -187,11 +187,10 @@ def test_pretrain_tiny_refuses_a_batch_the_cpu_cannot_hold_before_any_work(monke
 
     monkeypatch.setattr(pretrain, "host_free_memory", lambda: 16 * 2**30)
     monkeypatch.setattr(pretrain, "generate_corpus", _raising(AssertionError("work began")))
-    result = run("pretrain-tiny", "--size", "world-nocount-77m", "--out", tmp_path / "m",
-                 "--device", "cpu")
+    result = run("pretrain-tiny", "--size", "small", "--out", tmp_path / "m", "--device", "cpu")
     assert result.exit_code == 2, result.output
     assert result.output.strip().splitlines()[-1] == (
-        "error: one batch of 81,920 tokens needs ~60 GiB to train this model on the CPU, and 16 "
+        "error: one batch of 81,920 tokens needs ~29 GiB to train this model on the CPU, and 16 "
         "GiB are free: build it on a GPU (--device cuda)")
     assert not (tmp_path / "m").exists()
 
@@ -212,15 +211,15 @@ def test_pretrain_tiny_out_of_memory_is_one_line_that_names_the_way_out(monkeypa
     import lorapop.tiny.pretrain as pretrain
 
     monkeypatch.setattr(pretrain, "pretrain_size", _raising(error))
-    result = run("pretrain-tiny", "--size", "world-direct", "--out", tmp_path / "m", "--device", "cpu")
+    result = run("pretrain-tiny", "--size", "small", "--out", tmp_path / "m", "--device", "cpu")
     assert result.exit_code == 2
     assert result.output.strip().splitlines() == [
-        "warning: --size world-direct is made for a GPU; on a CPU it may run out of memory or "
+        "warning: --size small is made for a GPU; on a CPU it may run out of memory or "
         "take hours",
-        "error: out of memory pretraining --size world-direct on --device cpu (sizes other than "
+        "error: out of memory pretraining --size small on --device cpu (sizes other than "
         "tiny are made for a GPU: --device cuda)"]
     monkeypatch.setattr(pretrain, "pretrain_size", _raising(RuntimeError("shape mismatch")))
-    other = run("pretrain-tiny", "--size", "world-direct", "--out", tmp_path / "m")
+    other = run("pretrain-tiny", "--size", "small", "--out", tmp_path / "m")
     assert isinstance(other.exception, RuntimeError) and "shape mismatch" in str(other.exception)
 
 
@@ -252,7 +251,7 @@ def test_train_on_a_world_base_plays_under_its_rules(tmp_path):
     to `lorapop train`; a rule the command line sets stays as set."""
     import shutil
 
-    from lorapop.engine.model import TINY_DIR
+    from lorapop.engine.load import TINY_DIR
     from lorapop.tiny.grammar import TABLE_RULES
 
     base = tmp_path / "base"
@@ -278,13 +277,14 @@ def test_deterministic_training_is_recorded_and_an_op_without_a_kernel_warns(
     the update goes on warning instead of failing."""
     import torch
 
-    from lorapop.loop import SelfPlay
+    from lorapop.selfplay.loop import SelfPlay
+    from lorapop.selfplay.update import PolicyUpdate
 
     def probe(self) -> None:
         raise RuntimeError(f"{missing}, but you set 'torch.use_deterministic_algorithms(True)'\n.")
 
     if missing:
-        monkeypatch.setattr(SelfPlay, "_kernel_probe", probe)
+        monkeypatch.setattr(PolicyUpdate, "kernel_probe", probe)
     warn_only, update = [], SelfPlay.update
     monkeypatch.setattr(SelfPlay, "update", lambda self, *a: warn_only.append(
         torch.is_deterministic_algorithms_warn_only_enabled()) or update(self, *a))
@@ -305,7 +305,7 @@ def test_deterministic_training_is_recorded_and_an_op_without_a_kernel_warns(
 
 
 def test_rollouts_dumped_every_step_and_shown(run_dir):
-    from lorapop.rollouts import read
+    from lorapop.run.rollouts import read
 
     for step in (1, 2):
         recs = read(run_dir / "rollouts" / f"step_{step}.jsonl.gz")
@@ -347,8 +347,8 @@ def test_resume_from_damaged_checkpoint_names_the_file(run_dir, tmp_path):
 def test_chat_template_run(tmp_path):
     from transformers import AutoTokenizer
 
-    from lorapop.engine.model import TINY_DIR
-    from lorapop.rollouts import read
+    from lorapop.engine.load import TINY_DIR
+    from lorapop.run.rollouts import read
 
     tok = AutoTokenizer.from_pretrained(TINY_DIR)
     tok.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
@@ -359,3 +359,11 @@ def test_chat_template_run(tmp_path):
     assert result.exit_code == 0, result.output
     recs = read(tmp_path / "run" / "rollouts" / "step_1.jsonl.gz")
     assert recs and all(r["prompt"].startswith("<|user|>First reason step by step") for r in recs)
+
+
+def test_pretrain_tiny_names_where_the_regime_recipes_went(tmp_path):
+    result = run("pretrain-tiny", "--size", "world-short", "--out", tmp_path / "m")
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines()[-1] == (
+        "error: unknown --size 'world-short'; known: tiny, small (the regime world's recipes: "
+        "experiments/regime/regime_recipes.py)")

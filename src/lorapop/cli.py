@@ -104,14 +104,14 @@ def _run(cfg: Config, run_dir: Path, resume: bool, command: str, world: World,
     """Train one run with progress, run.json and the logging backends; return steps done.
     Ctrl-C stops it; `--resume` continues from the last checkpoint (`run.save_every`).
     Under torchrun every rank trains; rank 0 alone shows progress, logs and writes files."""
-    from lorapop.backends import TensorBoardLog, WandbLog
-    from lorapop.checkpoint import latest_checkpoint, step_of
     from lorapop.dist import DivergenceError
+    from lorapop.engine.load import ModelLoadError
     from lorapop.engine.memory import GenerationMemoryError
-    from lorapop.engine.model import ModelLoadError
-    from lorapop.loop import SelfPlay
-    from lorapop.progress import RunDisplay
-    from lorapop.runinfo import RunInfo
+    from lorapop.run.backends import TensorBoardLog, WandbLog
+    from lorapop.run.checkpoint import latest_checkpoint, step_of
+    from lorapop.run.progress import RunDisplay
+    from lorapop.run.runinfo import RunInfo
+    from lorapop.selfplay.loop import SelfPlay
 
     try:
         sp = SelfPlay(cfg, run_dir, resume=resume, from_step=from_step, world=world)
@@ -189,7 +189,7 @@ def train(
 
     from lorapop import dist
     from lorapop.config import ConfigError, load_config
-    from lorapop.report import write_report
+    from lorapop.run.report import write_report
 
     overrides = list(ctx.args)
     flags = {"--steps": steps, "--out": out, "--resume": resume, "--from-step": from_step}
@@ -244,7 +244,7 @@ def train(
     finally:
         dist.close(world)
     if report and done and world.main:
-        from lorapop.report import summary_table
+        from lorapop.run.report import summary_table
 
         typer.echo(summary_table(run_dir, baseline_dir if baseline_dir.is_dir() else None))
         typer.echo(f"report: {write_report(run_dir)}")
@@ -254,7 +254,7 @@ def train(
 def report(run_dir: str = typer.Argument(..., help="A run directory written by `lorapop train`.")) -> None:
     """Write RUN_DIR/report.html: run facts, learning curves per individual and arm, ratings,
     matchups, program complexity, timings, replacements, sampled rollouts (works mid-run)."""
-    from lorapop.report import write_report
+    from lorapop.run.report import write_report
 
     try:
         typer.echo(str(write_report(run_dir)))
@@ -272,7 +272,7 @@ def export(
 ) -> None:
     """Copy one member of the last checkpoint out as a standard PEFT LoRA adapter directory
     (files readable by others; the base model recorded so that PEFT's Auto classes load it)."""
-    from lorapop.checkpoint import latest_checkpoint
+    from lorapop.run.checkpoint import latest_checkpoint
 
     run = Path(run_dir)
     ckpt = latest_checkpoint(run)
@@ -296,7 +296,7 @@ def _copy_adapter(src: Path, out: Path) -> None:
     import json
     import shutil
 
-    from lorapop.engine.model import TINY, TINY_DIR
+    from lorapop.engine.load import TINY, TINY_DIR
 
     out.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
@@ -340,8 +340,8 @@ def evaluate(
 ) -> None:
     """Greedy pass@1 of every member on the paper's code and math benchmarks, in shared batches."""
 
-    from lorapop.checkpoint import latest_checkpoint
     from lorapop.evals import EvalError, run_eval
+    from lorapop.run.checkpoint import latest_checkpoint
 
     if out is None and latest_checkpoint(Path(target)) is not None:
         out = str(Path(target) / "eval")  # `lorapop report` shows it with the run
@@ -394,16 +394,9 @@ def pretrain_tiny(
         None, "--out", help="Model directory to write (required: the shipped model is not "
         "overwritten by accident; name its directory to replace it)."),
     size: str = typer.Option(
-        "tiny", help="tiny (the shipped 3.5M model), small (~26M, the regime world; GPU), or "
-        "world, world-exec, world-refs, world-steps (small on the world's level table, "
-        "token-budgeted mixes), world-short (world-steps on the short level table), "
-        "world-narrow, world-live, world-natural, world-direct (world-short on those level "
-        "tables and their world rules), world-direct-exec (world-direct, 1.35x the steps, "
-        "most for students executing level-1 programs), world-nocount (world-direct-exec "
-        "without count calls), world-nojoin (world-nocount without join calls), "
-        "world-nocount-77m, world-nojoin-77m (those two at 77M parameters), "
-        "world-nojoin-f3-77m (world-nojoin-77m for 3 code_f inputs, more level-5 teacher "
-        "tokens), world-nojoin-f3-77m-2x (that on twice the programs and steps)."
+        "tiny", help="tiny (the shipped 3.5M model) or small (~26M: all five levels for "
+        "teachers, reference-conditioned examples; GPU). The regime world's recipes are built "
+        "by experiments/regime/."
     ),
     seed: int = typer.Option(0, help="Seed for the corpus, tokenizer and training."),
     steps: int = typer.Option(None, help="Optimizer steps (default: the size's)."),
@@ -413,7 +406,7 @@ def pretrain_tiny(
                                 "processes for the larger sizes) and the example pool."),
     stop_after: float = typer.Option(
         None, help="Seconds after which training stops and keeps its state in OUT/partial; the "
-        "same command again goes on from there to the model one sitting makes."),
+        "same command again goes on from there to the model an uninterrupted build makes."),
 ) -> None:
     """Re-make the tiny world's base model: corpus, tokenizer, supervised warm start.
 
@@ -424,11 +417,13 @@ def pretrain_tiny(
     import time
 
     from lorapop import dist
-    from lorapop.engine.model import ModelLoadError, resolve_device
+    from lorapop.engine.load import ModelLoadError, resolve_device
     from lorapop.tiny.pretrain import SIZES, TINY_MODEL_DIR, pretrain_size
 
     if size not in SIZES:
-        raise _fail(f"unknown --size {size!r}; known: {', '.join(SIZES)}")
+        hint = " (the regime world's recipes: experiments/regime/regime_recipes.py)" \
+            if size.startswith("world") else ""
+        raise _fail(f"unknown --size {size!r}; known: {', '.join(SIZES)}{hint}")
     if out is None:
         raise _fail(f"give --out DIR (to replace the shipped model: --out {TINY_MODEL_DIR})")
     try:

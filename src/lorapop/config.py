@@ -174,7 +174,7 @@ class SamplingConfig(Section):
     compile: bool = False
     """On CUDA, torch.compile the decode step: ~1.25x faster decode steps, but ~45 s of
     compilation per new batch/length bucket and padding to buckets; in the 7B 4v4 step it was
-    slower overall and peaked 22 GB higher (benchmarks/README.md). Never used on CPU."""
+    slower overall and peaked 22 GB higher (docs/performance.md). Never used on CPU."""
     cuda_graph: bool = True
     """On CUDA, replay the decode step from CUDA graphs (captured per batch rows and attention
     width at each generation). Off: eager steps, for small models whose generations are
@@ -224,7 +224,7 @@ class TrainConfig(Section):
     repeats bit for bit from its seed on one kind of GPU and number of ranks: for debugging and
     for studying a run's dynamics. Without them runs part from the second step, as the
     update's backward (attention, the bank's gathers and indexing) sums with atomics. Checked
-    on an H200 (session 24, `benchmarks/deterministic_runs.py`): two runs repeated bit for bit,
+    on an H200 (`benchmarks/deterministic_runs.py`): two runs repeated bit for bit,
     and the cost was within the spread between runs. Generation keeps its kernels: GPU runs
     already agree at their first step (sampling is seeded per row), and sampling's float
     cumsum has no deterministic CUDA kernel. CPU runs are deterministic anyway. `run.json`

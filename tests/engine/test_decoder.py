@@ -8,8 +8,8 @@ import torch
 import lorapop.engine.generate as gen_mod
 from lorapop.engine.byte_tokenizer import byte_tokenizer
 from lorapop.engine.decoder import Decoder, prefill_chunks
-from lorapop.engine.generate import generate
-from lorapop.engine.kvcache import static_kv
+from lorapop.engine.generate import GenerateSpec, generate
+from lorapop.engine.patches import static_kv
 from lorapop.engine.sampling import SamplingParams
 from lorapop.lora.bank import AdapterBank
 from tiny_models import tiny_model
@@ -66,16 +66,14 @@ def _lengths(i: int, toks: list[int]) -> int | None:
 def test_refilled_rows_equal_each_prompt_alone(tok, spy, device):
     model, bank = _setup(tok, device)
     slots = [0, 1, 2, 1, 0, 2, 1]
-    batch = generate(
-        model, bank, tok, PROMPTS, slots, SAMPLED, seed=4, batch_size=2, stop_fn=_lengths
-    )
+    batch = generate(model, bank, tok, PROMPTS, slots,
+                     GenerateSpec(params=SAMPLED, seed=4, batch_size=2), stop_fn=_lengths)
     assert spy[-1].batch == 2 and spy[-1].refills == len(PROMPTS) - 2
     for i, g in enumerate(batch):
         assert len(g.token_ids) == [3, 16, 7, 1, 12, 5, 9][i]
         assert g.finish == ("length" if i == 1 else "stop")
-        alone = generate(
-            model, bank, tok, [PROMPTS[i]], [slots[i]], SAMPLED, seed=4, row_keys=[i]
-        )[0]
+        alone = generate(model, bank, tok, [PROMPTS[i]], [slots[i]],
+                         GenerateSpec(params=SAMPLED, seed=4), row_keys=[i])[0]
         assert g.token_ids == alone.token_ids[: len(g.token_ids)]
         torch.testing.assert_close(
             torch.tensor(g.logprobs), torch.tensor(alone.logprobs[: len(g.logprobs)]),
@@ -99,8 +97,9 @@ def test_static_batches_give_the_same_rows_in_more_steps(tok, monkeypatch):
     runs = {}
     for refill in (True, False):
         steps.append(0)
-        runs[refill] = generate(model, bank, tok, PROMPTS, slots, SAMPLED, seed=4, batch_size=2,
-                                stop_fn=_lengths, refill=refill)
+        runs[refill] = generate(model, bank, tok, PROMPTS, slots,
+                                GenerateSpec(params=SAMPLED, seed=4, batch_size=2, refill=refill),
+                                stop_fn=_lengths)
     assert [g.token_ids for g in runs[False]] == [g.token_ids for g in runs[True]]
     continuous, static = steps
     assert static > continuous
@@ -115,15 +114,15 @@ def test_row_keys_make_a_row_independent_of_its_call(tok):
     """A prompt split off into another call (another rank) samples the same with its key."""
     model, bank = _setup(tok, "cpu")
     slots = [0, 1, 2, 1, 0, 2, 1]
-    whole = generate(model, bank, tok, PROMPTS, slots, SAMPLED, seed=9, batch_size=3)
-    part = generate(
-        model, bank, tok, PROMPTS[4:], slots[4:], SAMPLED, seed=9, row_keys=[4, 5, 6]
-    )
+    whole = generate(model, bank, tok, PROMPTS, slots,
+                     GenerateSpec(params=SAMPLED, seed=9, batch_size=3))
+    part = generate(model, bank, tok, PROMPTS[4:], slots[4:], GenerateSpec(params=SAMPLED, seed=9),
+                    row_keys=[4, 5, 6])
     assert [g.token_ids for g in part] == [g.token_ids for g in whole[4:]]
-    other = generate(model, bank, tok, PROMPTS[4:], slots[4:], SAMPLED, seed=9)
+    other = generate(model, bank, tok, PROMPTS[4:], slots[4:], GenerateSpec(params=SAMPLED, seed=9))
     assert [g.token_ids for g in other] != [g.token_ids for g in part]
     with pytest.raises(ValueError, match="row keys"):
-        generate(model, bank, tok, PROMPTS[:2], [0, 0], SAMPLED, row_keys=[1])
+        generate(model, bank, tok, PROMPTS[:2], [0, 0], GenerateSpec(params=SAMPLED), row_keys=[1])
 
 
 def test_chunked_prefill_equals_one_shot(tok, spy):
@@ -131,8 +130,10 @@ def test_chunked_prefill_equals_one_shot(tok, spy):
     model, bank = _setup(tok, "cpu")
     slots = [2, 0, 1, 1, 0, 2, 1]
     greedy = SamplingParams(temperature=0.0, max_new_tokens=1, eos_token_ids=())
-    whole = generate(model, bank, tok, PROMPTS, slots, greedy, prefill_tokens=4096)
-    chunked = generate(model, bank, tok, PROMPTS, slots, greedy, prefill_tokens=3)
+    whole = generate(model, bank, tok, PROMPTS, slots,
+                     GenerateSpec(params=greedy, prefill_tokens=4096))
+    chunked = generate(model, bank, tok, PROMPTS, slots,
+                       GenerateSpec(params=greedy, prefill_tokens=3))
     assert [g.token_ids for g in whole] == [g.token_ids for g in chunked]
     torch.testing.assert_close(
         torch.tensor([g.logprobs for g in whole]), torch.tensor([g.logprobs for g in chunked])
@@ -161,7 +162,8 @@ def test_prefill_chunks_stay_within_the_budget():
 
 
 def _alone(model, bank, tok, prompt, slot, key, params=SAMPLED, seed=4):
-    return generate(model, bank, tok, [prompt], [slot], params, seed=seed, row_keys=[key])[0]
+    return generate(model, bank, tok, [prompt], [slot], GenerateSpec(params=params, seed=seed),
+                    row_keys=[key])[0]
 
 
 def _assert_prefix_of(g, alone, atol=1e-5):
@@ -188,8 +190,8 @@ def test_identical_prompts_share_one_prefill_and_stay_exact(tok, spy, device):
     def lengths(i, toks):
         return want[i] if len(toks) >= want[i] else None
 
-    batch = generate(model, bank, tok, prompts, slots, SAMPLED, seed=4, batch_size=6,
-                     stop_fn=lengths)
+    batch = generate(model, bank, tok, prompts, slots,
+                     GenerateSpec(params=SAMPLED, seed=4, batch_size=6), stop_fn=lengths)
     dec = spy[-1]
     assert dec.refills == len(prompts) - 6
     # 4 distinct (slot, prompt): at most one prefill each while a copy of it runs
@@ -209,8 +211,8 @@ def test_shared_prefill_copies_the_cache(tok):
     greedy = SamplingParams(temperature=0.0, max_new_tokens=4, eos_token_ids=())
     ids = [tok(p)["input_ids"] for p in ("def f(x):", "def f(x):", "hello", "def f(x):")]
     slots = [1, 1, 0, 2]
-    dup = generate(model, bank, tok, ids, slots, greedy)
-    own = [generate(model, bank, tok, [p], [s], greedy)[0] for p, s in zip(ids, slots, strict=True)]
+    dup = generate(model, bank, tok, ids, slots, GenerateSpec(params=greedy))
+    own = [generate(model, bank, tok, [p], [s], GenerateSpec(params=greedy))[0] for p, s in zip(ids, slots, strict=True)]
     for a, b in zip(dup, own, strict=True):
         assert a.token_ids == b.token_ids
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs))
@@ -232,9 +234,8 @@ def test_decode_width_grows_with_the_rows_and_keeps_them_exact(tok, narrow, devi
     the step), with refills; each row equals its prompt alone at the full width."""
     model, bank = _setup(tok, device)
     slots = [0, 1, 2, 1, 0, 2, 1]
-    batch = generate(
-        model, bank, tok, PROMPTS, slots, SAMPLED, seed=4, batch_size=3, stop_fn=_lengths
-    )
+    batch = generate(model, bank, tok, PROMPTS, slots,
+                     GenerateSpec(params=SAMPLED, seed=4, batch_size=3), stop_fn=_lengths)
     dec = narrow[-1]
     assert len(dec.widths) > 2 and all(w % 4 == 0 or w == dec.length for w in dec.widths)
     assert min(dec.widths) < dec.length
@@ -253,8 +254,8 @@ def test_stop_function_sees_each_rows_tokens_so_far(tok, spy):
         seen[i].append(list(toks))
         return _lengths(i, toks)
 
-    batch = generate(model, bank, tok, PROMPTS, slots, SAMPLED, seed=4, batch_size=2,
-                     stop_fn=record)
+    batch = generate(model, bank, tok, PROMPTS, slots,
+                     GenerateSpec(params=SAMPLED, seed=4, batch_size=2), stop_fn=record)
     assert spy[-1].refills == len(PROMPTS) - 2
     for i, g in enumerate(batch):
         full = _alone(model, bank, tok, PROMPTS[i], slots[i], i).token_ids
@@ -293,8 +294,10 @@ def test_shrinking_batch_moves_the_last_rows_and_keeps_them_exact(tok, monkeypat
     runs = []
     for refill in (True, False):
         row_steps.append(0)
-        runs.append(generate(model, bank, tok, PROMPTS, slots, SAMPLED, seed=4,
-                             batch_size=batch_size, stop_fn=_lengths, refill=refill))
+        runs.append(generate(model, bank, tok, PROMPTS, slots,
+                             GenerateSpec(params=SAMPLED, seed=4, batch_size=batch_size,
+                                          refill=refill),
+                             stop_fn=_lengths))
     batch, static = runs
     dec = made[0]
     assert max(dec.row_counts) == batch_size and min(dec.row_counts) < batch_size

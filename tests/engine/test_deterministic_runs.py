@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from lorapop.steplog import without_timings
+from lorapop.selfplay.records import without_timings
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["tasks.types=[code_o, code_i]", "tasks.references=1", "tasks.proposals_per_type=2",

@@ -20,14 +20,28 @@ from lorapop.engine.fused import (
     fuse_rotary,
     mlps_fused,
     rotary_fused,
-    unfuse_mlps,
-    unfuse_rms_norms,
-    unfuse_rotary,
 )
-from lorapop.engine.model import load_base_model, load_tokenizer
+from lorapop.engine.load import load_base_model, load_tokenizer
 from tiny_models import VOCAB, tiny_model
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _own_forwards(model) -> None:
+    """Back to the classes' own forwards: the reference the fused ones are compared with."""
+    for module in model.modules():
+        if "forward" in vars(module):
+            del module.forward
+
+
+def _own_rotary(model, monkeypatch) -> None:
+    """The attention modules' own rotary embedding for this test (loading a base model points
+    the process's at `_Rotary`); the process's function comes back at the test's end."""
+    from lorapop.engine.fused import _rotary_sources
+
+    for source, current in list(_rotary_sources(model)):  # restored at the test's end
+        monkeypatch.setattr(source, "apply_rotary_pos_emb",
+                            getattr(current, "lorapop_original", current))
 
 
 def _forward_backward(model, device):
@@ -44,47 +58,39 @@ def _forward_backward(model, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_norms_give_the_same_logits_and_gradients(arch, dtype, device, monkeypatch):
-    """The kernel with the weight applied after it, as the original applies it."""
-    import lorapop.engine.fused as fused
-
-    monkeypatch.setattr(fused, "NORM_WEIGHT_IN_KERNEL", False)
-    model = tiny_model(arch).to(device=device, dtype=dtype)
-    ref = _forward_backward(model, device)
-    layers = model.config.num_hidden_layers
-    assert fuse_rms_norms(model) == 2 * layers + 1  # two per layer and the final norm
-    fused = _forward_backward(model, device)
-    # on CPU the composite rms_norm does the same arithmetic as the original: bit for bit;
-    # CUDA's fused kernel sums in another order (a rounding step in bf16)
-    tol = 0 if device == "cpu" else 2e-2 if dtype == torch.bfloat16 else 1e-5
-    torch.testing.assert_close(fused[0], ref[0], rtol=tol, atol=tol)
-    torch.testing.assert_close(fused[1], ref[1], rtol=tol, atol=tol)
-    unfuse_rms_norms(model)
-    assert all("forward" not in vars(m) for m in model.modules())
+def test_a_norm_whose_weight_has_another_dtype_than_its_input_multiplies_as_the_original(
+        arch, device):
+    """A float32 weight on bfloat16 states (mixed precision): the weight is applied after the
+    kernel, as the original applies it (on CPU bit for bit; CUDA's kernel sums in another
+    order). The model's own norms get the weight inside the kernel (the test below)."""
+    norm = tiny_model(arch).model.norm.to(device)
+    norm.weight.data.uniform_(0.5, 1.5, generator=torch.Generator(device).manual_seed(3))
+    x = torch.randn(3, 5, norm.weight.shape[0], device=device).to(torch.bfloat16)
+    ref = type(norm).forward(norm, x)
+    assert fuse_rms_norms(norm) == 1
+    got = norm(x)
+    assert got.dtype == ref.dtype == torch.float32
+    tol = 0 if device == "cpu" else 2e-2
+    torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_norm_weight_in_the_kernel_gives_the_same_logits_and_gradients(arch, dtype, device):
-    """`NORM_WEIGHT_IN_KERNEL`: the weight applied inside `F.rms_norm` (one rounding in bf16
-    where the original rounds twice): the original's logits and input gradients, frozen
-    weights other than ones, in training and inference."""
-    import lorapop.engine.fused as fused
-
+    """The weight applied inside `F.rms_norm` (one rounding in bf16 where the original rounds
+    twice): the original's logits and input gradients, frozen weights other than ones, in
+    training and inference."""
     model = tiny_model(arch).to(device=device, dtype=dtype).requires_grad_(False)
     for m in model.modules():
         if type(m).__name__.endswith("RMSNorm"):
             m.weight.data.uniform_(0.5, 1.5, generator=torch.Generator(device).manual_seed(3))
     ref = _forward_backward(model, device)
-    assert fused.NORM_WEIGHT_IN_KERNEL  # the default
     fuse_rms_norms(model)
     got = _forward_backward(model, device)
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     for g, r in zip(got, ref, strict=True):
         torch.testing.assert_close(g, r, rtol=tol, atol=tol)
-    unfuse_rms_norms(model)
 
 
 def test_loaded_base_models_run_the_fused_norms():
@@ -111,7 +117,7 @@ def test_fused_mlps_give_the_same_logits_and_gradients(arch, dtype, device):
     torch.testing.assert_close(fused[1], ref[1], rtol=tol, atol=tol)
     torch.testing.assert_close(fused[2], ref[2], rtol=0, atol=0)  # the same kernels
     assert not compile_failures
-    unfuse_mlps(model)
+    _own_forwards(model)
     assert not mlps_fused(model)
 
 
@@ -158,25 +164,21 @@ def test_fused_rotary_gives_the_same_logits_and_gradients(arch, dtype, device, m
 
     model = tiny_model(arch).to(device=device, dtype=dtype)
     layers = model.config.num_hidden_layers
-    was_fused = rotary_fused(model)  # (loading a base model fuses it for this process)
-    unfuse_rotary(model)
+    _own_rotary(model, monkeypatch)
     assert not rotary_fused(model)
-    try:
-        ref = _forward_backward(model, device)
-        calls = []
-        real = fused._Rotary.apply
-        monkeypatch.setattr(fused._Rotary, "apply", lambda *a: calls.append(1) or real(*a))
-        assert fuse_rotary(model) == fuse_rotary(model) == layers  # idempotent
-        assert rotary_fused(model)
-        got = _forward_backward(model, device)
-        assert len(calls) == layers  # the training forward only
-        tol = 1e-5 if dtype == torch.float32 else 3e-2  # one float32 rounding, not three
-        torch.testing.assert_close(got[0], ref[0], rtol=tol, atol=tol)
-        torch.testing.assert_close(got[1], ref[1], rtol=tol, atol=tol)
-        torch.testing.assert_close(got[2], ref[2], rtol=0, atol=0)  # the same kernels
-        assert not compile_failures
-    finally:
-        (fuse_rotary if was_fused else unfuse_rotary)(model)
+    ref = _forward_backward(model, device)
+    calls = []
+    real = fused._Rotary.apply
+    monkeypatch.setattr(fused._Rotary, "apply", lambda *a: calls.append(1) or real(*a))
+    assert fuse_rotary(model) == fuse_rotary(model) == layers  # idempotent
+    assert rotary_fused(model)
+    got = _forward_backward(model, device)
+    assert len(calls) == layers  # the training forward only
+    tol = 1e-5 if dtype == torch.float32 else 3e-2  # one float32 rounding, not three
+    torch.testing.assert_close(got[0], ref[0], rtol=tol, atol=tol)
+    torch.testing.assert_close(got[1], ref[1], rtol=tol, atol=tol)
+    torch.testing.assert_close(got[2], ref[2], rtol=0, atol=0)  # the same kernels
+    assert not compile_failures
 
 
 @pytest.mark.parametrize("cos_batch", [1, 2])
@@ -222,21 +224,18 @@ def test_fused_rotary_leaves_other_calls_to_the_original(monkeypatch):
     import lorapop.engine.fused as fused
 
     model = tiny_model("qwen2")
-    was_fused = rotary_fused(model)
+    _own_rotary(model, monkeypatch)
     fuse_rotary(model)
     calls = []
     real = fused._Rotary.apply
     monkeypatch.setattr(fused._Rotary, "apply", lambda *a: calls.append(1) or real(*a))
-    try:
-        q, k = torch.randn(2, 5, 3, 8, requires_grad=True), torch.randn(2, 5, 1, 8, requires_grad=True)
-        cos, sin = torch.randn(2, 5, 8), torch.randn(2, 5, 8)
-        got = qwen2.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
-        want = qwen2.apply_rotary_pos_emb.lorapop_original(q, k, cos, sin, unsqueeze_dim=2)
-        assert not calls
-        for g, w in zip(got, want, strict=True):
-            assert torch.equal(g, w)
-    finally:
-        (fuse_rotary if was_fused else unfuse_rotary)(model)
+    q, k = torch.randn(2, 5, 3, 8, requires_grad=True), torch.randn(2, 5, 1, 8, requires_grad=True)
+    cos, sin = torch.randn(2, 5, 8), torch.randn(2, 5, 8)
+    got = qwen2.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
+    want = qwen2.apply_rotary_pos_emb.lorapop_original(q, k, cos, sin, unsqueeze_dim=2)
+    assert not calls
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
 
 
 def test_compiled_passes_compile_once_whatever_their_inputs_layout(monkeypatch):

@@ -10,7 +10,7 @@ import torch
 from torch._dynamo.testing import CompileCounter
 
 from lorapop.engine.byte_tokenizer import byte_tokenizer
-from lorapop.engine.generate import KeptDecoders, compile_buckets, generate
+from lorapop.engine.generate import GenerateSpec, KeptDecoders, compile_buckets, generate
 from lorapop.engine.logprobs import sequence_logprobs
 from lorapop.engine.sampling import SamplingParams, row_uniforms, sample
 from lorapop.lora.bank import AdapterBank
@@ -48,9 +48,9 @@ def _same(a, b) -> None:
 def test_same_seed_same_output_and_other_seed_differs(setup, tok):
     model, bank = setup
     slots = [0, 1, 2, 1, 0]
-    a = generate(model, bank, tok, PROMPTS, slots, SAMPLED, seed=7)
-    b = generate(model, bank, tok, PROMPTS, slots, SAMPLED, seed=7)
-    c = generate(model, bank, tok, PROMPTS, slots, SAMPLED, seed=8)
+    a = generate(model, bank, tok, PROMPTS, slots, GenerateSpec(params=SAMPLED, seed=7))
+    b = generate(model, bank, tok, PROMPTS, slots, GenerateSpec(params=SAMPLED, seed=7))
+    c = generate(model, bank, tok, PROMPTS, slots, GenerateSpec(params=SAMPLED, seed=8))
     _same(a, b)
     assert [g.token_ids for g in a] != [g.token_ids for g in c]
     assert all(len(g.token_ids) == 12 and g.finish == "length" for g in a)
@@ -59,11 +59,12 @@ def test_same_seed_same_output_and_other_seed_differs(setup, tok):
 def test_sample_independent_of_batch_composition_and_size(setup, tok):
     model, bank = setup
     slots = [0, 1, 2, 1, 0]
-    full = generate(model, bank, tok, PROMPTS, slots, SAMPLED, seed=3)
-    chunked = generate(model, bank, tok, PROMPTS, slots, SAMPLED, seed=3, batch_size=2)
+    full = generate(model, bank, tok, PROMPTS, slots, GenerateSpec(params=SAMPLED, seed=3))
+    chunked = generate(model, bank, tok, PROMPTS, slots,
+                       GenerateSpec(params=SAMPLED, seed=3, batch_size=2))
     _same(full, chunked)
     # duplicated prompts (n samples of one task) get different samples
-    dup = generate(model, bank, tok, [PROMPTS[0]] * 4, [1] * 4, SAMPLED, seed=3)
+    dup = generate(model, bank, tok, [PROMPTS[0]] * 4, [1] * 4, GenerateSpec(params=SAMPLED, seed=3))
     assert len({tuple(g.token_ids) for g in dup}) > 1
 
 
@@ -71,8 +72,8 @@ def test_timing_accounts_for_the_run(setup, tok):
     """A caller can see where a generation's time went, and the accounting adds up."""
     model, bank = setup
     timing: dict[str, float] = {}
-    out = generate(model, bank, tok, PROMPTS, [0, 1, 2, 1, 0], SAMPLED, seed=3, batch_size=2,
-                   timing=timing)
+    out = generate(model, bank, tok, PROMPTS, [0, 1, 2, 1, 0],
+                   GenerateSpec(params=SAMPLED, seed=3, batch_size=2), timing=timing)
     assert timing["batch"] == 2
     # 5 prompts in 2 rows of 11 decode steps each (the first token comes from the prefill)
     assert timing["steps"] >= 3 * (SAMPLED.max_new_tokens - 1)
@@ -86,7 +87,7 @@ def test_logprobs_equal_teacher_forced_forward(setup, tok):
     model, bank = setup
     slots = [2, 0, 1, 1, 2]
     params = SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=10, eos_token_ids=())
-    gens = generate(model, bank, tok, PROMPTS, slots, params, seed=5)
+    gens = generate(model, bank, tok, PROMPTS, slots, GenerateSpec(params=params, seed=5))
     lp, mask = sequence_logprobs(
         model, bank, [g.prompt_ids for g in gens], [g.token_ids for g in gens], slots
     )
@@ -108,29 +109,29 @@ def test_sequence_logprobs_has_grad_and_masks_ragged_rows(setup):
 def test_mixed_batch_rows_equal_each_row_alone(setup, tok):
     model, bank = setup
     slots = [0, 1, 2, 2, 1]
-    batch = generate(model, bank, tok, PROMPTS, slots, GREEDY)
+    batch = generate(model, bank, tok, PROMPTS, slots, GenerateSpec(params=GREEDY))
     for i, (prompt, slot) in enumerate(zip(PROMPTS, slots, strict=True)):
-        alone = generate(model, bank, tok, [prompt], [slot], GREEDY)
+        alone = generate(model, bank, tok, [prompt], [slot], GenerateSpec(params=GREEDY))
         _same([batch[i]], alone)
     # the slots really differ: the same prompt under another slot gives other tokens
-    others = generate(model, bank, tok, [PROMPTS[0]] * 3, [0, 1, 2], GREEDY)
+    others = generate(model, bank, tok, [PROMPTS[0]] * 3, [0, 1, 2], GenerateSpec(params=GREEDY))
     assert len({tuple(g.token_ids) for g in others}) == 3
 
 
 def test_left_padding_does_not_change_a_row(setup, tok):
     model, bank = setup
-    short = generate(model, bank, tok, ["a"], [1], GREEDY)
-    padded = generate(model, bank, tok, ["a", "x" * 40], [1, 1], GREEDY)
+    short = generate(model, bank, tok, ["a"], [1], GenerateSpec(params=GREEDY))
+    padded = generate(model, bank, tok, ["a", "x" * 40], [1, 1], GenerateSpec(params=GREEDY))
     _same(short, padded[:1])
 
 
 def test_stop_strings_cut_rows_individually(setup, tok):
     model, bank = setup
     slots = [0, 1, 2, 1, 0]
-    free = generate(model, bank, tok, PROMPTS, slots, GREEDY)
+    free = generate(model, bank, tok, PROMPTS, slots, GenerateSpec(params=GREEDY))
     stop = free[0].text[4:6]  # occurs in row 0; other rows stop only if it occurs there too
     params = SamplingParams(temperature=0.0, max_new_tokens=12, eos_token_ids=(), stop=(stop,))
-    cut = generate(model, bank, tok, PROMPTS, slots, params)
+    cut = generate(model, bank, tok, PROMPTS, slots, GenerateSpec(params=params))
     assert cut[0].finish == "stop"
     for f, c in zip(free, cut, strict=True):
         if stop not in f.text:
@@ -141,17 +142,18 @@ def test_stop_strings_cut_rows_individually(setup, tok):
         assert c.logprobs == pytest.approx(f.logprobs[:n], abs=1e-5)
         assert stop in tok.decode(c.token_ids) and stop not in tok.decode(c.token_ids[:-1])
         assert c.text == tok.decode(c.token_ids).split(stop)[0] and stop not in c.text
-    kept = generate(model, bank, tok, PROMPTS[:1], [0], replace(params, include_stop=True))
+    kept = generate(model, bank, tok, PROMPTS[:1], [0],
+                    GenerateSpec(params=replace(params, include_stop=True)))
     assert kept[0].text == cut[0].text + stop
 
 
 def test_eos_stops_rows_individually(setup, tok):
     model, bank = setup
     slots = [0, 1, 2, 1, 0]
-    free = generate(model, bank, tok, PROMPTS, slots, GREEDY)
+    free = generate(model, bank, tok, PROMPTS, slots, GenerateSpec(params=GREEDY))
     eos = free[1].token_ids[3]
     params = SamplingParams(temperature=0.0, max_new_tokens=12, eos_token_ids=(eos,))
-    cut = generate(model, bank, tok, PROMPTS, slots, params)
+    cut = generate(model, bank, tok, PROMPTS, slots, GenerateSpec(params=params))
     for f, c in zip(free, cut, strict=True):
         if eos not in f.token_ids:
             _same([f], [c])
@@ -165,13 +167,14 @@ def test_eos_stops_rows_individually(setup, tok):
 def test_tokenizer_eos_is_the_default(tok):
     model = tiny_model("qwen2", len(tok)).requires_grad_(False)
     params = SamplingParams(temperature=0.0, max_new_tokens=6)
-    free = generate(model, None, tok, ["zz"], [0], replace(params, eos_token_ids=()))
+    free = generate(model, None, tok, ["zz"], [0],
+                    GenerateSpec(params=replace(params, eos_token_ids=())))
     # make the first greedy token the tokenizer's EOS by swapping the two output rows
     first = free[0].token_ids[0]
     with torch.no_grad():
         w = model.lm_head.weight
         w[[first, tok.eos_token_id]] = w[[tok.eos_token_id, first]]
-    g = generate(model, None, tok, ["zz"], [0], params)[0]
+    g = generate(model, None, tok, ["zz"], [0], GenerateSpec(params=params))[0]
     assert g.finish == "eos" and g.token_ids == [tok.eos_token_id] and g.text == ""
 
 
@@ -180,8 +183,8 @@ def test_tiny_top_p_is_greedy(setup, tok):
     slots = [0, 1, 2, 1, 0]
     nucleus = SamplingParams(temperature=1.0, top_p=1e-6, max_new_tokens=12, eos_token_ids=())
     _same(
-        generate(model, bank, tok, PROMPTS, slots, GREEDY),
-        generate(model, bank, tok, PROMPTS, slots, nucleus, seed=11),
+        generate(model, bank, tok, PROMPTS, slots, GenerateSpec(params=GREEDY)),
+        generate(model, bank, tok, PROMPTS, slots, GenerateSpec(params=nucleus, seed=11)),
     )
 
 
@@ -200,26 +203,26 @@ def test_sampler_matches_the_tempered_nucleus_distribution():
 def test_bad_input_gives_clear_errors(setup, tok):
     model, bank = setup
     with pytest.raises(ValueError, match="slot ids"):
-        generate(model, bank, tok, ["a", "b"], [0], GREEDY)
+        generate(model, bank, tok, ["a", "b"], [0], GenerateSpec(params=GREEDY))
     with pytest.raises(ValueError, match="slot ids"):
-        generate(model, bank, tok, ["a"], [3], GREEDY)
+        generate(model, bank, tok, ["a"], [3], GenerateSpec(params=GREEDY))
     with pytest.raises(ValueError, match="empty"):
-        generate(model, bank, tok, [[]], [0], GREEDY)
+        generate(model, bank, tok, [[]], [0], GenerateSpec(params=GREEDY))
     with pytest.raises(ValueError, match="exceed"):
-        generate(model, bank, tok, ["a" * 250], [0], GREEDY)
+        generate(model, bank, tok, ["a" * 250], [0], GenerateSpec(params=GREEDY))
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0)
     with pytest.raises(ValueError, match="stop"):
         SamplingParams(stop="</answer>")  # type: ignore[arg-type]
-    assert generate(model, bank, tok, [], [], GREEDY) == []
+    assert generate(model, bank, tok, [], [], GenerateSpec(params=GREEDY)) == []
 
 
 def test_token_id_prompts_and_restored_attention(setup, tok):
     model, bank = setup
     before = model.config._attn_implementation  # (sdpa, or the update's after a log-prob pass)
     ids = tok(PROMPTS[2])["input_ids"]
-    a = generate(model, bank, None, [ids], [1], GREEDY)
-    b = generate(model, bank, tok, [PROMPTS[2]], [1], GREEDY)
+    a = generate(model, bank, None, [ids], [1], GenerateSpec(params=GREEDY))
+    b = generate(model, bank, tok, [PROMPTS[2]], [1], GenerateSpec(params=GREEDY))
     assert a[0].token_ids == b[0].token_ids and a[0].text == ""
     assert model.config._attn_implementation == before
 
@@ -233,16 +236,16 @@ def test_generation_sees_slot_changes_between_calls(tok):
         for t in bank.targets.values():
             t.b.copy_(torch.randn(t.b.shape, generator=gen) * 0.5)
     prompts = PROMPTS[:3]
-    first = generate(model, bank, tok, prompts, [1, 1, 1], GREEDY)
-    as_zero = generate(model, bank, tok, prompts, [0, 0, 0], GREEDY)
+    first = generate(model, bank, tok, prompts, [1, 1, 1], GenerateSpec(params=GREEDY))
+    as_zero = generate(model, bank, tok, prompts, [0, 0, 0], GenerateSpec(params=GREEDY))
     assert [g.token_ids for g in first] != [g.token_ids for g in as_zero]
     bank.copy_slot(0, 1)
-    _same(generate(model, bank, tok, prompts, [1, 1, 1], GREEDY), as_zero)
+    _same(generate(model, bank, tok, prompts, [1, 1, 1], GenerateSpec(params=GREEDY)), as_zero)
     with torch.no_grad():
         bank.weights[1].mul_(0.0)  # slot 1 = the base model now
     with bank.disabled():
-        base = generate(model, bank, tok, prompts, [0, 0, 0], GREEDY)
-    _same(generate(model, bank, tok, prompts, [1, 1, 1], GREEDY), base)
+        base = generate(model, bank, tok, prompts, [0, 0, 0], GenerateSpec(params=GREEDY))
+    _same(generate(model, bank, tok, prompts, [1, 1, 1], GenerateSpec(params=GREEDY)), base)
 
 
 def test_compile_failure_falls_back_to_the_plain_step(setup, tok, monkeypatch):
@@ -257,9 +260,11 @@ def test_compile_failure_falls_back_to_the_plain_step(setup, tok, monkeypatch):
     monkeypatch.setattr(torch, "compile", broken)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # the default on CPU: no compilation
-        want = generate(model, bank, tok, PROMPTS, [0, 1, 2, 1, 0], SAMPLED, seed=4)
+        want = generate(model, bank, tok, PROMPTS, [0, 1, 2, 1, 0],
+                        GenerateSpec(params=SAMPLED, seed=4))
     with pytest.warns(UserWarning, match="torch.compile of the decode step failed"):
-        got = generate(model, bank, tok, PROMPTS, [0, 1, 2, 1, 0], SAMPLED, seed=4, compile=True)
+        got = generate(model, bank, tok, PROMPTS, [0, 1, 2, 1, 0],
+                       GenerateSpec(params=SAMPLED, seed=4, compile=True))
     _same(got, want)
 
 
@@ -271,11 +276,12 @@ def test_compiled_decode_gives_the_eager_tokens(tok):
     with torch.no_grad():
         bank.weights.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(5))
     slots = [2, 0, 1, 1, 0]
-    want = generate(model, bank, tok, PROMPTS, slots, SAMPLED, seed=6)
+    want = generate(model, bank, tok, PROMPTS, slots, GenerateSpec(params=SAMPLED, seed=6))
     with warnings.catch_warnings():
         # a compile failure would only warn and fall back to the eager forward
         warnings.filterwarnings("error", message="torch.compile of the decode step failed")
-        got = generate(model, bank, tok, PROMPTS, slots, SAMPLED, seed=6, compile=True)
+        got = generate(model, bank, tok, PROMPTS, slots,
+                       GenerateSpec(params=SAMPLED, seed=6, compile=True))
     assert [g.token_ids for g in got] == [g.token_ids for g in want]
     for x, y in zip(got, want, strict=True):
         torch.testing.assert_close(
@@ -291,24 +297,29 @@ def test_compile_buckets_bound_recompilation(setup, tok, monkeypatch):
     counter = CompileCounter()
     real_compile = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, backend=counter, **kw))
-    want = generate(model, bank, tok, PROMPTS, [0, 1, 2, 1, 0], SAMPLED, seed=2)
-    got = generate(model, bank, tok, PROMPTS, [0, 1, 2, 1, 0], SAMPLED, seed=2, compile=True)
+    want = generate(model, bank, tok, PROMPTS, [0, 1, 2, 1, 0], GenerateSpec(params=SAMPLED, seed=2))
+    got = generate(model, bank, tok, PROMPTS, [0, 1, 2, 1, 0],
+                   GenerateSpec(params=SAMPLED, seed=2, compile=True))
     _same(got, want)
     assert counter.frame_count == 1
     # 6 or 7 rows -> batch bucket 8, prompts of other lengths in the same length bucket
-    generate(model, bank, tok, PROMPTS + ["zz"], [1, 0, 2, 1, 0, 2], SAMPLED, compile=True)
-    generate(model, bank, tok, PROMPTS[:3] * 2 + ["q"], [0] * 7, GREEDY, compile=True)
+    generate(model, bank, tok, PROMPTS + ["zz"], [1, 0, 2, 1, 0, 2],
+             GenerateSpec(params=SAMPLED, compile=True))
+    generate(model, bank, tok, PROMPTS[:3] * 2 + ["q"], [0] * 7,
+             GenerateSpec(params=GREEDY, compile=True))
     assert counter.frame_count == 1
-    generate(model, bank, tok, PROMPTS[:2], [1, 2], SAMPLED, compile=True)  # batch 2
+    generate(model, bank, tok, PROMPTS[:2], [1, 2], GenerateSpec(params=SAMPLED, compile=True))  # batch 2
     assert counter.frame_count == 2
     # the compiled step reads the bank's current weights, not those it was traced with
     with torch.no_grad():
         saved = bank.weights.clone()
         bank.weights[1].copy_(bank.weights[0])
     try:
-        as_zero = generate(model, bank, tok, PROMPTS[:2], [0, 0], SAMPLED, seed=9)
+        as_zero = generate(model, bank, tok, PROMPTS[:2], [0, 0],
+                           GenerateSpec(params=SAMPLED, seed=9))
         _same(
-            generate(model, bank, tok, PROMPTS[:2], [1, 1], SAMPLED, seed=9, compile=True), as_zero
+            generate(model, bank, tok, PROMPTS[:2], [1, 1],
+                     GenerateSpec(params=SAMPLED, seed=9, compile=True)), as_zero
         )
     finally:
         with torch.no_grad():
@@ -341,17 +352,17 @@ def test_compiled_step_notices_a_bank_attached_later(tok, monkeypatch):
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, backend=counter, **kw))
     model = tiny_model("qwen2", len(tok), seed=4).requires_grad_(False)
     slots = [1, 0, 1]
-    base = generate(model, None, tok, PROMPTS[:3], slots, GREEDY, compile=True)
+    base = generate(model, None, tok, PROMPTS[:3], slots, GenerateSpec(params=GREEDY, compile=True))
     bank = AdapterBank(model, n_slots=2, rank=4, alpha=8.0)
     with torch.no_grad():
         bank.weights.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(7))
-    want = generate(model, bank, tok, PROMPTS[:3], slots, GREEDY)
-    got = generate(model, bank, tok, PROMPTS[:3], slots, GREEDY, compile=True)
+    want = generate(model, bank, tok, PROMPTS[:3], slots, GenerateSpec(params=GREEDY))
+    got = generate(model, bank, tok, PROMPTS[:3], slots, GenerateSpec(params=GREEDY, compile=True))
     _same(got, want)
     assert [g.token_ids for g in got] != [g.token_ids for g in base]
     assert counter.frame_count == 2
     bank.detach()  # and back: the plain model's compiled step again
-    _same(generate(model, None, tok, PROMPTS[:3], slots, GREEDY, compile=True), base)
+    _same(generate(model, None, tok, PROMPTS[:3], slots, GenerateSpec(params=GREEDY, compile=True)), base)
     torch._dynamo.reset()
 
 
@@ -374,12 +385,12 @@ def test_kept_decoders_reuse_a_shape_and_follow_the_bank(setup, tok):
         got, want, timings = [], [], []
         for call in range(2):
             timing: dict[str, float] = {}
-            got.append(generate(model, bank, tok, PROMPTS, slots, SAMPLED, seed=3,
-                                decoders=kept, timing=timing))
+            got.append(generate(model, bank, tok, PROMPTS, slots,
+                                GenerateSpec(params=SAMPLED, seed=3, decoders=kept), timing=timing))
             timings.append(timing)
             timing = {}
-            want.append(generate(model, bank, tok, PROMPTS, slots, SAMPLED, seed=3,
-                                 timing=timing))
+            want.append(generate(model, bank, tok, PROMPTS, slots,
+                                 GenerateSpec(params=SAMPLED, seed=3), timing=timing))
             timings.append(timing)
             _shift_bank(bank, call)
         assert (kept.made, kept.reused, len(kept.decoders)) == (1, 1, 1)
@@ -400,7 +411,7 @@ def test_kept_decoders_drop_the_least_recently_used_shape(setup, tok):
     kept = KeptDecoders(1)
     short = replace(SAMPLED, max_new_tokens=4)
     for params in (SAMPLED, short, SAMPLED, SAMPLED):
-        generate(model, bank, tok, PROMPTS[:2], [0, 1], params, decoders=kept)
+        generate(model, bank, tok, PROMPTS[:2], [0, 1], GenerateSpec(params=params, decoders=kept))
     assert (kept.made, kept.reused, len(kept.decoders)) == (3, 1, 1)
     with pytest.raises(ValueError, match="capacity"):
         KeptDecoders(0)
@@ -416,10 +427,12 @@ def test_kept_cuda_graphs_replay_the_changed_adapters_bit_for_bit(tok):
     prompts, slots = PROMPTS * 3, [0, 1, 2] * 5
     params = replace(SAMPLED, max_new_tokens=40)
     kept = KeptDecoders(2)
-    generate(model, bank, tok, prompts, slots, params, seed=5, decoders=kept)
+    generate(model, bank, tok, prompts, slots, GenerateSpec(params=params, seed=5, decoders=kept))
     _shift_bank(bank, 1)
-    again = generate(model, bank, tok, prompts, slots, params, seed=5, decoders=kept)
-    fresh = generate(model, bank, tok, prompts, slots, params, seed=5, decoders=KeptDecoders(2))
+    again = generate(model, bank, tok, prompts, slots,
+                     GenerateSpec(params=params, seed=5, decoders=kept))
+    fresh = generate(model, bank, tok, prompts, slots,
+                     GenerateSpec(params=params, seed=5, decoders=KeptDecoders(2)))
     assert kept.reused == 1 and next(iter(kept.decoders.values())).graphs
     assert [g.token_ids for g in again] == [g.token_ids for g in fresh]
     assert [g.logprobs for g in again] == [g.logprobs for g in fresh]

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from lorapop.engine import kvcache
-from lorapop.engine.kvcache import Prefill, StaticKV, kv_bytes_per_token, static_kv
+from lorapop.engine.kvcache import Prefill, StaticKV, kv_bytes_per_token
+from lorapop.engine.patches import static_kv
 from tiny_models import tiny_model
 
 B, HEADS, KV_HEADS, D, LENGTH = 3, 4, 2, 8, 16

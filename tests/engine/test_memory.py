@@ -13,7 +13,7 @@ import lorapop.engine.generate as gen_mod
 import lorapop.engine.memory as memory
 from lorapop.engine.byte_tokenizer import byte_tokenizer
 from lorapop.engine.decoder import Decoder
-from lorapop.engine.generate import generate
+from lorapop.engine.generate import GenerateSpec, generate
 from lorapop.engine.memory import (
     GenerationMemoryError,
     fit_batch,
@@ -71,13 +71,15 @@ def test_generate_uses_the_budget_and_fails_before_any_work(monkeypatch):
     monkeypatch.setattr(gen_mod, "Decoder", Spy)
     length = 64  # 20 + 8 - 1 tokens, rounded up to 64
     budget = prefill_bytes(model, length, 128) + 4 * row_bytes(model, length, 8)
-    small = generate(model, None, tok, prompts, [0] * 15, PARAMS, seed=1, prefill_tokens=128,
-                     memory_budget=budget)  # fmt: skip
+    small = generate(model, None, tok, prompts, [0] * 15,
+                     GenerateSpec(params=PARAMS, seed=1, prefill_tokens=128, memory_budget=budget))  # fmt: skip
     assert sizes == [4]
-    full = generate(model, None, tok, prompts, [0] * 15, PARAMS, seed=1, prefill_tokens=128)
+    full = generate(model, None, tok, prompts, [0] * 15,
+                    GenerateSpec(params=PARAMS, seed=1, prefill_tokens=128))
     assert [g.token_ids for g in small] == [g.token_ids for g in full]
     with pytest.raises(GenerationMemoryError, match="one sampling row needs .* GiB"):
-        generate(model, None, tok, prompts, [0] * 15, PARAMS, memory_budget=budget // 8)
+        generate(model, None, tok, prompts, [0] * 15,
+                 GenerateSpec(params=PARAMS, memory_budget=budget // 8))
     assert len(sizes) == 2  # no decoder was built: no cache, no forward
 
 
@@ -140,16 +142,13 @@ def test_every_micro_batch_of_any_length_mix_fits_the_plan(kind, monkeypatch):
     one is one row alone (checkpointed, nothing smaller exists); every row is trained once."""
     import random
 
-    from lorapop.engine.logprobs import (
-        pack_micro_batches,
-        pack_widths,
-        shared_prompt_packs,
-        split_packs,
-    )
+    from lorapop.engine.logprobs import pack_widths, shared_prompt_packs
+    from lorapop.selfplay.update import pack_micro_batches, split_packs
 
     monkeypatch.setattr(memory, "_logged", set())
     model = tiny_model()
     per_token, fixed = update_bytes_per_token(model), update_fixed_bytes(model, 64)
+    overhead = memory.pack_overhead(model)  # what a shared pack's attention keeps, counted
     rng = random.Random(kind)
     for trial in range(40):
         cap = rng.choice([64, 512, 2048])
@@ -161,13 +160,13 @@ def test_every_micro_batch_of_any_length_mix_fits_the_plan(kind, monkeypatch):
                 comps.append([7] * _mix(rng, kind, cap))
                 slots.append(task % 3)
         packs = shared_prompt_packs(prompts, slots)
-        widths = pack_widths(packs, prompts, comps)
+        widths = pack_widths(packs, prompts, comps, overhead)
         budget = fixed + rng.randint(10, 6000) * per_token
         keep, max_tokens = plan_update(model, max(widths), 16384, 64, budget)
         if keep:
-            packs = split_packs(packs, prompts, comps, keep)
+            packs = split_packs(packs, prompts, comps, keep, overhead)
         seen = []
-        for rows, padded in pack_micro_batches(packs, pack_widths(packs, prompts, comps),
+        for rows, padded in pack_micro_batches(packs, pack_widths(packs, prompts, comps, overhead),
                                                max_tokens, 8, slots):
             seen += rows
             if keep and padded <= keep:
@@ -201,7 +200,8 @@ def test_the_allocator_gets_expandable_segments_unless_the_user_chose(monkeypatc
 def test_a_shared_pack_is_planned_with_what_its_attention_keeps():
     """A shared pack's attention keeps padded queries and gathered keys beyond its tokens: the
     plan counts them (a lone row keeps none), and a pack is split to parts that fit so counted."""
-    from lorapop.engine.logprobs import pack_widths, split_packs
+    from lorapop.engine.logprobs import pack_widths
+    from lorapop.selfplay.update import split_packs
 
     model = tiny_model()
     overhead = memory.pack_overhead(model)

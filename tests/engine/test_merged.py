@@ -6,9 +6,8 @@ import pytest
 import torch
 from torch import profiler
 
-import lorapop.engine.merged as merged
 from lorapop.engine.byte_tokenizer import byte_tokenizer
-from lorapop.engine.generate import generate
+from lorapop.engine.generate import GenerateSpec, generate
 from lorapop.engine.merged import merge_projections
 from lorapop.engine.sampling import SamplingParams
 from lorapop.lora.bank import AdapterBank
@@ -83,23 +82,21 @@ def test_generation_equals_the_separate_projections_and_each_row_alone(arch, dev
     prompts = ["def f(x):", "a", "assert f(3) ==", "hello world, this is long"]
     slots = [0, 2, 1, 2]
     params = SamplingParams(temperature=1.0, max_new_tokens=10, eos_token_ids=())
-    ref = generate(plain, pb, tok, prompts, slots, params, seed=3)
-    out = generate(mm, mb, tok, prompts, slots, params, seed=3)
+    ref = generate(plain, pb, tok, prompts, slots, GenerateSpec(params=params, seed=3))
+    out = generate(mm, mb, tok, prompts, slots, GenerateSpec(params=params, seed=3))
     assert [r.token_ids for r in out] == [r.token_ids for r in ref]
     for r, q in zip(out, ref, strict=True):
         torch.testing.assert_close(torch.tensor(r.logprobs), torch.tensor(q.logprobs),
                                    atol=1e-5, rtol=1e-5)
     for i in range(len(prompts)):  # a row's tokens do not depend on its batch
-        alone = generate(mm, mb, tok, [prompts[i]], [slots[i]], params, seed=3, row_keys=[i])
+        alone = generate(mm, mb, tok, [prompts[i]], [slots[i]], GenerateSpec(params=params, seed=3),
+                         row_keys=[i])
         assert alone[0].token_ids == out[i].token_ids
 
 
-def test_switched_off_or_with_a_replaced_weight_each_projection_runs_its_own(monkeypatch):
+def test_with_a_replaced_weight_each_projection_runs_its_own():
     (plain, _), (mm, _) = _pair("qwen2", bank=False)
     ids = torch.randint(0, VOCAB, (2, 1))
-    monkeypatch.setattr(merged, "MERGE", False)
-    assert _linears(mm, ids) == 7 * mm.config.num_hidden_layers + 1
-    monkeypatch.setattr(merged, "MERGE", True)
     for model in (plain, mm):  # a weight replaced after merging (a load, a move) is the one used
         attn = model.model.layers[1].self_attn
         attn.k_proj.weight = torch.nn.Parameter(torch.ones_like(attn.k_proj.weight),

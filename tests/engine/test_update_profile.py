@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_says_when_a_slots_rows_fit_one_micro_batch(tmp_path) -> None:
     """A micro-batch holds one slot's rows, so with few rows per slot every `--max-tokens`
-    gives the same micro-batches (session 29 compared two budgets that way): the profile
+    gives the same micro-batches (two budgets compared that way measure nothing): the profile
     records each slot's tokens and warns for the kind of rows the budget does not shape."""
     out = tmp_path / "profile.json"
     proc = subprocess.run(

@@ -1,7 +1,7 @@
 """`lorapop eval` reports progress while it generates, and chunking changes no answer."""
 
-from lorapop.engine.generate import SamplingParams, generate
-from lorapop.engine.model import load_base_model, load_tokenizer
+from lorapop.engine.generate import GenerateSpec, SamplingParams, generate
+from lorapop.engine.load import load_base_model, load_tokenizer
 from lorapop.evals.progress import generate_logged
 
 
@@ -14,7 +14,7 @@ def test_chunks_log_progress_and_keep_order():
     lines: list[str] = []
     got = generate_logged(model, None, tok, prompts, [0] * 7, params, batch_size=3,
                           log=lines.append, what="code_o")
-    want = generate(model, None, tok, prompts, [0] * 7, params)
+    want = generate(model, None, tok, prompts, [0] * 7, GenerateSpec(params=params))
     assert [g.text for g in got] == [g.text for g in want]
     assert [x.split(",")[0] for x in lines] == [
         "code_o: 3/7 completions", "code_o: 6/7 completions", "code_o: 7/7 completions"]

@@ -16,7 +16,7 @@ LCB = str(FIXTURES / "lcb_code_generation_lite.jsonl")
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    from lorapop.engine.model import load_base_model, load_tokenizer
+    from lorapop.engine.load import load_base_model, load_tokenizer
     from lorapop.lora.bank import AdapterBank
     from lorapop.lora.peft_io import export_slot
 
@@ -101,7 +101,7 @@ def test_table_averages_like_azr():
 
 
 def test_prompt_templates(data_dir):
-    from lorapop.engine.model import load_tokenizer
+    from lorapop.engine.load import load_tokenizer
     from lorapop.evals import prompts
 
     tok = load_tokenizer("tiny-random")

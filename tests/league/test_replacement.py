@@ -86,8 +86,8 @@ def test_child_ratings_reset_and_inherit():
 
 
 def test_a_child_does_not_start_last_and_is_protected_until_it_has_played():
-    """Issue 14: a child born with sigma >= 4.17 ranked last at the next event, so one slot
-    was re-rolled at every event. Now it starts next to its parent and is not a target until
+    """A child born with sigma >= 4.17 would rank last at the next event, so one slot would
+    be re-rolled at every event. It starts next to its parent and is not a target until
     it has played `protect_matches` matches."""
     r = pool()
     for name in r.students:

@@ -119,13 +119,12 @@ def test_kernels_agree_on_unsorted_mixed_batch(tokens):
 
 def test_runs_of_one_slot_add_the_delta_in_the_expand_gemm(monkeypatch):
     """Rows routed in slot order take the addmm path (no delta tensor): logits and gradients
-    equal the gather kernel's; several runs with grad fall back to the batched kernels. (With
-    grad, one run takes this path where `one_input_grad`'s does not apply.)"""
+    equal the gather kernel's; several runs with grad take the batched kernels. (One run under
+    grad takes the "one_slot" path: test_one_input_gradient_gives_the_same_gradients.)"""
     import lorapop.lora.bank as bank_mod
 
     model = tiny_model().train()
     bank = AdapterBank(model, n_slots=3, rank=4, alpha=8)
-    bank.one_input_grad = False
     randomize_b(bank)
     ids = torch.randint(0, VOCAB, (4, 6))
     taken = []
@@ -142,12 +141,12 @@ def test_runs_of_one_slot_add_the_delta_in_the_expand_gemm(monkeypatch):
                 (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
         return out.detach(), bank.grads.clone()
 
-    for slots, grad in (([1, 1, 1, 1], True), ([0, 0, 2, 2], False), ([0, 1, 1, 2], True)):
+    for slots, grad in (([1, 1, 1, 1], False), ([0, 0, 2, 2], False), ([0, 1, 1, 2], True)):
         taken.clear()
         want = run("gather", slots, grad)
         assert not taken
         got = run("auto", slots, grad)
-        assert taken and set(taken) == {len(set(slots))}
+        assert set(taken) == (set() if grad else {len(set(slots))})
         torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
         peak = float(want[1].abs().max())  # fp32 rounding: the scaling moves between GEMMs
         assert (peak > 0) == grad
@@ -160,10 +159,10 @@ def test_runs_of_one_slot_add_the_delta_in_the_expand_gemm(monkeypatch):
 
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_one_input_gradient_gives_the_same_gradients(checkpointing, monkeypatch):
-    """`one_input_grad`: a one-slot batch's projections form their input's gradient as one
+    """The "one_slot" path: a one-slot batch's projections form their input's gradient as one
     tensor (base and LoRA in one accumulate). The logits, every slot's gradients and the
-    input's gradient are autograd's, also under checkpointing; batches of several slots keep
-    the per-run path."""
+    input's gradient are those of the batched reference kernel ("gather"), also under
+    checkpointing; batches of several slots take the batched kernels."""
     import lorapop.lora.bank as bank_mod
 
     model = tiny_model().train()
@@ -178,7 +177,7 @@ def test_one_input_gradient_gives_the_same_gradients(checkpointing, monkeypatch)
     embeds = torch.randn(4, 6, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
 
     def step(fused: bool, slots: list[int]) -> tuple[torch.Tensor, ...]:
-        bank.one_input_grad = fused
+        bank.kernel = "auto" if fused else "gather"
         bank.zero_grad()
         x = embeds.clone().requires_grad_()
         with bank.route(slots):
@@ -366,7 +365,7 @@ def test_held_copy_gives_the_cast_results_and_follows_weight_changes():
 @pytest.mark.parametrize("grad", [True, False])
 def test_one_slot_forwards_add_the_lora_term_without_copying_the_output(grad):
     """A one-slot batch's projections add their LoRA term into the frozen linear's output in
-    place (under grad: `one_input_grad`'s path): an out-of-place addmm first copies that output
+    place (under grad: the "one_slot" path): an out-of-place addmm first copies that output
     whole, a full-width tensor per projection (13 ms of a 7B student micro-batch)."""
     model = tiny_model().train()
     bank = AdapterBank(model, n_slots=3, rank=4, alpha=8)
@@ -383,3 +382,33 @@ def test_one_slot_forwards_add_the_lora_term_without_copying_the_output(grad):
     expands = [e.name for e in prof.events() if e.name in ("aten::addmm", "aten::addmm_")
                and e.input_shapes[1] == [ids.numel(), bank.rank]]
     assert expands and set(expands) == {"aten::addmm_"}
+
+
+def test_the_hook_names_the_path_each_forward_takes(monkeypatch):
+    """`AdapterBank._path`, the one dispatch: one token a row without grad takes the decode
+    cache, with grad the dense kernel; one slot under grad the frozen-linear path; runs of one
+    slot the addmm path (under grad only as one run); anything else, or a kernel asked for by
+    name, the batched kernels."""
+    model = tiny_model().train()
+    bank = AdapterBank(model, n_slots=3, rank=4, alpha=8)
+    seen: list[str] = []
+    real = bank._path
+    monkeypatch.setattr(bank, "_path", lambda *a: seen.append(real(*a)) or seen[-1])
+    ids = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(0))
+
+    def paths(slots, grad, tokens=5, kernel="auto"):
+        seen.clear()
+        bank.kernel = bank.decode_kernel = kernel
+        with bank.route(slots), torch.set_grad_enabled(grad):
+            model(ids[:, :tokens])
+        return set(seen)
+
+    batched = {"grouped", "gather"}
+    assert paths([1, 1], True) == {"one_slot"}
+    assert paths([0, 1], True) <= batched and len(paths([0, 1], True)) == 1
+    assert paths([0, 1], False) == paths([1, 1], False) == {"runs"}
+    assert paths([1, 0], False) == {"gather"}  # not in slot order: no runs, no grouped kernel
+    assert paths([1, 0], True, tokens=1) == {"dense"}
+    assert paths([1, 0], False, tokens=1) == {"decode_cache"}
+    assert paths([1, 1], True, kernel="gather") == {"gather"}
+    assert paths([1, 0], False, tokens=1, kernel="dense") == {"dense"}

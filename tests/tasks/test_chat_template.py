@@ -3,7 +3,7 @@
 import pytest
 from transformers import AutoTokenizer
 
-from lorapop.engine.model import TINY_DIR
+from lorapop.engine.load import TINY_DIR
 from lorapop.tasks import get_family
 from lorapop.tasks.prompts import chat_format
 from lorapop.tasks.task import Outcome, Task

@@ -70,7 +70,7 @@ def test_demo_runs():
     assert "nondeterministic" in result.output and "timeout" in result.output
 
 
-# --- class 7 of issue 13: every size is capped before it is parsed -------------------------
+# --- attack class 7: every size is capped before it is parsed ------------------------------
 
 
 def test_huge_input_is_refused_before_parsing(tmp_path):

@@ -1,7 +1,6 @@
 """Hostile programs: each gets a clear verdict, none reaches the host, the pool keeps serving.
 
-Cases are grouped by the class of attack they try (issue 13's ten classes, 0: the earlier
-ones). Model text is assumed to reach any Python object, so many cases first walk the frames
+Cases are grouped by the class of attack they try (ten classes, and 0: the basic ones). Model text is assumed to reach any Python object, so many cases first walk the frames
 to the fork server's own objects (`reach`): the ctypes libc the server bound, its clock
 modules, its result encoder. Every case runs in one concurrent batch, interleaved with honest
 jobs; then the host is checked: no file changed or left behind, no process left, the same
@@ -50,7 +49,7 @@ def nr(name: str) -> int:
 
 @dataclass(frozen=True)
 class Case:
-    cls: int  # issue 13's class of attack (0: the earlier cases)
+    cls: int  # the class of attack (0: the basic cases)
     name: str
     job: Job
     want: frozenset[Status]

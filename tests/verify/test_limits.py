@@ -1,4 +1,4 @@
-"""Class 10 of issue 13: absurd or non-finite limits are refused with one line, everywhere."""
+"""Attack class 10: absurd or non-finite limits are refused with one line, everywhere."""
 
 import json
 

@@ -1,5 +1,28 @@
 """Continuous batching of mixed-adapter rows over a static KV cache.
 
+Where a decode step happens and what it computes: `Decoder._step`. For each of the batch's
+rows it feeds the row's last token through the patched model (`_logits`; every patch is
+listed in `engine/patches.py`) and samples the next one (`sampling.sample`):
+
+    per layer, for one token a row (no autograd):
+      RMSNorm                      one `F.rms_norm` kernel, weight inside (`fused`)
+      q, k, v                      one GEMM for the three (`merged`) + each row's LoRA delta,
+                                   its slot's B @ A @ x (`lora.bank` hooks, decode cache:
+                                   q/k/v share the A GEMM)
+      rotary embedding             the model's own
+      attention                    the new key/value written at the row's position in the
+                                   static cache, the query over the row's cached keys
+                                   (`kvcache`: grouped-query heads folded, no K/V copies)
+      o_proj                       GEMM + LoRA delta
+      RMSNorm, gate/up             one GEMM for the two + LoRA deltas; silu(gate) * up
+      down_proj                    GEMM + LoRA delta
+    final RMSNorm, LM head         logits [rows, vocabulary]
+    sample                         temperature and top-p from the row's own uniform; the
+                                   token's log-probability under the policy (temperature 1)
+
+The step has fixed shapes and addresses: on CUDA it is captured once per (rows, attention
+width) and replayed as a CUDA graph.
+
 The decoder holds `batch` cache rows. Each prompt is prefilled into a free row (from cache
 index 0, in chunks of at most `prefill_tokens` tokens per forward), then decoded; when a row
 finishes (EOS, the caller's stop function, or its own max length) its result is collected and
@@ -45,7 +68,8 @@ from typing import Any
 
 import torch
 
-from lorapop.engine.kvcache import Prefill, StaticKV, kv_shape, static_kv
+from lorapop.engine.kvcache import Prefill, StaticKV, kv_shape
+from lorapop.engine.patches import static_kv
 from lorapop.engine.sampling import SamplingParams, sample
 
 # host callback: (prompt index, the row's tokens so far) -> how many tokens to keep if the

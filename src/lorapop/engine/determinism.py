@@ -3,7 +3,7 @@ kind of GPU and number of ranks.
 
 Without them the GPU's atomics (flash attention's backward, the backward of a gather or an
 index, among them) sum in whatever order threads finish: two 2-rank H100 builds of the
-world-nocount-77m base ended at losses 0.410 and 0.403 (session 21). Strict mode, since flash
+world-nocount-77m base ended at losses 0.410 and 0.403. Strict mode, since flash
 attention's backward runs its deterministic kernel only then; a probe (one forward and backward
 of the kernels to be made deterministic) first finds whether some op has none, and then the
 work goes on warning instead. On CPU every kernel used here is deterministic anyway.

@@ -31,17 +31,13 @@ LLAMA_STYLE_NORMS = frozenset({
 })
 
 
-#: The weight goes into `F.rms_norm`'s kernel where it has the input's dtype: the weighted
-#: output rounded once, and no broadcast multiply of its own each way (at 7B those took 10 ms
-#: of a 592 ms update micro-batch; with the weight inside, the update's student rows took 1.2%
-#: less time and its teacher rows 2.5% less on an H200). False: applied afterwards, as the
-#: original does (its two roundings: bit for bit on CPU).
-NORM_WEIGHT_IN_KERNEL = True
-
-
 def _fused_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """The weight goes into `F.rms_norm`'s kernel where it has the input's dtype: the weighted
+    output rounded once, and no broadcast multiply of its own each way (at 7B on an H200 the
+    update's rows ran 1.2-2.5% faster). A weight of another dtype (the original casts the
+    states back before it multiplies) is applied after the kernel, as the original does."""
     shape = (hidden_states.shape[-1],)
-    if NORM_WEIGHT_IN_KERNEL and self.weight.dtype == hidden_states.dtype:
+    if self.weight.dtype == hidden_states.dtype:
         return F.rms_norm(hidden_states, shape, self.weight, self.variance_epsilon)
     normed = F.rms_norm(hidden_states, shape, eps=self.variance_epsilon)
     return self.weight * normed
@@ -55,17 +51,6 @@ def fuse_rms_norms(model: nn.Module) -> int:
             module.forward = types.MethodType(_fused_forward, module)
             n += 1
     return n
-
-
-def unfuse_rms_norms(model: nn.Module) -> None:
-    """Back to the classes' own forward (for side-by-side benchmarks)."""
-    _unfuse(model, LLAMA_STYLE_NORMS)
-
-
-def _unfuse(model: nn.Module, classes: frozenset[str]) -> None:
-    for module in model.modules():
-        if "forward" in vars(module) and type(module).__name__ in classes:
-            del module.forward
 
 
 # ------------------------------------------------------------------ compiled passes
@@ -125,12 +110,20 @@ def compiled_call(fn: Any, *args: torch.Tensor) -> Any:
     return fn(*args)
 
 
+def fast_pass(fn: Any, *args: torch.Tensor) -> Any:
+    """`fn(*args)`, compiled on CUDA (`compiled_call`), eager elsewhere: the one place that
+    chooses between the two paths of the fused passes (SwiGLU, rotary, the LM head's
+    log-softmax). On CUDA a compiled pass is one kernel each way where the eager one runs
+    several full-size elementwise kernels; on CPU the eager pass is the reference and compiling
+    would need a C compiler for nothing. tests/engine/test_fused.py and test_logprobs.py compile
+    the passes for the CPU and compare them with the eager ones."""
+    return compiled_call(fn, *args) if args[0].is_cuda else fn(*args)
+
+
 # ------------------------------------------------------------------ SwiGLU
 #: MLPs computing down(silu(gate(x)) * up(x)) (when the config's hidden_act is "silu")
 SWIGLU_MLPS = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "Qwen2MoeMLP",
                          "Qwen3MoeMLP"})
-#: On CUDA the SwiGLU's two passes are compiled, each one kernel (see `_SwiGLU`).
-COMPILE_SWIGLU = True
 
 
 def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -168,7 +161,7 @@ def _swiglu_pass(fn: Any, *args: torch.Tensor) -> Any:
     shape of its own to the compiler: a recompile in the middle of an update."""
     shape = args[0].shape
     flat = [a.reshape(-1, shape[-1]) for a in args]
-    out = compiled_call(fn, *flat) if args[0].is_cuda and COMPILE_SWIGLU else fn(*flat)
+    out = fast_pass(fn, *flat)
     return tuple(o.view(shape) for o in out) if isinstance(out, tuple) else out.view(shape)
 
 
@@ -196,11 +189,6 @@ def mlps_fused(model: nn.Module) -> bool:
     return any("forward" in vars(m) and type(m).__name__ in SWIGLU_MLPS for m in model.modules())
 
 
-def unfuse_mlps(model: nn.Module) -> None:
-    """Back to the classes' own forward (for side-by-side benchmarks)."""
-    _unfuse(model, SWIGLU_MLPS)
-
-
 # ------------------------------------------------------------------ rotary embedding
 #: Attention classes whose module's `apply_rotary_pos_emb(q, k, cos, sin)` is the rotate-half
 #: formula q * cos + rotate_half(q) * sin, called with q [B, heads, T, D] and cos [B, T, D].
@@ -208,8 +196,6 @@ ROTARY_ATTENTIONS = frozenset({
     "LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention",
     "Qwen2MoeAttention", "Qwen3MoeAttention",
 })
-#: On CUDA the rotary embedding's two passes are compiled, each one kernel (see `_Rotary`).
-COMPILE_ROTARY = True
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -267,8 +253,7 @@ def _rotary_pass(fn: Any, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     own to the compiler (a recompile in the middle of an update)."""
     batch, heads, tokens, dim = q.shape
     q3, k3 = (t.transpose(1, 2).reshape(batch * tokens, t.shape[1], dim) for t in (q, k))
-    out = compiled_call(fn, q3, k3, cos, sin) if q.is_cuda and COMPILE_ROTARY else \
-        fn(q3, k3, cos, sin)
+    out = fast_pass(fn, q3, k3, cos, sin)
     return tuple(o.reshape(batch, tokens, -1, dim).transpose(1, 2) for o in out)  # type: ignore[return-value]
 
 
@@ -319,9 +304,3 @@ def rotary_fused(model: nn.Module) -> bool:
     """Whether `model`'s attention modules rotate through `_Rotary` in training forwards."""
     return any(hasattr(current, "lorapop_original") for _, current in _rotary_sources(model))
 
-
-def unfuse_rotary(model: nn.Module) -> None:
-    """Back to the modules' own rotary embedding (for side-by-side benchmarks)."""
-    for source, current in _rotary_sources(model):
-        if hasattr(current, "lorapop_original"):
-            source.apply_rotary_pos_emb = current.lorapop_original  # type: ignore[attr-defined]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -49,7 +49,7 @@ class KeptDecoders:
     A decoder captures one CUDA graph per (rows, attention width) it meets; made anew at
     every call, a small model spends more time capturing than decoding (a 77M world step on
     an H100: 0.77 s of captures against 0.57 s of decode steps). Kept, each (rows, width) is
-    captured once per run (session 25: ~0 s a step). Calls that pass this object round their
+    captured once per run (~0 s a step). Calls that pass this object round their
     batch and cache length up to a few buckets (`compile_buckets`) so that shapes repeat, and
     the kept caches hold their memory between calls (through the update too): for models
     whose caches are small. The least recently used decoder goes when a new shape would
@@ -81,61 +81,72 @@ class KeptDecoders:
         self.made += 1
 
 
+@dataclass(frozen=True)
+class GenerateSpec:
+    """How `generate` samples and runs: everything but the prompts, their slots and the
+    per-call hooks."""
+
+    #: temperature, top-p, max new tokens, stop strings, EOS ids
+    params: SamplingParams = field(default_factory=SamplingParams)
+    seed: int = 0
+    #: at most this many rows decode together (default: all), fewer if their KV cache does not
+    #: fit `memory_budget` bytes (default on CUDA: the free device memory; on CPU: no limit); a
+    #: prompt too long for even one row is a `GenerationMemoryError` before any work
+    batch_size: int | None = None
+    memory_budget: int | None = None
+    #: prompts are prefilled at most this many tokens per forward; identical prompts under one
+    #: slot are prefilled once (the others copy its cache rows)
+    prefill_tokens: int = 8192
+    #: False forces the eager decode step on GPU
+    cuda_graph: bool = True
+    #: True (None: on CUDA only) runs the decode step's model forward through torch.compile
+    #: before capturing the step: ~1.25x faster decode steps at 7B, for ~45 s of compilation
+    #: the first time a shape is seen in a process. Off by default: in a self-play step the
+    #: padding to shape buckets ate the gain and raised peak memory (docs/performance.md). It
+    #: falls back to the plain forward with a warning if compilation fails. Shapes are then
+    #: bucketed to bound recompilation: the batch rounded up to a power of two (at most
+    #: `batch_size`), the cache length to 64 or 96 times a power of two.
+    compile: bool | None = False
+    #: rows that finish are refilled with waiting prompts (continuous batching); False decodes
+    #: static batches (a batch's rows wait for its slowest): a baseline for benchmarks
+    refill: bool = True
+    #: reuse a decoder of the same shape from an earlier call, its graphs already captured, and
+    #: keep this call's; shapes are then bucketed as for `compile`. A row's output is the one
+    #: a fresh decoder of that shape gives (tested bit for bit)
+    decoders: KeptDecoders | None = None
+
+
 def generate(
     model: Any,
     bank: Any,
     tokenizer: Any,
     prompts: Sequence[str | Sequence[int]],
     slot_ids: Sequence[int],
-    params: SamplingParams | None = None,
-    seed: int = 0,
-    batch_size: int | None = None,
-    cuda_graph: bool = True,
-    compile: bool | None = False,
+    spec: GenerateSpec | None = None,
+    *,
     row_keys: Sequence[int] | None = None,
     stop_fn: StopFn | None = None,
-    prefill_tokens: int = 8192,
-    memory_budget: int | None = None,
-    refill: bool = True,
     timing: dict[str, float] | None = None,
-    decoders: KeptDecoders | None = None,
 ) -> list[Generation]:
-    """Sample one completion per prompt, prompt i under adapter slot `slot_ids[i]`.
+    """Sample one completion per prompt, prompt i under adapter slot `slot_ids[i]`, as `spec`
+    says (default `GenerateSpec()`).
 
     Prompts are strings (tokenized with the tokenizer's defaults) or token-id lists.
     `bank` may be None (the plain model); `tokenizer` may be None when prompts are ids and
     no stop strings are given (texts are then empty). Row i's samples depend only on
-    (seed, `row_keys[i]`) (default: i), so a caller that splits prompts across calls or
-    processes gets the same samples by passing each prompt's global key.
-
-    At most `batch_size` rows decode together (default: all), fewer if their KV cache does
-    not fit `memory_budget` bytes (default on CUDA: the free device memory; on CPU: no limit);
-    a prompt too long for even one row is a `GenerationMemoryError` before any work. Rows
-    that finish are refilled with waiting prompts (continuous batching); prompts are prefilled
-    at most `prefill_tokens` tokens per forward, and identical prompts under the same slot
-    are prefilled once (the others copy its cache rows). `stop_fn(i, tokens)` may end
-    prompt i early (it returns how many tokens to keep; `tokens` is read-only), on top of EOS
-    and `params.stop`. `refill=False` decodes static batches instead (a batch's rows wait
-    for its slowest before the next batch starts): a baseline for benchmarks.
+    (spec.seed, `row_keys[i]`) (default: i), so a caller that splits prompts across calls or
+    processes gets the same samples by passing each prompt's global key. `stop_fn(i, tokens)`
+    may end prompt i early (it returns how many tokens to keep; `tokens` is read-only), on top
+    of EOS and `spec.params.stop`.
 
     `timing`, if given, receives where the time went: `batch` (rows decoding at once),
     `prefill_s`, `capture_s` (CUDA graphs, compiles), `decode_s` (the steps and host checks),
     `steps` and `row_steps` (steps times the rows each ran over).
-
-    `decoders` (a `KeptDecoders`) reuses a decoder of the same shape from an earlier call, its
-    graphs already captured, and keeps this call's; shapes are then bucketed as for `compile`.
-    A row's output is then the one a fresh decoder of that shape gives (tested bit for bit).
-
-    `cuda_graph=False` forces the eager decode step on GPU. `compile=True` (None: on CUDA
-    only; default off) runs the decode step's model forward through torch.compile before
-    capturing the step: ~1.25x faster decode steps at 7B, for ~45 s of compilation the first
-    time a shape is seen in a process. Off by default: in a self-play step the padding to
-    shape buckets ate the gain and raised peak memory (benchmarks/README.md). It falls back
-    to the plain forward with a warning if compilation fails. Shapes are then bucketed to
-    bound recompilation: the batch is rounded up to a power of two (at most `batch_size`),
-    the cache length to 64 or 96 times a power of two.
     """
-    params = params or SamplingParams()
+    spec = spec or GenerateSpec()
+    params, batch_size, compile = spec.params, spec.batch_size, spec.compile
+    seed, prefill_tokens, memory_budget = spec.seed, spec.prefill_tokens, spec.memory_budget
+    cuda_graph, refill, decoders = spec.cuda_graph, spec.refill, spec.decoders
     ids = _encode(tokenizer, prompts)
     keys = list(range(len(ids))) if row_keys is None else [int(k) for k in row_keys]
     _check(model, bank, tokenizer, ids, slot_ids, keys, params, batch_size)

@@ -17,8 +17,6 @@ row's keys [0, start + chunk), so a long prompt never needs more than one chunk 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -159,15 +157,8 @@ def _attention(
 AttentionInterface.register(NAME, _attention)
 
 
-@contextmanager
-def static_kv(model: Any, kv: StaticKV) -> Iterator[None]:
-    """Route the model's attention through `kv` for the duration of the block."""
+def activate(kv: StaticKV | None) -> None:
+    """The cache the attention function reads (None: plain SDPA); set by `patches.static_kv`,
+    which also routes the model's attention here."""
     global _active
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(NAME)
     _active = kv
-    try:
-        yield
-    finally:
-        _active = None
-        model.set_attn_implementation(previous)

@@ -8,8 +8,8 @@ hidden states of the completion positions go through the LM head, a chunk of pos
 time under activation checkpointing: the [tokens, vocabulary] logits never exist whole, in
 the forward or the backward.
 
-`micro_batches` cuts rows into length-grouped micro-batches of a bounded padded-token count,
-so the update wastes little compute on padding and runs as few forwards as memory allows.
+How rows are grouped into micro-batches and packs is the update's choice
+(`lorapop.selfplay.update`).
 
 Prompt sharing: a student answers each task several times under one adapter, so several rows
 share their prompt and slot. With `share_prompts` such rows go through the model as one
@@ -30,32 +30,11 @@ import torch.nn.functional as F
 
 from lorapop.engine import pack_attention
 from lorapop.engine.decoder import route
-from lorapop.engine.fused import compile_failures, compiled_call
-from lorapop.transfer import host_to_device
+from lorapop.engine.fused import compile_failures, fast_pass
+from lorapop.engine.patches import use_pack_attention
+from lorapop.engine.transfer import host_to_device
 
 HEAD_CHUNK = 2048  # positions whose logits are formed at once (memory.update_fixed_bytes)
-
-
-def micro_batches(lengths: Sequence[int], max_tokens: int, max_rows: int,
-                  slots: Sequence[int] | None = None) -> list[list[int]]:
-    """Row indices grouped by length: each group's rows x longest row <= `max_tokens` (a
-    longer row goes alone) and at most `max_rows` rows; rows keep their order in a group.
-    With `slots`, a group holds rows of one slot only: its LoRA is then one plain GEMM pair
-    with the add in the expand (`routing.add_delta_by_runs`), not the batched kernels."""
-    if max_tokens < 1 or max_rows < 1:
-        raise ValueError(f"max_tokens and max_rows must be >= 1, got {max_tokens}, {max_rows}")
-    key = (lambda i: (0, -lengths[i])) if slots is None else (lambda i: (slots[i], -lengths[i]))
-    order = sorted(range(len(lengths)), key=key)
-    groups: list[list[int]] = []
-    for i in order:
-        same = slots is None or (groups and slots[groups[-1][0]] == slots[i])
-        if groups and same and len(groups[-1]) < max_rows:
-            widest = lengths[groups[-1][0]]
-            if (len(groups[-1]) + 1) * widest <= max_tokens:
-                groups[-1].append(i)
-                continue
-        groups.append([i])
-    return [sorted(g) for g in groups]
 
 
 def shared_prompt_packs(prompt_ids: Sequence[Sequence[int]],
@@ -73,11 +52,11 @@ def pack_widths(packs: Sequence[Sequence[int]], prompt_ids: Sequence[Sequence[in
     """Tokens of each pack's sequence: its prompt once plus every completion. With
     `overhead` (`memory.pack_overhead`), a shared pack's width in memory instead: plus what its
     attention keeps beyond its tokens, in tokens' worth."""
-    return [_width(len(prompt_ids[g[0]]), [len(completion_ids[i]) for i in g], overhead)
+    return [pack_width(len(prompt_ids[g[0]]), [len(completion_ids[i]) for i in g], overhead)
             for g in packs]
 
 
-def _width(prompt: int, lengths: Sequence[int], overhead: tuple[float, float] | None) -> int:
+def pack_width(prompt: int, lengths: Sequence[int], overhead: tuple[float, float] | None) -> int:
     """A pack's tokens, plus (when shared) `overhead`'s (per completion token, per prompt
     token per completion) tokens' worth of the attention's padded queries and gathered keys."""
     width = prompt + sum(lengths)
@@ -85,71 +64,6 @@ def _width(prompt: int, lengths: Sequence[int], overhead: tuple[float, float] | 
         return width
     per_completion, per_prompt_key = overhead
     return width + math.ceil(per_completion * sum(lengths) + per_prompt_key * len(lengths) * prompt)
-
-
-def pack_costs(packs: Sequence[Sequence[int]], prompt_ids: Sequence[Sequence[int]],
-               completion_ids: Sequence[Sequence[int]], pair_weight: float) -> list[float]:
-    """Each pack's forward-backward cost in tokens' worth of weight FLOPs: its tokens plus its
-    causal attention's (query, key) pairs times `pair_weight` (`attention_pair_weight`). Ranks
-    given equal tokens are not given equal work when one holds the long-context rows (a
-    teacher's long prompt and its completion), so the update is shared out by this cost."""
-    out = []
-    for g, width in zip(packs, pack_widths(packs, prompt_ids, completion_ids), strict=True):
-        p = len(prompt_ids[g[0]])
-        # the prompt attends causally; each completion to the prompt and to its own prefix
-        pairs = p * (p + 1) / 2 + sum(c * p + c * (c + 1) / 2
-                                      for c in (len(completion_ids[i]) for i in g))
-        out.append(width + pair_weight * pairs)
-    return out
-
-
-def attention_pair_weight(model: torch.nn.Module) -> float:
-    """FLOPs of one attention (query, key) pair over those of one token through the weights:
-    scores and values cost 4 x hidden per pair and layer, the weights 2 x parameters per
-    token (forward; the backward scales both alike). ~2.6e-5 for a 7B Qwen2; 0 (tokens
-    alone) for a config without layers and width."""
-    cfg = getattr(model, "config", None)
-    layers, hidden = getattr(cfg, "num_hidden_layers", 0), getattr(cfg, "hidden_size", 0)
-    params = sum(p.numel() for p in model.parameters())
-    return 4 * layers * hidden / (2 * params) if layers and hidden and params else 0.0
-
-
-def split_packs(packs: Sequence[Sequence[int]], prompt_ids: Sequence[Sequence[int]],
-                completion_ids: Sequence[Sequence[int]], limit: int,
-                overhead: tuple[float, float] | None = None) -> list[list[int]]:
-    """Packs wider than `limit` tokens (as `pack_widths` counts them with `overhead`) cut into
-    consecutive parts of at most `limit` (each part repeats the prompt; a row wider than
-    `limit` alone stays alone): a part whose activations fit costs one more prompt forward,
-    where the whole pack, checkpointed, costs a second forward of everything."""
-    out: list[list[int]] = []
-    for g in packs:
-        prompt = len(prompt_ids[g[0]])
-        part: list[int] = []
-        for i in g:
-            lengths = [len(completion_ids[j]) for j in (*part, i)]
-            if part and _width(prompt, lengths, overhead) > limit:
-                out.append(part)
-                part = []
-            part.append(i)
-        out.append(part)
-    return out
-
-
-def pack_micro_batches(packs: Sequence[Sequence[int]], widths: Sequence[int], max_tokens: int,
-                       max_rows: int, slots: Sequence[int] | None = None
-                       ) -> list[tuple[list[int], int]]:
-    """Length-grouped micro-batches of whole packs (`micro_batches` over pack widths,
-    `max_rows` sequences; with rows' `slots`, one slot per micro-batch), each as (row
-    indices, padded tokens: sequences x the widest); shared packs and lone rows never share
-    a micro-batch, so the lone rows keep the causal kernel."""
-    out = []
-    for shared in (True, False):
-        units = [j for j, g in enumerate(packs) if (len(g) > 1) == shared]
-        keys = None if slots is None else [slots[packs[j][0]] for j in units]
-        for group in micro_batches([widths[j] for j in units], max_tokens, max_rows, keys):
-            rows = sorted(i for j in group for i in packs[units[j]])
-            out.append((rows, len(group) * max(widths[units[j]] for j in group)))
-    return out
 
 
 def _pick_and_lse(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,23 +80,15 @@ def _logits_grad(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
     return ((onehot - torch.exp(logits.float() - lse[..., None])) * g[..., None]).to(logits.dtype)
 
 
-#: On CUDA the two passes over [positions, vocabulary] go through torch.compile: eager, the
-#: float32 cast, the log-sum-exp and its gradient each make full-size copies (~15% of an
-#: update micro-batch at 7B with a 152k vocabulary); compiled, the forward is one reduction
-#: and the gradient one elementwise kernel. CPU stays eager (no compiler needed).
-COMPILE_HEAD = True
-
-
 def head_compiled(model: Any) -> bool:
-    """Whether `model`'s LM-head passes run compiled (on CUDA, unless the compiler failed on
-    them): `memory.update_fixed_bytes` then reserves a quarter of the eager passes' memory."""
+    """Whether `model`'s LM-head passes run compiled (on CUDA, `fused.fast_pass`, unless the
+    compiler failed on them): `memory.update_fixed_bytes` then reserves a quarter of the eager
+    passes' memory. Eager, the float32 cast, the log-sum-exp and its gradient each make
+    full-size copies (~15% of an update micro-batch at 7B with a 152k vocabulary); compiled,
+    the forward is one reduction and the gradient one elementwise kernel."""
     on_cuda = next(model.parameters()).is_cuda
     failed = {_pick_and_lse.__qualname__, _logits_grad.__qualname__} & compile_failures
-    return on_cuda and COMPILE_HEAD and not failed
-
-
-def _pass(fn: Any, compiled: bool, *args: torch.Tensor) -> Any:
-    return compiled_call(fn, *args) if compiled and COMPILE_HEAD else fn(*args)
+    return on_cuda and not failed
 
 
 class _HeadLogprobs(torch.autograd.Function):
@@ -193,29 +99,28 @@ class _HeadLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                target: torch.Tensor, compiled: bool) -> torch.Tensor:
+                target: torch.Tensor) -> torch.Tensor:
         # [positions, h]: one dynamic dimension, so the compiled passes rarely recompile
         h, y = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
-        picked, lse = _pass(_pick_and_lse, compiled, F.linear(h, weight, bias), y)
+        picked, lse = fast_pass(_pick_and_lse, F.linear(h, weight, bias), y)
         ctx.save_for_backward(h, weight, bias, y, lse)
-        ctx.compiled, ctx.shape = compiled, hidden.shape
+        ctx.shape = hidden.shape
         return (picked - lse).view(target.shape)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         h, weight, bias, y, lse = ctx.saved_tensors
-        grad = _pass(_logits_grad, ctx.compiled, F.linear(h, weight, bias), y, lse, g.reshape(-1))
+        grad = fast_pass(_logits_grad, F.linear(h, weight, bias), y, lse, g.reshape(-1))
         need = ctx.needs_input_grad
         return ((grad @ weight).view(ctx.shape) if need[0] else None,
                 grad.T @ h if need[1] else None,
-                grad.sum(0) if need[2] else None, None, None)
+                grad.sum(0) if need[2] else None, None)
 
 
 def head_logprobs(head: torch.nn.Module, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """log pi(target) [..] from final hidden states [.., h] through the LM head (a Linear);
-    compiled on CUDA (`COMPILE_HEAD`)."""
-    return _HeadLogprobs.apply(hidden, head.weight, getattr(head, "bias", None), target,
-                               hidden.is_cuda)
+    compiled on CUDA (`fused.fast_pass`)."""
+    return _HeadLogprobs.apply(hidden, head.weight, getattr(head, "bias", None), target)
 
 
 def sequence_logprobs(
@@ -276,7 +181,7 @@ def sequence_logprobs(
     # no mask step (`maskless`): the all-ones padding mask only stops transformers searching
     # the position ids for packed sequences; packs attend through their layout, lone rows
     # causally (padding only follows real tokens)
-    pack_attention.install(model)
+    use_pack_attention(model)
     extra: dict[str, Any] = {"attention_mask": torch.ones(n, width, dtype=torch.long, device=dev)}
     if shared:
         extra["pack_layout"] = pack_attention.PackLayout.build(

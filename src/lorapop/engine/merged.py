@@ -7,10 +7,10 @@ each group's weights out as row blocks of one [sum of outputs, in] tensor, the m
 weights becoming views of it (no memory added). In a decode step (one token a row, no
 autograd) the group's first call computes every member's output in one GEMM and hands the
 others theirs when they are called with the very same input. Measured at 7B on an H200
-(`benchmarks/README.md`, session 34): decode steps 3.3% faster at 48 rows, 0.7% at 192. A
-prefill merged the same way was 5% slower (the members' outputs are strided column slices,
-which what follows reads more slowly), so forwards of several tokens a row, training's, and
-torch.compile's traces run each module's own `F.linear` on its view, as before.
+(`docs/performance.md`): decode steps 3.3% faster at 48 rows, 0.7% at 192. A prefill merged
+the same way was 5% slower (the members' outputs are strided column slices, which what
+follows reads more slowly), so forwards of several tokens a row, training's, and
+torch.compile's traces run each module's own `F.linear` on its view.
 
 A member's output is a column slice of the group's [..., sum of outputs] result: strided,
 not contiguous. The LoRA hooks add into it in place or out of place, the attention splits
@@ -29,9 +29,6 @@ from torch import Tensor, nn
 
 from lorapop.lora.bank import SHARED_INPUT
 
-#: False: every projection runs its own GEMM (for side-by-side benchmarks).
-MERGE = True
-
 
 @dataclass(eq=False)
 class _Group:
@@ -49,7 +46,7 @@ def _forward(self: nn.Linear, x: Tensor) -> Tensor:
     g: _Group = self._lorapop_group
     i: int = self._lorapop_index
     one_token = x.dim() >= 2 and x.shape[-2] == 1
-    if (not MERGE or not one_token or torch.is_grad_enabled() or torch.compiler.is_compiling()
+    if (not one_token or torch.is_grad_enabled() or torch.compiler.is_compiling()
             or self.weight.data_ptr() != g.ptrs[i]):
         return F.linear(x, self.weight, self.bias)
     version = -1 if x.is_inference() else x._version

@@ -19,7 +19,7 @@ dropped (selecting the real ones first cost an atomic index_add_ over them in th
 The layout travels as the `pack_layout` keyword of the model call: transformers hands extra
 keywords to the attention function, and its activation checkpointing replays them, so the
 recomputed forward attends exactly as the first one. The attention function is registered
-under `NAME` and installed on the model once (`install`); every forward without a layout
+under `NAME` and installed on the model once (`patches.use_pack_attention`); every forward without a layout
 (rows that share nothing, other callers) runs transformers' own SDPA path, with its own masks
 except inside `maskless` (the update's forwards: causal rows need none).
 """
@@ -39,7 +39,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from lorapop.transfer import host_to_device
+from lorapop.engine.transfer import host_to_device
 
 NAME = "lorapop_packs"
 
@@ -223,9 +223,3 @@ def _mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
 AttentionInterface.register(NAME, _attention)
 AttentionMaskInterface.register(NAME, _mask)  # outside `maskless`: exactly SDPA's masks
 
-
-def install(model: Any) -> None:
-    """Route the model's attention through `NAME` (idempotent). Left installed: a checkpointed
-    forward replays its attention during the backward, after the call that laid it out."""
-    if model.config._attn_implementation != NAME:
-        model.set_attn_implementation(NAME)

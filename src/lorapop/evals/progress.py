@@ -19,7 +19,7 @@ def generate_logged(
 ) -> list[Any]:
     """`engine.generate` over chunks of similar-length prompts (longest first, as `generate`
     orders them), logging `what: done/total completions, elapsed, ETA` after each chunk."""
-    from lorapop.engine.generate import generate
+    from lorapop.engine.generate import GenerateSpec, generate
 
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
     size = batch_size or CHUNK
@@ -27,8 +27,8 @@ def generate_logged(
     t0 = time.perf_counter()
     for start in range(0, len(order), size):
         idx = order[start:start + size]
-        gens = generate(model, bank, tokenizer, [prompts[i] for i in idx],
-                        [slots[i] for i in idx], params, seed=seed, batch_size=batch_size)
+        gens = generate(model, bank, tokenizer, [prompts[i] for i in idx], [slots[i] for i in idx],
+                        GenerateSpec(params=params, seed=seed, batch_size=batch_size))
         for i, g in zip(idx, gens, strict=True):
             out[i] = g
         done, elapsed = start + len(idx), time.perf_counter() - t0

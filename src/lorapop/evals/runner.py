@@ -70,7 +70,7 @@ def find_members(target: str | Path) -> tuple[list[Member], str | None]:
 def _run_members(path: Path) -> dict[Path, tuple[str, str]] | None:
     """A `lorapop train` run directory: the members of its last checkpoint, and the single
     agent of its `baseline/` run (if any) as the baseline. None for any other directory."""
-    from lorapop.checkpoint import latest_checkpoint
+    from lorapop.run.checkpoint import latest_checkpoint
 
     ckpt = latest_checkpoint(path)
     if ckpt is None:
@@ -86,7 +86,7 @@ def _run_members(path: Path) -> dict[Path, tuple[str, str]] | None:
 def load_population(base: str, members: list[Member], device: str, dtype: str, seed: int):  # noqa: ANN202
     """(tokenizer, model, bank or None): the base with one bank slot per member (the members'
     PEFT adapters imported; a member without one keeps an all-zero slot)."""
-    from lorapop.engine.model import ModelLoadError, load_base_model, load_tokenizer
+    from lorapop.engine.load import ModelLoadError, load_base_model, load_tokenizer
 
     try:
         tok = load_tokenizer(base)
@@ -96,7 +96,7 @@ def load_population(base: str, members: list[Member], device: str, dtype: str, s
     adapters = [m for m in members if m.adapter is not None]
     if not adapters:
         return tok, model, None
-    from lorapop.lora.bank import AdapterBank
+    from lorapop.engine.patches import attach_lora
     from lorapop.lora.peft_io import import_slot
 
     cfgs = [json.loads((m.adapter / CONFIG_NAME).read_text()) for m in adapters]  # type: ignore[operator]
@@ -107,7 +107,7 @@ def load_population(base: str, members: list[Member], device: str, dtype: str, s
     rank = ranks.pop()
     alpha = float(cfgs[0].get("lora_alpha", rank))
     try:
-        bank = AdapterBank(model, n_slots=len(members), rank=rank, alpha=alpha,
+        bank = attach_lora(model, n_slots=len(members), rank=rank, alpha=alpha,
                            target_modules=targets, dtype=next(model.parameters()).dtype)  # fmt: skip
         for i, m in enumerate(members):
             if m.adapter is None:  # the base model: a slot whose delta is exactly zero

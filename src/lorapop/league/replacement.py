@@ -14,7 +14,7 @@ rating (mu - 3 sigma, best first):
 - targets: the ``floor(fraction * n)`` members (at most ``n - 1``) of lowest mu among those
   not *protected* and not parents: a member is culled for being weak, not for being unsure.
   Ranked by mu - 3 sigma, a child whose protection has just lapsed still has a wider sigma
-  than its established peers and ranks last whatever its results; in session 10's 4 + 4 world
+  than its established peers and ranks last whatever its results; in a 4 + 4 world
   run (a teacher plays 2 matches a step, so 20 matches lapse at the next event of every 10
   steps) one teacher slot was re-rolled at 12 consecutive events with its mu above another
   target's (25.7 vs 25.2, sigma 1.18 vs 0.78). A member is protected until it has played
@@ -32,7 +32,7 @@ Child ratings (``rate_children``, ``"inherit"``): the parents' mean mu and their
 sigma times ``sigma_scale``, capped at the prior. An earlier rule also floored sigma at
 half the prior (4.17): with established members at sigma 1.5-2, a child's mu - 3 sigma
 started at least 12.5 below its parent's, so it ranked last at the next event and the
-same slot was re-rolled at nearly every event (issue 14). Without the floor a child starts
+same slot was re-rolled at nearly every event. Without the floor a child starts
 near its parent's rank, with a wider sigma so its first results move it quickly.
 
 In the league simulation (``tests/league/test_simulation.py``: 4 + 4 with fixed hidden

@@ -23,6 +23,7 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
+from lorapop.engine.transfer import host_to_device
 from lorapop.lora.routing import (
     KERNELS,
     DecodeCache,
@@ -33,7 +34,6 @@ from lorapop.lora.routing import (
     lora_delta,
     slot_runs,
 )
-from lorapop.transfer import host_to_device
 
 DEFAULT_TARGETS: tuple[str, ...] = (
     "q_proj",
@@ -125,7 +125,7 @@ class AdapterBank:
     else "gather" (row permutations cost more than per-row weight gathers); for one-token
     rows "fused" without grad (a cached compute-dtype copy of the bank, 3 GEMM-sized kernels
     per projection, q/k/v and gate/up sharing their A GEMM) and "dense" with grad.
-    Measurements in benchmarks/README.md.
+    Measurements in docs/performance.md.
 
     The "fused" cache is refreshed when `weights` changed since it was built, detected by
     the tensor's version counter (every in-place write through `weights`, its views or the
@@ -219,9 +219,6 @@ class AdapterBank:
         self._caches: dict[torch.dtype, DecodeCache] = {}
         self._stale = 0  # bumped by invalidate_caches(): part of the cache stamp
         self._held: _HeldCopy | None = None
-        #: one-slot multi-token forwards under grad: a projection's input gradient is formed
-        #: as one tensor, base and LoRA (`routing.add_delta_frozen_linear`), not two summed
-        self.one_input_grad = True
 
         for i in range(n_slots):
             self.reset_slot(i, seed + i)
@@ -314,15 +311,15 @@ class AdapterBank:
                 return output
             routing = self._routing()
             x = args[0]
-            if self.dropout > 0 and module.training:
+            dropout = self.dropout > 0 and module.training
+            if dropout:
                 x = nn.functional.dropout(x, self.dropout, training=True)
             dev = x.device.type
             dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-            one_token = x.dim() >= 2 and x.shape[-2] == 1
-            kernel = self.decode_kernel if one_token else self.kernel
-            fused = one_token and x.dim() == 3 and kernel in ("auto", "fused")
-            fused = fused and not torch.is_grad_enabled()
-            if fused and not (self.dropout > 0 and module.training):
+            grad = torch.is_grad_enabled() and any(
+                t.requires_grad for t in (output, x, target.a, target.b))
+            path = self._path(module, x, output, routing, dt, dropout, grad)
+            if path == "decode_cache":
                 # while torch.compile traces, version counters can't be read (the decoder
                 # refreshes before each batch); sharing h between q/k/v (gate/up) is a
                 # side effect on the cache that dynamo replays, so it stays on; compiled,
@@ -330,31 +327,55 @@ class AdapterBank:
                 tracing = torch.compiler.is_compiling()
                 cache = self.decode_cache(dt, check=not tracing)
                 return cache.add_delta(target.name, x, output, routing, True, tracing)
-            if kernel in ("auto", "fused"):
-                if not one_token and routing.runs is not None:
-                    runs = routing.runs
-                    grad = torch.is_grad_enabled() and any(
-                        t.requires_grad for t in (output, x, target.a, target.b))
-                    if (grad and self.one_input_grad and len(runs) == 1
-                            and runs[0][2] == x.shape[0]
-                            and type(module) is nn.Linear and not module.weight.requires_grad
-                            and module.weight.device == x.device
-                            and x.dtype == output.dtype == module.weight.dtype == dt
-                            and not (self.dropout > 0 and module.training)):
-                        return add_delta_frozen_linear(
-                            output, x, module.weight, *self._slot_weights(target, dt, runs[0][0]),
-                            self.scaling)
-                    y = add_delta_by_runs(output, x.to(dt), partial(self._slot_weights, target, dt),
-                                          runs, self.scaling, grad)
-                    if y is not None:
-                        return y
-                grouped = routing.is_sorted and self._grouped_ok.get(dt, False)
-                kernel = "dense" if one_token else "grouped" if grouped else "gather"
+            if path == "one_slot":
+                s = routing.runs[0][0]  # type: ignore[index]
+                return add_delta_frozen_linear(output, x, module.weight,
+                                               *self._slot_weights(target, dt, s), self.scaling)
+            if path == "runs":
+                return add_delta_by_runs(output, x.to(dt), partial(self._slot_weights, target, dt),
+                                         routing.runs, self.scaling, grad)  # type: ignore[arg-type]
             a, b = self._compute_weights(target, dt)
-            delta = lora_delta(x.to(dt), a, b, routing, kernel, self.scaling)
+            delta = lora_delta(x.to(dt), a, b, routing, path, self.scaling)
             return output + delta.to(output.dtype)
 
         return hook
+
+    def _path(self, module: nn.Module, x: Tensor, output: Tensor, routing: Routing,
+              dt: torch.dtype, dropout: bool, grad: bool) -> str:
+        """The one place that picks how a projection adds its LoRA term. The batched kernels
+        ("grouped", "gather", "dense": `lora_delta`) are the reference and serve any batch;
+        the others are faster where they apply, and tests/lora/test_bank.py compares each
+        with "gather" (set `kernel`/`decode_kernel` to a batched kernel to force it).
+
+        - "decode_cache": one token a row, no grad, no dropout: the decode cache's kernels
+          (a compute-dtype copy of the bank; q/k/v and gate/up share their A GEMM).
+        - "one_slot": every row of one slot under grad, through a frozen plain linear, all in
+          the compute dtype, no dropout: the input's gradient is formed as one tensor, base
+          and LoRA (`add_delta_frozen_linear`), not two summed.
+        - "runs": several tokens a row, rows in runs of one slot that the host knows (routed
+          by `route` in slot order), output in the compute dtype, one run if under grad: the
+          add goes into the expand GEMM (`add_delta_by_runs`), no delta tensor. Several runs
+          under grad would make autograd copy the output's whole gradient for each.
+        - otherwise the batched kernel asked for; with "auto", "dense" for one token a row,
+          "grouped" for rows in slot order where this torch runs grouped_mm for the dtype,
+          else "gather" (row permutations cost more than per-row weight gathers)."""
+        one_token = x.dim() >= 2 and x.shape[-2] == 1
+        kernel = self.decode_kernel if one_token else self.kernel
+        if kernel not in ("auto", "fused"):
+            return kernel
+        if one_token:
+            fits = x.dim() == 3 and not torch.is_grad_enabled() and not dropout
+            return "decode_cache" if fits else "dense"
+        runs = routing.runs
+        if runs is not None and output.dtype == dt:
+            if (grad and len(runs) == 1 and runs[0][2] == x.shape[0] and not dropout
+                    and type(module) is nn.Linear and not module.weight.requires_grad
+                    and module.weight.device == x.device
+                    and x.dtype == module.weight.dtype == dt):
+                return "one_slot"
+            if not grad or len(runs) == 1:
+                return "runs"
+        return "grouped" if routing.is_sorted and self._grouped_ok.get(dt, False) else "gather"
 
     def _compute_weights(self, target: _Target, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """A and B of every slot in `dtype`: views of the held copy if there is one in that

@@ -24,7 +24,7 @@ small float64 eigh's per module on the CPU (cheaper there than cuSOLVER's per-ma
 and batched matmuls on the device; exact rank deficiency (a parent crossed with itself, a
 fresh adapter with B = 0) is handled by thresholding eigenvalues, with no Cholesky failure.
 Directions with a singular value below ``RTOL`` of the largest count as zero.
-(A QR-of-both-factors route gave the same result 2-4x slower on an H200; benchmarks/README.md.)
+(A QR-of-both-factors route gave the same result 2-4x slower on an H200; docs/performance.md.)
 Modules of equal shapes are stacked and processed as one batch.
 
 Dormant directions. A component with zero singular value would get a zero row in A and a

@@ -2,8 +2,8 @@
 
 A teacher free to pick any input finds difficulty in the values rather than in the program:
 the tiny world's single agent, its programs down to one line, kept half its tasks unsolved with
-two-digit products and character counts over 7-letter strings (benchmarks/README.md, session
-11). Where a world bounds its inputs, a proposal whose input leaves the bounds is invalid, so
+two-digit products and character counts over 7-letter strings (experiments/regime/README.md).
+Where a world bounds its inputs, a proposal whose input leaves the bounds is invalid, so
 difficulty has to come from the program. The check reads the input's syntax tree: only stated
 values are inside (`'ab' * 9` computes, so it is outside), and nothing runs. The same bounds
 can hold the outputs (products of small inputs grow past what a small student computes), a

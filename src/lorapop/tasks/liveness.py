@@ -3,8 +3,8 @@
 A learnability-rewarded teacher is paid for tasks its student half-solves, and a small student
 is easily distracted: on the tiny world's `narrow` table the single agent padded one-line
 programs with `word = word` chains and values computed and never read, and its own solve rate
-fell from 0.7 to 0.3 while the programs' control flow went to nothing (benchmarks/README.md,
-session 12). Where a world asks for live code (`tasks.live_code`), such a program is invalid,
+fell from 0.7 to 0.3 while the programs' control flow went to nothing
+(experiments/regime/README.md). Where a world asks for live code (`tasks.live_code`), such a program is invalid,
 so difficulty has to come from what the program computes.
 
 The check reads the syntax tree backwards through each function with the set of names still

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from lorapop.engine.generate import SamplingParams, generate
+from lorapop.engine.generate import GenerateSpec, SamplingParams, generate
 from lorapop.evals.progress import generate_logged
 from lorapop.tasks import Outcome, Runner, Task, get_family
 from lorapop.tiny.heldout import build_heldout, fingerprint
@@ -193,7 +193,8 @@ def proposal_validity(
         base = [rng.choice(bases) if kind == "code_f" else None for _ in range(n)]
         prompts = [fam.teacher_prompt(r, b) for r, b in zip(refs, base, strict=True)]
         params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens)
-        gens = generate(model, bank, tokenizer, prompts, [slot] * n, params, seed=seed + k)
+        gens = generate(model, bank, tokenizer, prompts, [slot] * n,
+                        GenerateSpec(params=params, seed=seed + k))
         texts = [g.text for g in gens]
         verdicts = fam.verify(texts, runner, bases=base if kind == "code_f" else None)
         valid = [v for v in verdicts if v.valid]

@@ -93,7 +93,7 @@ LEVELS: dict[int, Knobs] = {
 }  # fmt: skip
 
 
-#: The regime world's levels (issue 15): levels 1-3 are `LEVELS`' own; 4 and 5 stay close to 3
+#: The regime world's levels: levels 1-3 are `LEVELS`' own; 4 and 5 stay close to 3
 #: (6 and 7 statements, nesting 2 and 3, dicts at 5, no helpers: the world's variants bring
 #: those), ~250 and ~350 characters where `LEVELS`' are ~500 and ~1000, so a 26M model can
 #: write a valid program at every level (one bad token of ~330 sinks a level-5 proposal).
@@ -105,7 +105,7 @@ WORLD_LEVELS: dict[int, Knobs] = {
     5: Knobs(statements=7, depth=3, params=2, types=TYPES, loops=True,
              conditionals=True, helpers=0, expr_depth=2),
 }  # fmt: skip
-#: A shorter regime world (session 7): every level short enough for a 26M model to write at
+#: A shorter regime world: every level short enough for a 26M model to write at
 #: temperature 1 and to execute. Level 1 is `LEVELS`' own; then one statement more a level
 #: (2..5), conditionals from 2, loops and lists from 3, two arguments and nested expressions
 #: from 4, nesting 2 at 5; no dicts or helpers (variants bring helpers). ~60, 85, 120, 185 and
@@ -123,7 +123,7 @@ SHORT_LEVELS: dict[int, Knobs] = {
              conditionals=True, helpers=0, expr_depth=2),
 }  # fmt: skip
 #: Level 1 of single `return` expressions (`return n + 7`, `return len(s) + 5`, `return
-#: s[1:].upper()`), then `short`'s levels 1-4 one level up (session 14). On `natural` the single
+#: s[1:].upper()`), then `short`'s levels 1-4 one level up. On `natural` the single
 #: agent's teacher settled on such one-liners, which were ~1% of its base's level-1 programs
 #: (`return n + 7` on 3 was answered 11 and 12; seed 0's student got 51% of 1,952 such answers
 #: right after 250 steps); here they are a fifth of the corpus, so the base's student learns them
@@ -148,7 +148,7 @@ _SMALL = InputDomain(int_min=-5, int_max=9, str_chars=4, items=4)
 #: The rules of a level table's world (`tasks.input_domain`, `tasks.output_domain`,
 #: `tasks.live_code`): its corpus, held-out and seed tasks draw inputs inside `inputs`, and the
 #: loop makes a proposal that breaks a rule invalid. Each closes a way the single agent found to
-#: make tasks hard without making programs complex (benchmarks/README.md). On `short` it used
+#: make tasks hard without making programs complex (experiments/regime/README.md). On `short` it used
 #: the values (two-digit products, counts over 7-letter strings), so `narrow` keeps inputs small.
 #: On `narrow` it padded one-line programs with `x = x` chains and values never read, and
 #: multiplied small inputs into large outputs, so `live` also drops dead statements from its
@@ -156,10 +156,10 @@ _SMALL = InputDomain(int_min=-5, int_max=9, str_chars=4, items=4)
 #: outputs fall inside: ints -9..19, 8 characters, 8 items). On `live` many of its unsolved
 #: tasks did arithmetic through negative values (`(n - 3) // 3` on -4, `x - 6` on -2), so
 #: `natural` keeps inputs and outputs non-negative (its programs are `live`'s: same stream).
-#: On `direct` (session 15's seed 2, session 16's seed 0) 69-86% of its unsolved code_o tasks
+#: On `direct` (two seeds) 69-86% of its unsolved code_o tasks
 #: counted characters (`s.count('y') + len(s)` on 'yybd'), which its students did not learn, so
 #: `nocount` is `direct` without `count` calls: `direct`'s stream less the programs that call it. On
-#: `nocount` (session 16) the seed whose solve rate fell had 91-96% of its unsolved code_o and
+#: `nocount` the seed whose solve rate fell had 91-96% of its unsolved code_o and
 #: code_i tasks on `''.join(map(str, xs))`, so `nojoin` also leaves `join` out.
 _NATURAL = WorldRules(inputs=InputDomain(0, 9, 4, 4), outputs=InputDomain(0, 19, 8, 8),
                       live_code=True)

@@ -1,5 +1,5 @@
-"""A pretraining build's state between sittings, so a build longer than one device call can
-stop in time and go on in the next (`lorapop pretrain-tiny --stop-after`)."""
+"""A pretraining build's state between runs of it, so a build longer than the time a machine
+is held can stop in time and go on in the next (`lorapop pretrain-tiny --stop-after`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 
 
 class Partial:
-    """A build's training state between sittings: weights and optimizer (`state.pt`), steps
+    """A build's training state between runs of it: weights and optimizer (`state.pt`), steps
     done, their losses and the settings they were made with (`state.json`)."""
 
     def __init__(self, path: Path, settings: str, corpus_fingerprint: str) -> None:

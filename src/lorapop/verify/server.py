@@ -161,9 +161,9 @@ class Server:
         for fd in (child.fd, child.job_fd):
             if fd is not None:
                 os.close(fd)
-        self._release(child)
+        self._free_slot(child)
 
-    def _release(self, child: _Child) -> None:
+    def _free_slot(self, child: _Child) -> None:
         """Return a dead child's slot, with a fresh tmpfs (a slot that cannot get one is
         dropped: the server runs on with fewer idle children)."""
         if self.slots is not None:
@@ -212,7 +212,7 @@ class Server:
             os.close(run.pidfd)
             run.pidfd = None
         del self.running[run.pid]
-        self._release(run)
+        self._free_slot(run)
         verdict = self._verdict(run, wait_status, timed_out)
         if verdict is None:  # exited normally with a result: pass the child's bytes on
             self._send(run.job_id, bytes(run.data))
