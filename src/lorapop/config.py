@@ -231,6 +231,26 @@ class TrainConfig(Section):
     records whether the kernels were deterministic and which op, if any, lacked one."""
 
 
+class DifficultyConfig(Section):
+    """The difficulty of the teachers' tasks as a fixed solver sees it. A student's solve rate
+    moves with the students it measures, and program complexity is a proxy; a solver that never
+    trains turns "are the tasks getting harder?" into a curve. Logged as `difficulty` in
+    metrics.jsonl; it reads the step's records and draws from its own seeds, so turning it on
+    changes nothing else in the run (tested)."""
+
+    every: int = Field(0, ge=0)
+    """Measure at every step that is a multiple of this (0: off)."""
+    solver: Literal["base"] = "base"
+    """Who answers: `base`, the base model with no adapter (the bank's disabled routing), fixed
+    for the whole run and alike in every arm, so arms' curves compare."""
+    samples: int = Field(8, ge=0)
+    """Valid tasks of each teacher's own proposals of the step the solver answers (drawn from
+    the seed of (seed, step, 'difficulty')); 0: all of them."""
+    answers: int = Field(4, ge=1)
+    """Answers the solver samples per task (at `sampling.temperature`, within
+    `sampling.student_max_new_tokens`); a task's solve rate is the share graded correct."""
+
+
 class RunConfig(Section):
     save_every: int = Field(10, ge=1)
     with_baseline: bool = False
@@ -264,6 +284,7 @@ class Config(Section):
     verify: VerifyConfig = VerifyConfig()
     sampling: SamplingConfig = SamplingConfig()
     train: TrainConfig = TrainConfig()
+    difficulty: DifficultyConfig = DifficultyConfig()
     run: RunConfig = RunConfig()
 
     @model_validator(mode="after")
