@@ -122,21 +122,21 @@ def train_to(job: dict) -> dict:
     from lorapop.config import load_config
     from lorapop.loop import SelfPlay
 
-    torch.set_num_threads(job.get("threads", 1))
-    cfg = load_config(config_path(), job["overrides"])
     run_dir, target = Path(job["run_dir"]), int(job["steps"])
     scores = run_dir / f"scores_step{target}.json"
     rec = {"name": job["name"], "arm": job["arm"], "seed": job["seed"]}
+    if scores.is_file():  # scored by an earlier call (the run may have gone on since)
+        return {**rec, "steps": target, "done": True, "scores": json.loads(scores.read_text())}
+    torch.set_num_threads(job.get("threads", 1))
+    cfg = load_config(config_path(), job["overrides"])
     resume = latest_checkpoint(run_dir) is not None
     if not resume and run_dir.exists():
         shutil.rmtree(run_dir)  # stopped before its first checkpoint: start again
     sp = SelfPlay(cfg, run_dir, resume=resume)
     try:
-        if sp.step_done > target:
-            raise SystemExit(f"{run_dir} is at step {sp.step_done}, past the horizon {target}")
-        if sp.step_done == target and not scores.is_file():
-            raise SystemExit(f"{run_dir} reached step {target} unscored: train it again "
-                             "from an earlier checkpoint (--from-step)")
+        if sp.step_done >= target:  # members of that step are gone (or replaced)
+            raise SystemExit(f"{run_dir} is at step {sp.step_done}, unscored at {target}: "
+                             "train it again from a checkpoint before that step")
         saved = sp.step_done
         while sp.step_done < target and time.time() < job["deadline_at"]:
             last = sp.step_done + 1 == target
@@ -456,9 +456,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n", 2)[2])
-    ap.add_argument("--model", default="runs/world/world-nojoin-f3-77m",
+    ap.add_argument("--model", default="runs/world/world-nojoin-77m",
                     help="base model directory (built with --size when empty), or `tiny`")
-    ap.add_argument("--size", default="world-nojoin-f3-77m", help="pretrain-tiny size for --model")
+    ap.add_argument("--size", default="world-nojoin-77m", help="pretrain-tiny size for --model")
     ap.add_argument("--out", default="runs/protocol")
     ap.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
     ap.add_argument("--horizon", type=int, default=HORIZON, help="first horizon checked")

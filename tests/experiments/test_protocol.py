@@ -41,10 +41,10 @@ def test_the_protocol_end_to_end_on_the_tiny_world(tmp_path, monkeypatch):
 
     monkeypatch.setattr(pr, "horizon_check", check)
     monkeypatch.setattr(pr, "N_BOOT", 200)
-    res = pr.main(["--model", "tiny", "--out", str(tmp_path), "--seeds", "0", "1",
-                   "--horizon", "1", "--extend", "1", "--max-horizon", "2",
-                   "--difficulty-every", "1", "--per-level", "1", "--seed-levels", "1",
-                   "--workers", "1", "--score-max-new", "12", *SMALL])
+    argv = ["--model", "tiny", "--out", str(tmp_path), "--seeds", "0", "1", "--horizon", "1",
+            "--extend", "1", "--max-horizon", "2", "--difficulty-every", "1", "--per-level", "1",
+            "--seed-levels", "1", "--workers", "1", "--score-max-new", "12", *SMALL]
+    res = pr.main(argv)
     assert [c["horizon"] for c in seen] == [1, 2] and not seen[0]["passed"]
     assert res == json.loads((tmp_path / "protocol.json").read_text())
     assert res["horizon"]["horizon"] == 2 and len(res["horizon_checks"]) == 2
@@ -76,6 +76,12 @@ def test_the_protocol_end_to_end_on_the_tiny_world(tmp_path, monkeypatch):
         assert set(res[ctrl]["complexity_reported"]) == {"cyclomatic", "ast_depth", "loc",
                                                          "variables"}
     assert res["criterion"]["verdict"] in ("supported", "not supported", "inconclusive")
+    # the same command again reads every run's scores: the same summary, nothing retrained
+    mtime = (tmp_path / "runs" / "population_s0" / "metrics.jsonl").stat().st_mtime_ns
+    again = pr.main(argv)
+    assert {k: v for k, v in again.items() if k not in ("wall_s", "horizon_checks")} == {
+        k: v for k, v in res.items() if k not in ("wall_s", "horizon_checks")}
+    assert (tmp_path / "runs" / "population_s0" / "metrics.jsonl").stat().st_mtime_ns == mtime
     # the per-adapter agent is the paper's comparator: one teacher's proposals, a teacher's answers
     cfg = (tmp_path / "runs" / "per_adapter_s0" / "config.yaml").read_text()
     assert "proposals_per_type: 1" in cfg and "answers_per_task: 1" in cfg and "single" in cfg
