@@ -33,7 +33,6 @@ import argparse
 import json
 import math
 import os
-import random
 import shutil
 import subprocess
 import sys
@@ -256,24 +255,32 @@ def t_interval(xs: list[float]) -> list[float] | None:
 
 
 def slope_bootstrap(a: list[list[tuple[int, float]]], b: list[list[tuple[int, float]]],
-                    n_boot: int = N_BOOT, seed: int = 0) -> list[float] | None:
+                    n_boot: int, seed: int = 0) -> list[float] | None:
     """95% CI of the mean over seeds of slope(a) - slope(b), two levels: seeds resampled, then
     each run's measured steps (its points) resampled within it."""
-    rng = random.Random(seed)
-    stats = []
-    for _ in range(n_boot):
-        diffs = []
-        for s in (rng.randrange(len(a)) for _ in range(len(a))):
-            sa = slope_per_100([a[s][rng.randrange(len(a[s]))] for _ in a[s]])
-            sb = slope_per_100([b[s][rng.randrange(len(b[s]))] for _ in b[s]])
-            if sa is not None and sb is not None:
-                diffs.append(sa - sb)
-        if diffs:
-            stats.append(fmean(diffs))
-    if not stats:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+
+    def slopes(pts: list[tuple[int, float]]) -> np.ndarray:  # one per resample of the points
+        draw = rng.integers(0, len(pts), size=(n_boot, len(pts)))
+        x, y = np.asarray(pts, dtype=float).T
+        xm, ym = x[draw] - x[draw].mean(1, keepdims=True), y[draw] - y[draw].mean(1, keepdims=True)
+        den = (xm**2).sum(1)
+        out = np.full(n_boot, np.nan)
+        np.divide(100 * (xm * ym).sum(1), den, out=out, where=den > 0)
+        return out
+
+    if not a:
         return None
-    stats.sort()
-    return [stats[int(0.025 * len(stats))], stats[int(0.975 * len(stats)) - 1]]
+    per = np.stack([slopes(pa) - slopes(pb) for pa, pb in zip(a, b, strict=True)])  # seeds x boot
+    picks = rng.integers(0, len(a), size=(n_boot, len(a)))
+    drawn = per[picks, np.arange(n_boot)[:, None]]
+    ok = ~np.isnan(drawn).all(1)
+    if not ok.any():
+        return None
+    stats = np.sort(np.nanmean(drawn[ok], axis=1))
+    return [float(stats[int(0.025 * len(stats))]), float(stats[int(0.975 * len(stats)) - 1])]
 
 
 def decide(ci_t: list[float] | None, ci_boot: list[float] | None) -> str:
@@ -294,7 +301,7 @@ def slope_contrast(pop: dict[int, list], ctrl: dict[int, list], seeds: list[int]
     diffs = {s: a - b for s, (a, b) in per.items() if a is not None and b is not None}
     ok = [s for s in seeds if s in diffs]
     ci_t = t_interval([diffs[s] for s in ok])
-    ci_b = slope_bootstrap([pop[s] for s in ok], [ctrl[s] for s in ok]) if ok else None
+    ci_b = slope_bootstrap([pop[s] for s in ok], [ctrl[s] for s in ok], N_BOOT) if ok else None
     return {"per_seed": {str(s): {"population": per[s][0], "control": per[s][1],
                                   "diff": diffs.get(s)} for s in seeds},
             "mean_diff": fmean(diffs.values()) if diffs else None,
