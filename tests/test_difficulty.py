@@ -38,10 +38,16 @@ def _train(cfg, run_dir, steps, **step_kw):
     return rows, weights, buffers
 
 
-def test_measuring_difficulty_leaves_the_run_as_it_was(tmp_path):
+@pytest.fixture(scope="module")
+def off(tmp_path_factory):
+    """Three steps without the solver: rows, adapter weights, buffers."""
+    return _train(_cfg(), tmp_path_factory.mktemp("off"), 3)
+
+
+def test_measuring_difficulty_leaves_the_run_as_it_was(tmp_path, off):
     """Same rows (less timings and the difficulty itself), same adapters, same buffers, through
     a replacement (step 2), with the solver measuring at every step."""
-    off, w_off, b_off = _train(_cfg(), tmp_path / "off", 3)
+    off, w_off, b_off = off
     on, w_on, b_on = _train(_cfg(*ON), tmp_path / "on", 3)
     assert all("difficulty" not in r for r in off)
     assert [without_timings(r, ("difficulty",)) for r in on] == [without_timings(r) for r in off]
@@ -54,6 +60,36 @@ def test_measuring_difficulty_leaves_the_run_as_it_was(tmp_path):
         assert (d["solve_rate"] is None) == (d["tasks"] == 0)
         valid_tasks += d["tasks"]
     assert valid_tasks  # the tiny model's teachers write some valid tasks in 3 steps
+
+
+def test_a_frozen_member_leaves_the_run_as_it_was_and_is_checkpointed(tmp_path, off):
+    """S1 copied after step 2's update (before its replacement), measuring from then on; the
+    copy is in the step-2 checkpoint, so a resumed run measures step 3 as the straight one."""
+    off, w_off, b_off = off
+    cfg = _cfg(*ON, "difficulty.solver=S1", "difficulty.freeze_step=2")
+    sp = SelfPlay(cfg, tmp_path / "on")
+    seen = {}
+    try:
+        rows = [sp.step(before_replacement=lambda s: seen.update(
+            s1=sp.parts.bank.weights[sp.parts.slot["S1"]].detach().clone())) for _ in range(2)]
+        sp.save()
+        rows.append(sp.step())
+        assert torch.equal(sp.parts.solver, seen["s1"])  # S1 as it trained to step 2
+        assert not torch.equal(sp.parts.solver, sp.parts.bank.weights[sp.parts.slot["S1"]])
+        assert torch.equal(sp.parts.bank.weights, w_off)
+    finally:
+        sp.close()
+    assert [without_timings(r, ("difficulty",)) for r in rows] == [without_timings(r) for r in off]
+    assert ["difficulty" in r for r in rows] == [False, True, True]
+    assert rows[1]["difficulty"]["solver"] == "S1"
+    (tmp_path / "on" / "metrics.jsonl").write_text("".join(
+        json.dumps(r) + "\n" for r in rows[:2]))  # as a run killed in step 3 leaves it
+    again = SelfPlay(cfg, tmp_path / "on", resume=True)
+    try:
+        assert torch.equal(again.parts.solver, seen["s1"])
+        assert without_timings(again.step()) == without_timings(rows[2])
+    finally:
+        again.close()
 
 
 def test_the_solver_is_the_base_model(tmp_path):
@@ -130,5 +166,8 @@ def test_report_page_has_the_curve(tmp_path):
 def test_bad_difficulty_settings_are_one_line_errors():
     with pytest.raises(ConfigError, match="difficulty.solver"):
         _cfg("difficulty.solver=S9")
+    with pytest.raises(ConfigError, match="difficulty.solver"):
+        _cfg("difficulty.solver=A0")  # a population has no A0
+    assert _cfg("difficulty.solver=A0", "league.mode=single").difficulty.solver == "A0"
     with pytest.raises(ConfigError, match="difficulty.every"):
         _cfg("difficulty.every=-1")

@@ -98,13 +98,15 @@ def _score(sp: Any, job: dict, step: int, replaced: list[str] | None = None) -> 
     slots = {m: p.slot[m] for m in p.students}
     budget = job.get("score_max_new")
     rec: dict = {"step": step, "individuals": {m: p.lineage.individual(m) for m in slots}}
-    for key in ("heldout", "select"):
+    for key in ("heldout", "select") if len(slots) > 1 else ("heldout",):
         res = evaluate_tiny(p.model, p.tokenizer, load_jsonl(job[key]), p.sandbox, bank=p.bank,
                             slots=slots, keep_grades=True,
                             max_new_tokens=None if budget is None else dict.fromkeys(
                                 ("code_o", "code_i", "code_f"), budget))
         rec[key] = {"grades": res["grades"],
                     "pass@1": {m: r["pass@1"] for m, r in res["members"].items()}}
+    if len(slots) == 1:  # one student: nothing to pick
+        rec["select"] = {"pass@1": rec["heldout"]["pass@1"]}
     if p.ratings is not None:  # the league's ranking then: whom a replacement would take
         rec["conservative_rating"] = {m: p.ratings.get(m).mu - 3 * p.ratings.get(m).sigma
                                       for m in slots}

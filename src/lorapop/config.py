@@ -240,9 +240,15 @@ class DifficultyConfig(Section):
 
     every: int = Field(0, ge=0)
     """Measure at every step that is a multiple of this (0: off)."""
-    solver: Literal["base"] = "base"
+    solver: str = "base"
     """Who answers: `base`, the base model with no adapter (the bank's disabled routing), fixed
-    for the whole run and alike in every arm, so arms' curves compare."""
+    for the whole run and alike in every arm, so arms' curves compare; or a member's name (T0,
+    S1; A0 in the single agent): a copy of that member's adapter taken once, after the update of
+    step `freeze_step`, and kept in the checkpoints (a baseline trained beside a population
+    freezes its A0)."""
+    freeze_step: int = Field(0, ge=0)
+    """With a member as the solver, the step whose member is copied (0: the first measured
+    step, `every`); no step before it is measured."""
     samples: int = Field(8, ge=0)
     """Valid tasks of each teacher's own proposals of the step the solver answers (drawn from
     the seed of (seed, step, 'difficulty')); 0: all of them."""
@@ -286,6 +292,16 @@ class Config(Section):
     train: TrainConfig = TrainConfig()
     difficulty: DifficultyConfig = DifficultyConfig()
     run: RunConfig = RunConfig()
+
+    @model_validator(mode="after")
+    def _solver_is_a_member(self) -> Config:
+        lg, name = self.league, self.difficulty.solver
+        members = (["A0"] if lg.mode == "single" else
+                   [f"T{i}" for i in range(lg.teachers)] + [f"S{i}" for i in range(lg.students)])
+        if name != "base" and name not in members:
+            raise ValueError(f"difficulty.solver: {name!r} is neither `base` nor a member "
+                             f"({', '.join(members)})")
+        return self
 
     @model_validator(mode="after")
     def _operators_fit_the_pools(self) -> Config:

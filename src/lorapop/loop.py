@@ -154,7 +154,7 @@ class SelfPlay:
         with clock.phase("update"), self._update_kernels():
             update = self.update(pairs, proposals, verification.validities, attempts)
         difficulty = None
-        if self.cfg.difficulty.every and s % self.cfg.difficulty.every == 0:
+        if self._measures_difficulty(s):
             with clock.phase("difficulty"):
                 difficulty = self.difficulty(s, proposals, verification.validities, clock)
         replacements: list[dict[str, Any]] = []
@@ -293,11 +293,24 @@ class SelfPlay:
         return Update(teacher_rewards, student_rewards, losses, grad_norms, advs[:n], advs[n:],
                       kl)
 
+    def _measures_difficulty(self, step: int) -> bool:
+        """Whether the fixed solver measures at `step`, after the update. A member solver is
+        copied here once, at its `freeze_step` (kept in checkpoints), and measures from then."""
+        dc, p = self.cfg.difficulty, self.parts
+        if not dc.every:
+            return False
+        if dc.solver != "base" and p.solver is None:
+            if step < (dc.freeze_step or dc.every):
+                return False
+            p.solver = p.bank.weights[p.slot[dc.solver]].detach().clone()
+        return step % dc.every == 0
+
     def difficulty(self, step: int, proposals: list[Proposal], validities: list[Validity],
                    clock: _Clock) -> Difficulty:
-        """The fixed solver (`cfg.difficulty`: the base model, no adapter) answers a sample of
-        each teacher's valid tasks of the step. Its draws come from seeds of (seed, step,
-        'difficulty') and it writes no state: the run trains as it would without it."""
+        """The fixed solver (`cfg.difficulty`: the base model with no adapter, or a copy of a
+        member taken once) answers a sample of each teacher's valid tasks of the step. Its
+        draws come from seeds of (seed, step, 'difficulty') and it changes no training state:
+        the run trains as it would without it."""
         dc = self.cfg.difficulty
         rng = _rng(self.cfg.seed, step, "difficulty")
         picked: list[tuple[str, Task]] = []
@@ -309,10 +322,16 @@ class SelfPlay:
             picked += [(teacher, task) for task in mine]
         asks = [(teacher, task) for teacher, task in picked for _ in range(dc.answers)]
         prompts = [self.parts.families[task.type].student_prompt(task) for _, task in asks]
-        gens = self._generate(prompts, [teacher for teacher, _ in asks],
-                              self.cfg.sampling.student_max_new_tokens,
-                              derive_seed(self.cfg.seed, step, "difficulty"), clock,
-                              adapters=False)
+        seed = derive_seed(self.cfg.seed, step, "difficulty")
+        if dc.solver == "base":
+            gens = self._generate(prompts, [teacher for teacher, _ in asks],
+                                  self.cfg.sampling.student_max_new_tokens, seed, clock,
+                                  adapters=False, training=False)
+        else:
+            with self._frozen_in(dc.solver):
+                gens = self._generate(prompts, [dc.solver] * len(asks),
+                                      self.cfg.sampling.student_max_new_tokens, seed, clock,
+                                      training=False)
         grade: dict[int, Grade] = {}
         for t, fam in self.parts.families.items():
             mine = [i for i, (_, task) in enumerate(asks) if task.type == t]
@@ -322,6 +341,24 @@ class SelfPlay:
                 grade.update(zip(mine, grades, strict=True))
         return Difficulty(dc.solver, [SolverAnswer(teacher, task, grade[i])
                                       for i, (teacher, task) in enumerate(asks)])
+
+    @contextmanager
+    def _frozen_in(self, member: str) -> Iterator[None]:
+        """The frozen solver's weights in `member`'s slot inside the block, the member's own
+        restored bit for bit after it (no optimizer or gradient state is touched)."""
+        bank, p = self.parts.bank, self.parts
+        assert p.solver is not None
+        row = bank.weights[p.slot[member]]
+        own = row.detach().clone()
+        with torch.no_grad():
+            row.copy_(p.solver.to(row.device))
+        bank.invalidate_caches()
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                row.copy_(own)
+            bank.invalidate_caches()
 
     def _kl_rows(self, rollouts: list[Rollout]) -> list[Rollout]:
         """`train.kl_rows` of the step's non-empty rollouts, drawn from the step's own seed
@@ -398,11 +435,12 @@ class SelfPlay:
                 for name, i in p.slot.items()}
 
     def _generate(self, prompts: list[str], members: list[str], max_new: int, seed: int,
-                  clock: _Clock, adapters: bool = True) -> list[Generation]:
+                  clock: _Clock, adapters: bool = True, training: bool = True) -> list[Generation]:
         """Rows split over ranks by expected tokens, copies of one prompt under one member
         together (they share a prefill); each row keyed by its index in `prompts`, so its
         sample does not depend on the number of ranks. `adapters=False`: the base model
-        alone on every row, on decoders of its own (kept ones captured the adapters)."""
+        alone on every row. `training=False` (the fixed solver's generation): decoders of its
+        own (kept ones captured the training's adapters), left out of the step's tokens."""
         sp, p = self.cfg.sampling, self.parts
         params = SamplingParams(temperature=sp.temperature, top_p=sp.top_p,
                                 max_new_tokens=max_new, eos_token_ids=() if sp.ignore_eos else None)
@@ -417,8 +455,8 @@ class SelfPlay:
                                batch_size=sp.batch_size, compile=None if sp.compile else False,
                                row_keys=idx, prefill_tokens=sp.prefill_tokens,
                                cuda_graph=sp.cuda_graph, timing=timing,
-                               decoders=self.decoders if adapters else None)
-            if adapters:  # the training's generation (tokens_per_s); the solver's has its phase
+                               decoders=self.decoders if training else None)
+            if training:  # tokens_per_s is the training's; the solver's time is its phase's
                 clock.generation_s += time.perf_counter() - t0
             acc = clock.generation.setdefault(clock.current, {})
             for k in ("prefill_s", "capture_s", "decode_s", "steps"):
@@ -427,7 +465,7 @@ class SelfPlay:
 
         gens = dist.sharded([len(x) + max_new for x in ids], run, self.world,
                             together=[(s, x) for s, x in zip(slots, prompts, strict=True)])
-        if adapters:
+        if training:
             clock.generated_tokens += sum(len(g.token_ids) for g in gens)
         return gens
 
