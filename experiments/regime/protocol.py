@@ -383,6 +383,51 @@ def summarize(rows: dict[str, dict[int, list[dict]]], scores: dict[str, dict[int
     return out
 
 
+# -- the figure ---------------------------------------------------------------------------------
+
+PANELS = {"difficulty": "difficulty (1 - fixed solver's solve rate)",
+          "solve_rate": "own solve rate", "valid_rate": "valid rate", "entropy": "entropy",
+          "cyclomatic": "cyclomatic complexity", "ast_depth": "AST depth", "loc": "lines",
+          "variables": "variables"}
+
+
+def plot(path: Path) -> Path:
+    """PATH's curves (a protocol.json) as PATH.png: a panel a measure, arms overlaid, the mean
+    over seeds with their min-max band (the difficulty at its measured steps)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = json.loads(Path(path).read_text())
+    fig, axes = plt.subplots(2, 4, figsize=(18, 8))
+    for ax, (key, title) in zip(axes.flat, PANELS.items(), strict=True):
+        for color, (arm, by_seed) in zip(("C0", "C2", "C3"), res.get("curves", {}).items(),
+                                         strict=False):
+            cols: dict[int, list[float]] = {}
+            for c in by_seed.values():
+                pts = c[key] if key == "difficulty" else [
+                    (i + 1, v) for i, v in enumerate(c.get(key, [])) if v is not None]
+                for step, v in pts:
+                    cols.setdefault(int(step), []).append(v)
+            steps = sorted(cols)
+            if steps:
+                ax.plot(steps, [fmean(cols[s]) for s in steps], color=color, lw=1.5, label=arm)
+                ax.fill_between(steps, [min(cols[s]) for s in steps],
+                                [max(cols[s]) for s in steps], color=color, alpha=0.2)
+        ax.set(title=title, xlabel="step")
+    axes.flat[0].legend(fontsize=8)
+    crit = res.get("criterion", {})
+    fig.suptitle(f"Regime protocol, seeds {res.get('seeds')}, horizon "
+                 f"{res.get('horizon', {}).get('horizon')}: C1 {crit.get('C1')}, "
+                 f"C2 {crit.get('C2')}, verdict {crit.get('verdict')}")
+    fig.tight_layout()
+    png = Path(path).with_suffix(".png")
+    fig.savefig(png, dpi=80)
+    plt.close(fig)
+    return png
+
+
 # -- the protocol -------------------------------------------------------------------------------
 
 
@@ -451,6 +496,11 @@ def run_protocol(args: argparse.Namespace) -> dict | None:
     result["wall_s"] = round(time.time() - t0, 1)
     text = json.dumps(result)
     (out / "protocol.json").write_text(text + "\n")
+    if "curves" in result:
+        try:
+            plot(out / "protocol.json")
+        except ImportError as e:  # the JSON is the result; the figure a view of it
+            print(f"no protocol.png: {e}", file=sys.stderr)
     print(json.dumps({"horizon": checks[-1]["horizon"], **result["criterion"]}))
     return json.loads(text)
 
@@ -486,9 +536,13 @@ def main(argv: list[str] | None = None) -> dict | None:
     ap.add_argument("--workers", type=int, default=4, help="sandbox workers for set-up")
     ap.add_argument("--score-max-new", type=int, help="new-token budget of held-out answers "
                     "(default: each type's, lorapop.tiny.evaluate.MAX_NEW)")
+    ap.add_argument("--plot", type=Path, help="draw a protocol.json's curves, then stop")
     ap.add_argument("--job", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help="key.path=value for every run (before matching)")
     args = ap.parse_intermixed_args(argv)
+    if args.plot:
+        print(f"wrote {plot(args.plot)}")
+        return None
     if args.job:
         rec = train_to(json.loads(args.job.read_text()))
         args.job.with_suffix(".out.json").write_text(json.dumps(rec))

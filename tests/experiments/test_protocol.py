@@ -47,6 +47,7 @@ def test_the_protocol_end_to_end_on_the_tiny_world(tmp_path, monkeypatch):
     res = pr.main(argv)
     assert [c["horizon"] for c in seen] == [1, 2] and not seen[0]["passed"]
     assert res == json.loads((tmp_path / "protocol.json").read_text())
+    assert (tmp_path / "protocol.png").stat().st_size > 0
     assert res["horizon"]["horizon"] == 2 and len(res["horizon_checks"]) == 2
     for arm in ("population", "per_adapter", "total"):
         for s in ("0", "1"):
