@@ -239,6 +239,8 @@ def train(
             base = cfg.model_copy(deep=True)
             base.league.mode = "single"
             base.run.with_baseline = False
+            if base.difficulty.solver != "base":  # a member solver: the baseline's own member
+                base.difficulty.solver = "A0"
             _run(base, baseline_dir, bool(resume) and (baseline_dir / "checkpoints").is_dir(),
                  command, world)
     finally:

@@ -231,6 +231,32 @@ class TrainConfig(Section):
     records whether the kernels were deterministic and which op, if any, lacked one."""
 
 
+class DifficultyConfig(Section):
+    """The difficulty of the teachers' tasks as a fixed solver sees it. A student's solve rate
+    moves with the students it measures, and program complexity is a proxy; a solver that never
+    trains turns "are the tasks getting harder?" into a curve. Logged as `difficulty` in
+    metrics.jsonl; it reads the step's records and draws from its own seeds, so turning it on
+    changes nothing else in the run (tested)."""
+
+    every: int = Field(0, ge=0)
+    """Measure at every step that is a multiple of this (0: off)."""
+    solver: str = "base"
+    """Who answers: `base`, the base model with no adapter (the bank's disabled routing), fixed
+    for the whole run and alike in every arm, so arms' curves compare; or a member's name (T0,
+    S1; A0 in the single agent): a copy of that member's adapter taken once, after the update of
+    step `freeze_step`, and kept in the checkpoints (a baseline trained beside a population
+    freezes its A0)."""
+    freeze_step: int = Field(0, ge=0)
+    """With a member as the solver, the step whose member is copied (0: the first measured
+    step, `every`); no step before it is measured."""
+    samples: int = Field(8, ge=0)
+    """Valid tasks of each teacher's own proposals of the step the solver answers (drawn from
+    the seed of (seed, step, 'difficulty')); 0: all of them."""
+    answers: int = Field(4, ge=1)
+    """Answers the solver samples per task (at `sampling.temperature`, within
+    `sampling.student_max_new_tokens`); a task's solve rate is the share graded correct."""
+
+
 class RunConfig(Section):
     save_every: int = Field(10, ge=1)
     with_baseline: bool = False
@@ -264,7 +290,18 @@ class Config(Section):
     verify: VerifyConfig = VerifyConfig()
     sampling: SamplingConfig = SamplingConfig()
     train: TrainConfig = TrainConfig()
+    difficulty: DifficultyConfig = DifficultyConfig()
     run: RunConfig = RunConfig()
+
+    @model_validator(mode="after")
+    def _solver_is_a_member(self) -> Config:
+        lg, name = self.league, self.difficulty.solver
+        members = (["A0"] if lg.mode == "single" else
+                   [f"T{i}" for i in range(lg.teachers)] + [f"S{i}" for i in range(lg.students)])
+        if name != "base" and name not in members:
+            raise ValueError(f"difficulty.solver: {name!r} is neither `base` nor a member "
+                             f"({', '.join(members)})")
+        return self
 
     @model_validator(mode="after")
     def _operators_fit_the_pools(self) -> Config:

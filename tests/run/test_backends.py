@@ -94,3 +94,13 @@ def test_wandb_missing_is_one_clear_error(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "wandb", None)
     with pytest.raises(RuntimeError, match="pip install 'lorapop\\[wandb\\]'"):
         WandbLog(tmp_path, CONFIG, "x")
+
+
+def test_flat_metrics_tags_the_fixed_solvers_solve_rate():
+    row = {**ROW, "difficulty": {"solver": "base", "tasks": 3, "answers": 6, "solve_rate": 0.25,
+                                 "by_teacher": {"T0": 0.5, "T1": None},
+                                 "by_type": {"code_o": 0.25}}}
+    flat = flat_metrics(row)
+    assert flat["difficulty/solve_rate"] == 0.25 and flat["difficulty/T0/solve_rate"] == 0.5
+    assert flat["difficulty/code_o/solve_rate"] == 0.25 and "difficulty/T1/solve_rate" not in flat
+    assert not any(k.startswith("difficulty") for k in flat_metrics(ROW))

@@ -25,6 +25,7 @@ FAST = [
     "sampling.student_max_new_tokens=12", "train.micro_batch_size=4", "evolve.every=2",
     "evolve.protect_matches=0", "run.save_every=1", "run.progress=false", "verify.workers=1",
     "verify.timeout_s=5",
+    "difficulty.every=1", "difficulty.samples=1", "difficulty.answers=2",  # split over ranks too
 ]
 STEPS = 2  # replacement runs at step 2
 PER_RANK = ("ranks", "allreduce_s")  # beside the wall times
@@ -82,6 +83,7 @@ def test_two_ranks_sample_and_decide_exactly_as_one(one_rank, tmp_path):
             assert g[key] == w[key], f"step {s}: {key} differ"
     torch.testing.assert_close(got["weights"], want["weights"], rtol=1e-5, atol=1e-7)
     assert "after a drift: adapter weights on ranks [1]" in got["divergence"]
+    assert sum(r["difficulty"]["tasks"] for r in _rows(tmp_path)) > 0  # the solver answered
     assert _rows(tmp_path) == _rows(one_rank) or all(
         _difference(g, w) is None for g, w in zip(_rows(tmp_path), _rows(one_rank), strict=True))
 

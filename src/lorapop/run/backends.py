@@ -47,6 +47,12 @@ def flat_metrics(row: Mapping[str, Any]) -> dict[str, float]:
         if _number(row.get(k)):
             out[k] = float(row[k])
     out["replacements"] = float(len(row.get("replacements", [])))
+    d = row.get("difficulty") or {}  # the fixed solver's solve rate (`cfg.difficulty`)
+    if _number(d.get("solve_rate")):
+        out["difficulty/solve_rate"] = float(d["solve_rate"])
+    for group in ("by_teacher", "by_type"):
+        out.update({f"difficulty/{k}/solve_rate": float(v)
+                    for k, v in (d.get(group) or {}).items() if _number(v)})
     return out
 
 

@@ -52,7 +52,8 @@ CURVES = {
 PROGRAM_LABELS = {"ast_depth": "AST depth", "cyclomatic": "cyclomatic complexity",
                   "loc": "lines of code", "variables": "variables",
                   "coverage": "distinct structures (cumulative)"}
-PHASES = ("matchmaking", "proposal", "verification", "solving", "update", "replacement")
+PHASES = ("matchmaking", "proposal", "verification", "solving", "update", "difficulty",
+          "replacement")
 COUNTS = frozenset({"coverage"})
 SAMPLES_PER_ROLE = 3
 SAMPLE_CHARS = 1200
@@ -369,6 +370,49 @@ def plot_programs(runs: dict[str, list[dict]]) -> str | None:
                        size=(3.4, 2.4))
 
 
+def _difficulty_series(rows: list[dict], teacher: str | None = None) -> list[tuple[int, float]]:
+    """Per measured step, the fixed solver's solve rate of the step's tasks (of `teacher`)."""
+    pts = []
+    for r in rows:
+        d = r.get("difficulty") or {}
+        v = d.get("solve_rate") if teacher is None else (d.get("by_teacher") or {}).get(teacher)
+        if isinstance(v, (int, float)):
+            pts.append((r["step"], float(v)))
+    return pts
+
+
+@_styled
+def plot_difficulty(runs: dict[str, list[dict]]) -> str | None:
+    """The fixed solver's solve rate of the teachers' tasks (`difficulty` in metrics.jsonl):
+    one line per arm, and one per teacher beside it. Falling: the tasks got harder."""
+    if not any(_difficulty_series(rows) for rows in runs.values()):
+        return None
+    fig, axes = _panels(2, ncols=2, size=(4.6, 2.8))
+    colors = dict(zip(runs, matplotlib.colormaps.get_cmap("Dark2").colors, strict=False))
+    shades = matplotlib.colormaps.get_cmap("tab10").colors
+    for k, (label, rows) in enumerate(runs.items()):
+        pts = _difficulty_series(rows)
+        if pts:
+            steps, vals = map(list, zip(*pts, strict=True))
+            _line(axes[0], steps, vals, color=colors[label], lw=1.6, label=label)
+        teachers = sorted({t for r in rows for t in (r.get("difficulty") or {}).get("by_teacher", {})},
+                          key=_slot_order)
+        for i, t in enumerate(teachers):
+            if pts := _difficulty_series(rows, t):
+                steps, vals = map(list, zip(*pts, strict=True))
+                _line(axes[1], steps, vals, color=shades[i % len(shades)], lw=1.2,
+                      ls=("-", "--", ":", "-.")[k % 4], label=f"{label} {t}")
+        for ax in axes:
+            _mark_replacements(ax, replacement_steps(rows))
+    solver = next((r["difficulty"].get("solver") for rows in runs.values() for r in rows
+                   if r.get("difficulty")), "base")
+    axes[0].set(xlabel="step", ylabel=f"{solver} solver's solve rate", title="per arm")
+    axes[1].set(xlabel="step", ylabel=f"{solver} solver's solve rate", title="per teacher")
+    for ax in axes:
+        ax.legend(fontsize=7)
+    return _svg(fig)
+
+
 @_styled
 def plot_phases(rows: list[dict]) -> str | None:
     seen = {p for r in rows for p in r.get("phase_s", {})}
@@ -611,6 +655,9 @@ def write_report(run_dir: str | Path, extra_html: str = "") -> Path:
         ("programs", "Valid teacher programs: complexity and coverage",
          lambda: plot_programs(runs),
          "Mean over task types; coverage: distinct program structures seen so far."),
+        ("difficulty", "Difficulty seen by a fixed solver", lambda: plot_difficulty(runs),
+         "The solve rate of a solver that never trains (difficulty.solver) on a sample of the "
+         "step's valid tasks: falling means the teachers' tasks got harder. " + note),
         ("phases", "Wall time per phase", lambda: plot_phases(rows), ""),
     ]
     figs, nav = [], ["<a href='#facts'>run</a>"]

@@ -44,9 +44,11 @@ from lorapop.run.rollouts import step_records, write_records
 from lorapop.selfplay.parts import build, derive_seed, load_state, save_state
 from lorapop.selfplay.records import (
     Attempt,
+    Difficulty,
     MemberInfo,
     Proposal,
     Rollout,
+    SolverAnswer,
     StepRecord,
     Update,
     Verification,
@@ -115,7 +117,9 @@ class SelfPlay:
             if self.step_done % self.cfg.run.save_every == 0 or self.step_done == total:
                 self.save()
 
-    def step(self) -> dict[str, Any]:
+    def step(self, before_replacement: Callable[[int], None] | None = None) -> dict[str, Any]:
+        """One step; `before_replacement(step)` runs after the update when the step ends with a
+        replacement, before it (to score members as they trained, the replaced ones too)."""
         s = self.step_done + 1
         clock = _Clock()
         with clock.phase("matchmaking"):
@@ -128,8 +132,14 @@ class SelfPlay:
             attempts = self.solving(s, pairs, proposals, verification.validities, clock)
         with clock.phase("update"), self._update_kernels():
             update = self.update(pairs, proposals, verification.validities, attempts)
+        difficulty = None
+        if self._measures_difficulty(s):
+            with clock.phase("difficulty"):
+                difficulty = self.difficulty(s, proposals, verification.validities, clock)
         replacements: list[dict[str, Any]] = []
         if self.cfg.evolve.every and not self.parts.single and s % self.cfg.evolve.every == 0:
+            if before_replacement is not None:
+                before_replacement(s)
             with clock.phase("replacement"):
                 replacements = self.replacement(s)
         self.step_done = s
@@ -137,7 +147,7 @@ class SelfPlay:
             self.check_ranks(f"after step {s}")
         rec = StepRecord(s, pairs, proposals, verification, attempts, update, replacements,
                          clock.phase_s, clock.generated_tokens, clock.generation_s,
-                         clock.generation)
+                         clock.generation, difficulty)
         row = step_metrics(rec, self.league_summary())
         if self.world.distributed:
             row.update(ranks=self.world.size, allreduce_s=round(self.policy.allreduce_s, 4))
@@ -262,6 +272,73 @@ class SelfPlay:
         return Update(teacher_rewards, student_rewards, losses, grad_norms, advs[:n], advs[n:],
                       kl)
 
+    def _measures_difficulty(self, step: int) -> bool:
+        """Whether the fixed solver measures at `step`, after the update. A member solver is
+        copied here once, at its `freeze_step` (kept in checkpoints), and measures from then."""
+        dc, p = self.cfg.difficulty, self.parts
+        if not dc.every:
+            return False
+        if dc.solver != "base" and p.solver is None:
+            if step < (dc.freeze_step or dc.every):
+                return False
+            p.solver = p.bank.weights[p.slot[dc.solver]].detach().clone()
+        return step % dc.every == 0
+
+    def difficulty(self, step: int, proposals: list[Proposal], validities: list[Validity],
+                   clock: _Clock) -> Difficulty:
+        """The fixed solver (`cfg.difficulty`: the base model with no adapter, or a copy of a
+        member taken once) answers a sample of each teacher's valid tasks of the step. Its
+        draws come from seeds of (seed, step, 'difficulty') and it changes no training state:
+        the run trains as it would without it."""
+        dc = self.cfg.difficulty
+        rng = _rng(self.cfg.seed, step, "difficulty")
+        picked: list[tuple[str, Task]] = []
+        for teacher in self.parts.teachers:
+            mine = [v.task for p, v in zip(proposals, validities, strict=True)
+                    if p.teacher == teacher and v.valid and v.task is not None]
+            if dc.samples and len(mine) > dc.samples:
+                mine = rng.sample(mine, dc.samples)
+            picked += [(teacher, task) for task in mine]
+        asks = [(teacher, task) for teacher, task in picked for _ in range(dc.answers)]
+        prompts = [self.parts.families[task.type].student_prompt(task) for _, task in asks]
+        seed = derive_seed(self.cfg.seed, step, "difficulty")
+        if dc.solver == "base":
+            gens = self._generate(prompts, [teacher for teacher, _ in asks],
+                                  self.cfg.sampling.student_max_new_tokens, seed, clock,
+                                  adapters=False, training=False)
+        else:
+            with self._frozen_in(dc.solver):
+                gens = self._generate(prompts, [dc.solver] * len(asks),
+                                      self.cfg.sampling.student_max_new_tokens, seed, clock,
+                                      training=False)
+        grade: dict[int, Grade] = {}
+        for t, fam in self.parts.families.items():
+            mine = [i for i, (_, task) in enumerate(asks) if task.type == t]
+            if mine:
+                grades = self._split(mine, lambda ix, fam=fam: fam.check(
+                    [asks[i][1] for i in ix], [gens[i].text for i in ix], self.parts.sandbox))
+                grade.update(zip(mine, grades, strict=True))
+        return Difficulty(dc.solver, [SolverAnswer(teacher, task, grade[i])
+                                      for i, (teacher, task) in enumerate(asks)])
+
+    @contextmanager
+    def _frozen_in(self, member: str) -> Iterator[None]:
+        """The frozen solver's weights in `member`'s slot inside the block, the member's own
+        restored bit for bit after it (no optimizer or gradient state is touched)."""
+        bank, p = self.parts.bank, self.parts
+        assert p.solver is not None
+        row = bank.weights[p.slot[member]]
+        own = row.detach().clone()
+        with torch.no_grad():
+            row.copy_(p.solver.to(row.device))
+        bank.invalidate_caches()
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                row.copy_(own)
+            bank.invalidate_caches()
+
     def _kl_rows(self, rollouts: list[Rollout]) -> list[Rollout]:
         """`train.kl_rows` of the step's non-empty rollouts, drawn from the step's own seed
         (so probing the KL changes nothing else in the run)."""
@@ -312,10 +389,12 @@ class SelfPlay:
                 for name, i in p.slot.items()}
 
     def _generate(self, prompts: list[str], members: list[str], max_new: int, seed: int,
-                  clock: _Clock) -> list[Generation]:
+                  clock: _Clock, adapters: bool = True, training: bool = True) -> list[Generation]:
         """Rows split over ranks by expected tokens, copies of one prompt under one member
         together (they share a prefill); each row keyed by its index in `prompts`, so its
-        sample does not depend on the number of ranks."""
+        sample does not depend on the number of ranks. `adapters=False`: the base model
+        alone on every row. `training=False` (the fixed solver's generation): decoders of its
+        own (kept ones captured the training's adapters), left out of the step's tokens."""
         sp, p = self.cfg.sampling, self.parts
         params = SamplingParams(temperature=sp.temperature, top_p=sp.top_p,
                                 max_new_tokens=max_new, eos_token_ids=() if sp.ignore_eos else None)
@@ -324,14 +403,17 @@ class SelfPlay:
 
         def run(idx: list[int]) -> list[Generation]:
             t0, timing = time.perf_counter(), {}
-            out = generate(p.model, p.bank, p.tokenizer, [ids[i] for i in idx],
-                           [slots[i] for i in idx],
-                           GenerateSpec(params=params, seed=seed, batch_size=sp.batch_size,
-                                        compile=None if sp.compile else False,
-                                        prefill_tokens=sp.prefill_tokens, cuda_graph=sp.cuda_graph,
-                                        decoders=self.decoders),
-                           row_keys=idx, timing=timing)
-            clock.generation_s += time.perf_counter() - t0
+            with nullcontext() if adapters else p.bank.disabled():
+                out = generate(p.model, p.bank if adapters else None, p.tokenizer,
+                               [ids[i] for i in idx], [slots[i] for i in idx],
+                               GenerateSpec(params=params, seed=seed, batch_size=sp.batch_size,
+                                            compile=None if sp.compile else False,
+                                            prefill_tokens=sp.prefill_tokens,
+                                            cuda_graph=sp.cuda_graph,
+                                            decoders=self.decoders if training else None),
+                               row_keys=idx, timing=timing)
+            if training:  # tokens_per_s is the training's; the solver's time is its phase's
+                clock.generation_s += time.perf_counter() - t0
             acc = clock.generation.setdefault(clock.current, {})
             for k in ("prefill_s", "capture_s", "decode_s", "steps"):
                 acc[k] = acc.get(k, 0) + timing.get(k, 0)
@@ -339,7 +421,8 @@ class SelfPlay:
 
         gens = dist.sharded([len(x) + max_new for x in ids], run, self.world,
                             together=[(s, x) for s, x in zip(slots, prompts, strict=True)])
-        clock.generated_tokens += sum(len(g.token_ids) for g in gens)
+        if training:
+            clock.generated_tokens += sum(len(g.token_ids) for g in gens)
         return gens
 
     def _split(self, items: list, fn: Callable[[list], list]) -> list:

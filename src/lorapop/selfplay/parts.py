@@ -53,6 +53,8 @@ class Parts:
     coverage: dict[str, Coverage]  # distinct program shapes the teachers wrote so far, per
     # task type (not code_f's, whose programs come from the buffer)
     sandbox: Sandbox
+    solver: torch.Tensor | None = None  # a member's adapter weights frozen as the difficulty
+    # solver (`cfg.difficulty.solver`), once copied: one row of `bank.weights`
 
     @property
     def members(self) -> list[str]:
@@ -133,6 +135,7 @@ def save_state(p: Parts, step: int, folder: Path) -> None:
         "ratings": None if p.ratings is None else p.ratings.to_dict(),
         "lineage": p.lineage.to_dict(),
         "coverage": {t: sorted(c.seen) for t, c in p.coverage.items()},
+        "difficulty_solver": None if p.solver is None else p.solver.cpu(),
         "rng": {"torch": torch.get_rng_state(),
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
     }, folder / "state.pt")
@@ -158,6 +161,7 @@ def load_state(p: Parts, folder: Path) -> int:
     for t, seen in state["coverage"].items():
         if t in p.coverage:
             p.coverage[t].seen = set(seen)
+    p.solver = state.get("difficulty_solver")
     torch.set_rng_state(state["rng"]["torch"])
     if state["rng"]["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["rng"]["cuda"])

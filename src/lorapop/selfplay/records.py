@@ -78,6 +78,23 @@ class Update:
 
 
 @dataclass(frozen=True)
+class SolverAnswer:
+    """The fixed solver's graded answer to one of a teacher's valid tasks (`difficulty`)."""
+
+    teacher: str
+    task: Task
+    grade: Grade
+
+
+@dataclass(frozen=True)
+class Difficulty:
+    """The step's tasks as a fixed solver saw them (`cfg.difficulty`): who solved, its answers."""
+
+    solver: str
+    answers: list[SolverAnswer]
+
+
+@dataclass(frozen=True)
 class StepRecord:
     step: int
     pairs: list[tuple[str, str]]
@@ -92,6 +109,7 @@ class StepRecord:
     # per phase, where this rank's generation time went (`generate(timing=...)`: prefill_s,
     # capture_s, decode_s, steps): a small model's steps can be mostly graph captures
     generation: dict[str, dict[str, float]] = field(default_factory=dict)
+    difficulty: Difficulty | None = None  # None: not measured at this step
 
 
 @dataclass(frozen=True)
@@ -179,7 +197,7 @@ def step_metrics(rec: StepRecord, league: dict[str, MemberInfo]) -> dict[str, An
             "coverage_new": None if cov is None else cov.new,
             "distinct_in_step": None if cov is None else cov.batch_distinct,
         }
-    return {
+    row = {
         "step": rec.step,
         "members": members,
         "matchups": matchups,
@@ -197,6 +215,27 @@ def step_metrics(rec: StepRecord, league: dict[str, MemberInfo]) -> dict[str, An
         "generated_tokens": rec.generated_tokens,
         "generation": {ph: {k: round(v, 4) for k, v in t.items()} for ph, t in rec.generation.items()},
     }
+    if rec.difficulty is not None:
+        row["difficulty"] = difficulty_metrics(rec.difficulty)
+    return row
+
+
+def difficulty_metrics(d: Difficulty) -> dict[str, Any]:
+    """The fixed solver's solve rate of the step's tasks: the mean over tasks of each task's
+    share of correct answers, overall, per teacher and per task type (None: no valid task)."""
+    rates = solve_rates(((a.teacher, a.task.type, a.task.key), a.grade.outcome)
+                        for a in d.answers)
+
+    def mean(keep: Any) -> float | None:
+        xs = [r for k, r in rates.items() if keep(k)]
+        return fmean(xs) if xs else None
+
+    teachers = sorted({k[0] for k in rates})
+    types = sorted({k[1] for k in rates})
+    return {"solver": d.solver, "tasks": len(rates), "answers": len(d.answers),
+            "solve_rate": mean(lambda k: True),
+            "by_teacher": {t: mean(lambda k, t=t: k[0] == t) for t in teachers},
+            "by_type": {t: mean(lambda k, t=t: k[1] == t) for t in types}}
 
 
 def _entropy_estimate(rollouts: list[Rollout]) -> float | None:
