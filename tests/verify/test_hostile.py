@@ -25,9 +25,10 @@ from lorapop.verify.sandbox import MAX_ERROR_CHARS
 S = Status
 TOKEN = f"lorapop-escape-{uuid.uuid4().hex[:8]}"
 
-#: Defines find(name), the first class of that name among object's subclasses (model text is
-#: assumed to reach any object: ctypes, which the zygote keeps for the jobs' own kernel calls,
-#: is reachable this way), libc() and clock(id) through it. The kernel layers are probed with it.
+#: Defines find(name), the first class of that name among object's subclasses, and libc() and
+#: clock(id) built from the C types of ctypes found that way: model text is assumed to reach
+#: any object, and `_ctypes` stays in a job's image (the zygote's own kernel calls use it), so
+#: the kernel layers are probed with a foreign-function interface in hand.
 REACH = """
 def find(name):
     seen, stack = set(), [object]
@@ -39,8 +40,15 @@ def find(name):
                 seen.add(s)
                 stack.append(s)
     raise LookupError(name)
+class _Lib:
+    _handle = 0
+    def __getattr__(self, name):
+        class Fn(find('CFuncPtr')):
+            _flags_ = 1
+            _restype_ = find('c_int')
+        return Fn((name, self))
 def libc():
-    return find('CDLL')(None)
+    return _Lib()
 def clock(which):
     ts = (find('c_long') * 2)()
     libc().clock_gettime(which, ts)
@@ -99,7 +107,7 @@ def hostile_cases(canaries: list[Path]) -> list[Case]:
         case(0, "kill own process group", "import os\ndef f():\n    os.killpg(0, 9)\n    return 1", {S.OK, S.CRASHED}),
         case(0, "os._exit", "import os\ndef f():\n    os._exit(0)", {S.CRASHED}),
         case(0, "os.abort", "import os\ndef f():\n    os.abort()", {S.CRASHED}),
-        case(0, "segfault via ctypes", "def f():\n    return find('CDLL')(None).strlen(0)", {S.CRASHED}, reach=True),
+        case(0, "segfault via ctypes", "def f():\n    return libc().strlen(0)", {S.CRASHED}, reach=True),
         case(0, "huge return value", "def f():\n    return 'x' * 10**6", {S.OUTPUT_TOO_LARGE}),
         case(0, "print flood", "def f():\n    for _ in range(10**5):\n        print('x' * 100)\n    return 1", {S.OK}, output="1"),
         case(0, "result pipe flood", "import os\ndef f():\n    while True:\n        os.write(3, b'x' * 65536)", {S.OUTPUT_TOO_LARGE}),

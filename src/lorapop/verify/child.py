@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from typing import Any
 
 RESULT_FD = 3
+#: Bytes of a job's tmpfs kept for its result (a job that fills the rest can still report).
+RESERVED = 1 << 16
 #: Where the zygote keeps its pipes (clear of 0-3, which a job's init makes its own).
 ZYGOTE_FDS = (100, 101, 102)  # control (server -> zygote), report (zygote -> server), lifeline
 #: Where an init holds its pipes: job read and write ends, result read and write ends.
@@ -168,20 +170,44 @@ def _runner(program: object, expr: object) -> Any:
         os._exit(0)
 
 
-def _job(program: object, expr: object, cpu: int) -> Any:
-    """In the job (pid 2), before its code: limits, no capabilities, the job's seccomp filter,
-    fresh standard streams."""
+def _confine() -> None:
+    """In the job (pid 2), while it waits for its bytes: limits, no capabilities, the job's
+    seccomp filter."""
     os.setpgid(0, 0)
     for which, value in RLIMITS:
         if SETRLIMIT(which, value) != 0:
             raise OSError("setrlimit")
-    hard = CPU_HARD
-    if SETRLIMIT(_RLIMIT_CPU, RLIMIT_PAIR(min(cpu, hard), min(cpu + 1, hard))) != 0:
-        raise OSError("setrlimit cpu")
     if DROP_CAPS and CAPSET(CAP_HDR, CAP_DATA) != 0:
         raise OSError("capset")
     if JOB_FILTER is not None and PRCTL(22, 2, JOB_FILTER, 0, 0) != 0:  # PR_SET_SECCOMP
         raise OSError("job seccomp filter")
+
+
+def _read_job(fd: int) -> bytes | None:
+    """`<length>\\n` + the job's bytes, from the server; None when it closed the pipe."""
+    buf = b""
+    while b"\n" not in buf:
+        chunk = os.read(fd, 64)
+        if not chunk:
+            return None
+        buf += chunk
+    head, _, rest = buf.partition(b"\n")
+    parts, left = [rest], int(head) - len(rest)
+    while left > 0:
+        chunk = os.read(fd, left)
+        if not chunk:
+            return None
+        parts.append(chunk)
+        left -= len(chunk)
+    os.close(fd)
+    return b"".join(parts)
+
+
+def _job(program: object, expr: object, cpu: int) -> Any:
+    """The job's CPU limit and standard streams, then its context manager."""
+    hard = CPU_HARD
+    if SETRLIMIT(_RLIMIT_CPU, RLIMIT_PAIR(min(cpu, hard), min(cpu + 1, hard))) != 0:
+        raise OSError("setrlimit cpu")
     sys.stdin, sys.stdout, sys.stderr = STREAMS
     sys.__stdin__, sys.__stdout__, sys.__stderr__ = STREAMS
     return _contextmanager(_runner)(program, expr)
@@ -208,25 +234,14 @@ def _init(slot: int) -> Any:
                 fd = os.open("/", _O_TMPFILE | os.O_RDWR, 0o600)
                 if fd != want:
                     raise OSError(f"fd {fd} instead of {want}")
-            os.posix_fallocate(RESULT_FD, 0, RESULT_CAP)  # a job that fills its tmpfs still
+            os.posix_fallocate(RESULT_FD, 0, RESERVED)  # a job that fills its tmpfs still
+            # has room for its result
         else:  # no private tmpfs (isolation off, or no user namespace): the server's null
             for fd in range(3):
                 os.dup2(devnull, fd)
             os.dup2(res_w, RESULT_FD)
         os.close(devnull)
-        first = os.read(job_r, 1 << 16)  # the server holds its ends: drop ours
-        os.close(job_w)
-        os.close(res_r)
-        if not first:  # the server is shutting down
-            os._exit(0)
-        parts = [first]
-        while chunk := os.read(job_r, 1 << 16):
-            parts.append(chunk)
-        os.close(job_r)
-        head, _, body = b"".join(parts).partition(b"\n")
-        program, expr = _loads(body)
-        cpu = int(head)
-        pid = FORK_JOB()
+        pid = FORK_JOB()  # the job, ahead of its bytes: starting it is one pipe write
         if pid < 0:
             raise OSError("the job could not be forked")
     except BaseException as e:
@@ -235,14 +250,22 @@ def _init(slot: int) -> Any:
         finally:
             os._exit(0)
     if pid == 0:
-        os.close(res_w)
         try:
-            return _job(program, expr, cpu)
+            for fd in (job_w, res_r, res_w):
+                os.close(fd)
+            _confine()
+            data = _read_job(job_r)
+            if data is None:  # the server is shutting down
+                os._exit(0)
+            head, _, body = data.partition(b"\n")
+            program, expr = _loads(body)
+            return _job(program, expr, int(head))
         except BaseException as e:
             try:
                 _write_all(RESULT_FD, _encode("crashed", None, "confinement: " + _describe(e)))
             finally:
                 os._exit(0)
+    os.close(job_r)  # its job_w and res_r stay: it never uses them
     code = 70
     try:
         _, status = os.waitpid(pid, 0)
@@ -258,7 +281,12 @@ def _zygote() -> Any:
     """The zygote's loop: each line on the control pipe names a slot; it clones an init for it
     and reports `pid slot job_w res_r` (its fds, for the server to copy: pidfd_getfd). Returns
     only in a job process."""
-    _forget()
+    collector, hide = _forget()
+    collector.collect()  # here: _forget's frame no longer holds what its loops last saw
+    _sever(collector, hide)
+    collector.collect()
+    collector.freeze()  # kept objects out of the collector: fewer copy-on-write faults per job
+    del collector, hide
     ctl, report, _ = ZYGOTE_FDS
     buf = b""
     while True:
@@ -293,9 +321,9 @@ def _zygote() -> Any:
         _write_all(report, b"".join(out))
 
 
-def _forget() -> None:
+def _forget() -> tuple[Any, frozenset[str]]:
     """Once, in the zygote: drop every module a job may not import and everything of the
-    server, so the collector frees them before any job exists."""
+    server, so that the collector (returned) frees them before any job exists."""
     hide = HIDE
     gone = {id(m) for name, m in sys.modules.items() if name.split(".")[0] in hide}
     for name in [n for n in sys.modules if n.split(".")[0] in hide]:
@@ -330,15 +358,25 @@ def _forget() -> None:
     sys.meta_path, sys.path_hooks, sys.path_importer_cache, sys.path = [], [], {}, []
     sys.argv, sys.orig_argv = ["-c"], ["python", "-c", ""]
     ns = globals()
-    collector = ns.pop("gc")
-    ns.pop("HIDE")
-    gone.clear()
-    collector.collect()
-    collector.freeze()  # kept objects out of the collector: fewer copy-on-write faults per job
+    return ns.pop("gc"), ns.pop("HIDE")
+
+
+def _sever(collector: Any, hide: frozenset[str]) -> None:
+    """Empty the globals of the dropped modules something still keeps alive (ctypes, whose
+    objects the zygote calls; random and threading, whose at-fork hooks the interpreter
+    holds): their functions and classes, should a job reach them, fail as a missing import
+    would. The zygote's own ctypes calls need no module globals."""
+    for obj in collector.get_objects():
+        if isinstance(obj, types.ModuleType) and obj.__name__.split(".")[0] in hide:
+            if obj is not collector:
+                obj.__dict__.clear()
 
 
 #: Rebound into the zygote's namespace, in this order.
-_FUNCTIONS = (_describe, _encode, _write_all, _verdict, _runner, _job, _init, _zygote, _forget)
+_FUNCTIONS = (
+    _describe, _encode, _write_all, _verdict, _runner, _confine, _read_job, _job, _init,
+    _zygote, _forget, _sever,
+)  # fmt: skip
 
 
 def zygote_namespace(values: dict[str, object]) -> types.FunctionType:
@@ -359,6 +397,7 @@ def zygote_namespace(values: dict[str, object]) -> types.FunctionType:
         "_type": _type,
         "_len": _len,
         "RESULT_FD": RESULT_FD,
+        "RESERVED": RESERVED,
         "ZYGOTE_FDS": ZYGOTE_FDS,
         "PIPE_FDS": PIPE_FDS,
         "_RLIMIT_CPU": _RLIMIT_CPU,

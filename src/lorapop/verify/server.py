@@ -144,7 +144,7 @@ class Server:
         while self.idle:
             run = self.idle.pop(0)
             try:
-                view = memoryview(data)
+                view = memoryview(b"%d\n" % len(data) + data)
                 while view:  # blocking: the init is reading
                     view = view[os.write(run.job_fd, view) :]  # type: ignore[arg-type]
                 os.close(run.job_fd)  # type: ignore[arg-type]
