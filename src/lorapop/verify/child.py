@@ -106,6 +106,11 @@ MAIN: Any = None  # the job's __main__ module
 MAX_OUTPUT: Any = None  # a longer repr is output_too_large
 RESULT_CAP: Any = None  # result bytes an init forwards at most
 HIDE: Any = None  # top-level names of the modules the zygote drops
+RECURSION: Any = None  # the job's sys.getrecursionlimit, setrecursionlimit (`_recursion`)
+RECURSION_GET: Any = None  # the real sys.getrecursionlimit
+RECURSION_SET: Any = None  # the real sys.setrecursionlimit
+_get: Any = None  # the real sys.getrecursionlimit, in `_recursion`'s functions
+_set: Any = None  # the real sys.setrecursionlimit, in `_recursion`'s functions
 
 
 def _describe(e: BaseException) -> str:
@@ -210,6 +215,8 @@ def _job(program: object, expr: object, cpu: int) -> Any:
         raise OSError("setrlimit cpu")
     sys.stdin, sys.stdout, sys.stderr = STREAMS
     sys.__stdin__, sys.__stdout__, sys.__stderr__ = STREAMS
+    sys.getrecursionlimit, sys.setrecursionlimit = RECURSION
+    RECURSION_SET(RECURSION_GET() + FRAMES_BELOW)
     return _contextmanager(_runner)(program, expr)
 
 
@@ -367,9 +374,9 @@ def _sever(collector: Any, hide: frozenset[str]) -> None:
     holds): their functions and classes, should a job reach them, fail as a missing import
     would. The zygote's own ctypes calls need no module globals."""
     for obj in collector.get_objects():
-        if isinstance(obj, types.ModuleType) and obj.__name__.split(".")[0] in hide:
-            if obj is not collector:
-                obj.__dict__.clear()
+        is_module = isinstance(obj, types.ModuleType) and obj is not collector
+        if is_module and obj.__name__.split(".")[0] in hide:
+            obj.__dict__.clear()
 
 
 #: Rebound into the zygote's namespace, in this order.
@@ -377,6 +384,34 @@ _FUNCTIONS = (
     _describe, _encode, _write_all, _verdict, _runner, _confine, _read_job, _job, _init,
     _zygote, _forget, _sever,
 )  # fmt: skip
+
+
+#: Frames below a job's code that a script's code has not: BOOT's and the expr's own.
+FRAMES_BELOW = 2
+
+
+def _getrecursionlimit() -> int:
+    """sys.getrecursionlimit, less the frames below the job's code (a script's limit)."""
+    return _get() - FRAMES_BELOW
+
+
+def _setrecursionlimit(limit: int) -> None:
+    """sys.setrecursionlimit, plus the frames below the job's code; its errors are CPython's."""
+    if _type(limit) is not int or limit < 1:
+        _set(limit)
+    _set(limit + FRAMES_BELOW)
+
+
+def _recursion() -> tuple[types.FunctionType, types.FunctionType]:
+    """The job's sys.getrecursionlimit and setrecursionlimit: the usable depth and the limit
+    read back are a script's (a job runs two frames deeper). Their globals hold only the real
+    two."""
+    ns = {"__builtins__": builtins, "_get": sys.getrecursionlimit,
+          "_set": sys.setrecursionlimit, "_type": type, "FRAMES_BELOW": FRAMES_BELOW}  # fmt: skip
+    return tuple(
+        types.FunctionType(fn.__code__, ns, fn.__name__[1:])
+        for fn in (_getrecursionlimit, _setrecursionlimit)
+    )  # type: ignore[return-value]
 
 
 def zygote_namespace(values: dict[str, object]) -> types.FunctionType:
@@ -401,6 +436,10 @@ def zygote_namespace(values: dict[str, object]) -> types.FunctionType:
         "ZYGOTE_FDS": ZYGOTE_FDS,
         "PIPE_FDS": PIPE_FDS,
         "_RLIMIT_CPU": _RLIMIT_CPU,
+        "RECURSION": _recursion(),
+        "RECURSION_GET": sys.getrecursionlimit,
+        "RECURSION_SET": sys.setrecursionlimit,
+        "FRAMES_BELOW": FRAMES_BELOW,
         "_O_TMPFILE": _O_TMPFILE,
         **values,
     }

@@ -261,7 +261,8 @@ JOB_SYSCALLS: tuple[str, ...] = (
     "rt_sigprocmask", "rt_sigreturn", "sigaltstack", "restart_syscall", "exit", "exit_group",
     "futex", "sched_yield", "getitimer", "setitimer", "alarm", "nanosleep", "clock_nanosleep",
     "clock_gettime", "clock_getres", "gettimeofday", "time", "getrandom", "uname",
-    "getrlimit", "setrlimit", "prlimit64", "umask", "kill", "tgkill", "tkill",
+    "getrlimit", "setrlimit", "prlimit64", "umask", "kill", "tgkill", "tkill", "pause",
+    "rt_sigsuspend", "rt_sigtimedwait", "rt_sigpending",
     # ids (inside the namespaces)
     "getpid", "getppid", "gettid", "getuid", "geteuid", "getgid", "getegid", "getresuid",
     "getresgid", "getgroups", "getpgid", "getpgrp", "getsid", "getpriority", "capget",
