@@ -30,6 +30,7 @@ import io
 import marshal
 import os
 import pickle
+import signal
 import sys
 import types
 from dataclasses import dataclass
@@ -108,6 +109,8 @@ RESULT_CAP: Any = None  # result bytes an init forwards at most
 HIDE: Any = None  # top-level names of the modules the zygote drops
 RECURSION: Any = None  # the job's sys.getrecursionlimit, setrecursionlimit (`_recursion`)
 RECURSION_GET: Any = None  # the real sys.getrecursionlimit
+SIGNAL: Any = None  # signal.signal
+DEFAULT_INT: Any = None  # signal.default_int_handler
 RECURSION_SET: Any = None  # the real sys.setrecursionlimit
 _get: Any = None  # the real sys.getrecursionlimit, in `_recursion`'s functions
 _set: Any = None  # the real sys.setrecursionlimit, in `_recursion`'s functions
@@ -215,6 +218,7 @@ def _job(program: object, expr: object, cpu: int) -> Any:
         raise OSError("setrlimit cpu")
     sys.stdin, sys.stdout, sys.stderr = STREAMS
     sys.__stdin__, sys.__stdout__, sys.__stderr__ = STREAMS
+    SIGNAL(2, DEFAULT_INT)  # SIGINT: KeyboardInterrupt, as in any script (the server ignores it)
     sys.getrecursionlimit, sys.setrecursionlimit = RECURSION
     RECURSION_SET(RECURSION_GET() + FRAMES_BELOW)
     return _contextmanager(_runner)(program, expr)
@@ -438,6 +442,8 @@ def zygote_namespace(values: dict[str, object]) -> types.FunctionType:
         "_RLIMIT_CPU": _RLIMIT_CPU,
         "RECURSION": _recursion(),
         "RECURSION_GET": sys.getrecursionlimit,
+        "SIGNAL": signal.signal,
+        "DEFAULT_INT": signal.default_int_handler,
         "RECURSION_SET": sys.setrecursionlimit,
         "FRAMES_BELOW": FRAMES_BELOW,
         "_O_TMPFILE": _O_TMPFILE,
@@ -458,11 +464,13 @@ def streams() -> tuple[io.TextIOWrapper, io.TextIOWrapper, io.TextIOWrapper]:
         raw = io.FileIO(fd, mode, closefd=False)
         raw.name = ("<stdin>", "<stdout>", "<stderr>")[fd]  # type: ignore[misc]
         buffered = io.BufferedReader(raw) if mode == "r" else io.BufferedWriter(raw)
-        return io.TextIOWrapper(buffered, encoding="utf-8", **kw)  # type: ignore[arg-type]
+        text = io.TextIOWrapper(buffered, encoding="utf-8", **kw)  # type: ignore[arg-type]
+        text.mode = mode  # type: ignore[misc]
+        return text
 
     return (
-        std(0, "r", errors="strict"),
-        std(1, "w", errors="strict"),
+        std(0, "r", errors="surrogateescape"),
+        std(1, "w", errors="surrogateescape"),
         std(2, "w", errors="backslashreplace", line_buffering=True),
     )
 
