@@ -378,9 +378,14 @@ def _sever(collector: Any, hide: frozenset[str]) -> None:
     holds): their functions and classes, should a job reach them, fail as a missing import
     would. The zygote's own ctypes calls need no module globals."""
     for obj in collector.get_objects():
-        is_module = isinstance(obj, types.ModuleType) and obj is not collector
-        if is_module and obj.__name__.split(".")[0] in hide:
-            obj.__dict__.clear()
+        if isinstance(obj, types.ModuleType) and obj is not collector:
+            d, name = obj.__dict__, obj.__name__
+        elif isinstance(obj, dict) and "__builtins__" in obj:  # a freed module's globals
+            d, name = obj, obj.get("__name__")
+        else:
+            continue
+        if isinstance(name, str) and name.split(".")[0] in hide and d is not globals():
+            d.clear()
 
 
 #: Rebound into the zygote's namespace, in this order.
