@@ -379,11 +379,12 @@ def _sever(collector: Any, hide: frozenset[str]) -> None:
     would. The zygote's own ctypes calls need no module globals."""
     for obj in collector.get_objects():
         if isinstance(obj, types.ModuleType) and obj is not collector:
-            d, name = obj.__dict__, obj.__name__
+            d = obj.__dict__
         elif isinstance(obj, dict) and "__builtins__" in obj:  # a freed module's globals
-            d, name = obj, obj.get("__name__")
+            d = obj
         else:
             continue
+        name = d.get("__name__")
         if isinstance(name, str) and name.split(".")[0] in hide and d is not globals():
             d.clear()
 
