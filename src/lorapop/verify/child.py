@@ -90,6 +90,12 @@ _dumps, _loads, _contextmanager = pickle.dumps, marshal.loads, contextlib.contex
 # (`lorapop.verify.kernel.JobKernel.values`, `lorapop.verify.server.main`); None here.
 CLONE_INIT: Any = None  # () -> pid: an init (pid 1 of a new pid namespace, the server's child)
 FORK_JOB: Any = None  # () -> pid: a plain child
+CLONE_JOB: Any = None  # () -> pid: a job, as pid 2 where the init is pid 1
+UMOUNT: Any = None  # umount2
+MOUNT: Any = None  # mount
+SLOT_PATHS: Any = None  # SLOTS as bytes
+SLOT_FLAGS: Any = None  # a slot's tmpfs: mount flags
+SLOT_OPTIONS: Any = None  # and options
 PRCTL: Any = None
 SETRLIMIT: Any = None
 RLIMIT_PAIR: Any = None  # a ctypes struct rlimit
@@ -224,9 +230,27 @@ def _job(program: object, expr: object, cpu: int) -> Any:
     return _contextmanager(_runner)(program, expr)
 
 
+def _files(slot: int, devnull: int) -> None:
+    """fds 0-3 for the init's next job: 0-2 and the result file, each new, no names, in the
+    job's own tmpfs (without one: the server's null, and an anonymous file)."""
+    if SLOTS is None:
+        for fd in range(3):
+            os.dup2(devnull, fd)
+        if os.memfd_create("result") != RESULT_FD:
+            raise OSError("the result file is not fd 3")
+        return
+    for want in range(4):
+        if os.open(SLOTS[slot], _O_TMPFILE | os.O_RDWR, 0o600) != want:
+            raise OSError(f"fd {want} is taken")
+    os.posix_fallocate(RESULT_FD, 0, RESERVED)  # room for the result in a full tmpfs
+
+
 def _init(slot: int) -> Any:
-    """In a new init (pid 1 of the job's pid namespace; its parent is the server), holding its
-    pipes at PIPE_FDS. Returns only in the job process: its context manager."""
+    """In a new init (pid 1 of the jobs' pid namespace; its parent is the server), holding
+    its pipes at PIPE_FDS. It runs jobs one at a time, each a new process forked as pid 2
+    before its bytes come; after each it sends `<exit code> <length>\\n` and the job's result
+    (the kernel copies it: no job's bytes enter this process) and gives the slot a new tmpfs.
+    Returns only in a job process: its context manager."""
     job_r, job_w, res_r, res_w = PIPE_FDS
     try:
         PRCTL(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL: die with the server
@@ -238,54 +262,55 @@ def _init(slot: int) -> Any:
         devnull = os.dup2(DEVNULL, PIPE_FDS[3] + 1)
         os.closerange(0, PIPE_FDS[0])  # the zygote's pipes, 0-3
         os.closerange(devnull + 1, 1 << 16)
-        if SLOTS is not None:
-            os.chroot(SLOTS[slot])
-            os.chdir("/")
-            for want in range(4):  # 0-2 and the result: files of the job's tmpfs, no names
-                fd = os.open("/", _O_TMPFILE | os.O_RDWR, 0o600)
-                if fd != want:
-                    raise OSError(f"fd {fd} instead of {want}")
-            os.posix_fallocate(RESULT_FD, 0, RESERVED)  # a job that fills its tmpfs still
-            # has room for its result
-        else:  # no private tmpfs (isolation off, or no user namespace): the server's null
-            for fd in range(3):
-                os.dup2(devnull, fd)
-            os.dup2(res_w, RESULT_FD)
-        os.close(devnull)
-        pid = FORK_JOB()  # the job, ahead of its bytes: starting it is one pipe write
-        if pid < 0:
-            raise OSError("the job could not be forked")
-    except BaseException as e:
+        os.chdir("/")
+    except BaseException:
+        os._exit(70)
+    while True:
         try:
-            _write_all(res_w, _encode("crashed", None, "confinement: " + _describe(e)))
-        finally:
-            os._exit(0)
-    if pid == 0:
-        try:
-            for fd in (job_w, res_r, res_w):
-                os.close(fd)
-            _confine()
-            data = _read_job(job_r)
-            if data is None:  # the server is shutting down
-                os._exit(0)
-            head, _, body = data.partition(b"\n")
-            program, expr = _loads(body)
-            return _job(program, expr, int(head))
-        except BaseException as e:
+            _files(slot, devnull)
+            pid = CLONE_JOB()  # pid 2, ahead of its bytes: starting it is one pipe write
+            if pid < 0:
+                raise OSError("the job could not be forked")
+        except BaseException:
+            os._exit(70)
+        if pid == 0:
             try:
-                _write_all(RESULT_FD, _encode("crashed", None, "confinement: " + _describe(e)))
-            finally:
-                os._exit(0)
-    os.close(job_r)  # its job_w and res_r stay: it never uses them
-    code = 70
-    try:
-        _, status = os.waitpid(pid, 0)
-        if SLOTS is not None:  # what the job wrote: up to the file offset it shares
-            end = os.lseek(RESULT_FD, 0, os.SEEK_CUR)
-            _write_all(res_w, os.pread(RESULT_FD, min(end, RESULT_CAP), 0))
-        code = os.waitstatus_to_exitcode(status)
-    finally:
-        os._exit(128 - code if code < 0 else min(code, 127))
+                for fd in (job_w, res_r, res_w, devnull):
+                    os.close(fd)
+                if SLOTS is not None:
+                    os.chroot(SLOTS[slot])
+                    os.chdir("/")
+                _confine()
+                data = _read_job(job_r)
+                if data is None:  # the server is shutting down
+                    os._exit(0)
+                head, _, body = data.partition(b"\n")
+                program, expr = _loads(body)
+                return _job(program, expr, int(head))
+            except BaseException as e:
+                try:
+                    _write_all(RESULT_FD, _encode("crashed", None, "confinement: " + _describe(e)))
+                finally:
+                    os._exit(0)
+        try:
+            _, status = os.waitpid(pid, 0)
+            code = os.waitstatus_to_exitcode(status)
+            left = min(os.lseek(RESULT_FD, 0, os.SEEK_CUR), RESULT_CAP)
+            _write_all(res_w, b"%d %d\n" % (128 - code if code < 0 else min(code, 127), left))
+            offset = 0
+            while left > 0 and (n := os.sendfile(res_w, RESULT_FD, offset, left)) > 0:
+                offset, left = offset + n, left - n
+            if left > 0:
+                raise OSError("the result file shrank")
+            os.closerange(0, 4)
+            renew = SLOTS is not None  # what the job left is discarded whole
+            if renew and (
+                UMOUNT(SLOT_PATHS[slot], 2) != 0
+                or MOUNT(b"tmpfs", SLOT_PATHS[slot], b"tmpfs", SLOT_FLAGS, SLOT_OPTIONS) != 0
+            ):
+                raise OSError("the slot's tmpfs could not be renewed")
+        except BaseException:
+            os._exit(70)
 
 
 def _zygote() -> Any:
@@ -391,7 +416,7 @@ def _sever(collector: Any, hide: frozenset[str]) -> None:
 
 #: Rebound into the zygote's namespace, in this order.
 _FUNCTIONS = (
-    _describe, _encode, _write_all, _verdict, _runner, _confine, _read_job, _job, _init,
+    _describe, _encode, _write_all, _verdict, _runner, _confine, _read_job, _job, _files, _init,
     _zygote, _forget, _sever,
 )  # fmt: skip
 

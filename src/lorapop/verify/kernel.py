@@ -46,6 +46,7 @@ CLONE_NEWNET = 0x40000000
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
 _MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = 32, 4096, 1 << 14, 1 << 18
 _MNT_DETACH = 2
+_SLOT_FLAGS = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC
 _PR_SET_PDEATHSIG, _PR_SET_DUMPABLE, _PR_SET_SECCOMP = 1, 4, 22
 _SECCOMP_MODE_FILTER = 2
 _CAP_VERSION_3 = 0x20080522
@@ -148,6 +149,19 @@ class JobKernel:
             flags = ctypes.c_ulong(self.clone_flags)
             clone_init = functools.partial(syscall, nr, flags, z, z, z, z)
             fork_job = functools.partial(syscall, nr, ctypes.c_ulong(signal.SIGCHLD), z, z, z, z)
+        clone_job = fork_job
+        number3 = _sysno("clone3")
+        if self.clone_flags & CLONE_NEWPID and number3 is not None:
+            # clone3 with set_tid: each job of an init is pid 2 (the init holds
+            # CAP_CHECKPOINT_RESTORE in its user namespace), so pids never count jobs.
+            tid = (ctypes.c_int * 1)(2)
+            args = (ctypes.c_uint64 * 11)()
+            args[4] = signal.SIGCHLD  # exit_signal
+            args[8], args[9] = ctypes.addressof(tid), 1  # set_tid, set_tid_size
+            clone_job = functools.partial(
+                syscall, ctypes.c_long(number3), args, ctypes.c_size_t(ctypes.sizeof(args))
+            )
+            clone_job.keep = tid  # type: ignore[attr-defined]
         pair = ctypes.c_ulong * 2
         job_filter = None
         if self.job_filter:
@@ -160,6 +174,11 @@ class JobKernel:
         return {
             "CLONE_INIT": clone_init,
             "FORK_JOB": fork_job,
+            "CLONE_JOB": clone_job,
+            "UMOUNT": _libc.umount2,
+            "MOUNT": _libc.mount,
+            "SLOT_FLAGS": ctypes.c_ulong(_SLOT_FLAGS),
+            "SLOT_OPTIONS": JOB_TMPFS.encode(),
             "PRCTL": _libc.prctl,
             "SETRLIMIT": _libc.setrlimit,
             "RLIMIT_PAIR": pair,
@@ -188,7 +207,7 @@ class JobKernel:
 
 
 def _mount_slot(slot_dir: str) -> None:
-    mount("tmpfs", slot_dir, "tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, JOB_TMPFS)
+    mount("tmpfs", slot_dir, "tmpfs", _SLOT_FLAGS, JOB_TMPFS)
 
 
 def _enter_user_ns(info: dict) -> bool:
@@ -283,7 +302,7 @@ JOB_SYSCALLS: tuple[str, ...] = (
 SERVER_SYSCALLS: tuple[str, ...] = (
     "pipe", "pipe2", "poll", "ppoll", "select", "pselect6", "epoll_create", "epoll_create1",
     "epoll_ctl", "epoll_wait", "epoll_pwait", "epoll_pwait2", "setpgid", "capset", "wait4",
-    "waitid", "pidfd_open", "pidfd_getfd", "mount", "umount2", "chroot",
+    "waitid", "pidfd_open", "pidfd_getfd", "mount", "umount2", "chroot", "memfd_create",
 )  # fmt: skip
 #: The server's whole allow-list (the jobs' and its own).
 ALLOWED_SYSCALLS = JOB_SYSCALLS + SERVER_SYSCALLS
@@ -296,7 +315,6 @@ def _filter(sc, names: tuple[str, ...]):  # noqa: ANN001, ANN202 - pyseccomp, it
             f.add_rule(sc.ALLOW, name)
     for request in (0x5401, 0x5450, 0x5451, 0x5421):  # TCGETS, FIONCLEX, FIOCLEX, FIONBIO
         f.add_rule(sc.ALLOW, "ioctl", sc.Arg(1, sc.EQ, request))
-    f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")  # so libc falls back to clone
     # times() reports ticks since boot, which no time namespace offsets; refused, libc would
     # hand back an unfilled struct, so the job is killed instead (SIGSYS: crashed).
     f.add_rule(sc.KILL_PROCESS, "times")
@@ -306,6 +324,7 @@ def _filter(sc, names: tuple[str, ...]):  # noqa: ANN001, ANN202 - pyseccomp, it
 def _seccomp_filter(sc, clone_flags: int):  # noqa: ANN001, ANN202 - pyseccomp, its filter
     """The server's allow-list, inherited by the zygote, the inits and the jobs."""
     f = _filter(sc, ALLOWED_SYSCALLS)
+    f.add_rule(sc.ALLOW, "clone3")  # an init's job (set_tid); jobs' own filter refuses it
     # PDEATHSIG may be set to SIGKILL only: nobody can clear it (an init dies with the server).
     f.add_rule(sc.ALLOW, "prctl", sc.Arg(0, sc.EQ, _PR_SET_PDEATHSIG), sc.Arg(1, sc.EQ, 9))
     f.add_rule(sc.ALLOW, "prctl", sc.Arg(0, sc.EQ, _PR_SET_SECCOMP))  # only ever adds rules
@@ -317,6 +336,7 @@ def _seccomp_filter(sc, clone_flags: int):  # noqa: ANN001, ANN202 - pyseccomp, 
 def _job_filter(sc) -> bytes:  # noqa: ANN001 - pyseccomp
     """The jobs' allow-list as a BPF program, which each job loads before its code runs."""
     f = _filter(sc, JOB_SYSCALLS)
+    f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")  # so libc falls back to clone (refused)
     r, w = os.pipe()
     try:
         with os.fdopen(w, "wb", closefd=False) as out:

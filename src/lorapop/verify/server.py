@@ -71,17 +71,14 @@ class ServerConfig:
 @dataclass
 class _Child:
     pid: int  # the init's
-    pidfd: int
-    fd: int | None  # read end of the result pipe
-    job_fd: int | None  # write end of the job pipe, until the job is sent
+    fd: int | None  # read end of its result pipe
+    job_fd: int | None  # write end of its job pipe
     slot: int  # index of its tmpfs slot
     job_id: bytes = b""
     limit: float = 0.0  # the job's wall-clock limit, seconds
     start: float = 0.0
     deadline: float = float("inf")
-    watched: bool = False  # its pidfd is in the selector
     data: bytearray = field(default_factory=bytearray)
-    flooded: bool = False
 
 
 class Server:
@@ -93,20 +90,20 @@ class Server:
         self.zygote, self.ctl, self.report = zygote, ctl, report
         self.sel = selectors.DefaultSelector()
         self.pending: deque[tuple[bytes, float, bytes]] = deque()  # (id, limit, job bytes)
-        self.idle: list[_Child] = []  # made and confined, waiting for a job
-        self.asked = 0  # children asked of the zygote, not reported yet
-        self.running: dict[int, _Child] = {}  # pid -> child
-        self.spare = max(cfg.workers, SPARE)  # idle children after a refill
-        self.free = list(range(cfg.workers + self.spare))  # slots: one per live child
+        self.idle: list[_Child] = []  # inits waiting for a job (each one's job forked ahead)
+        self.asked = 0  # inits asked of the zygote, not reported yet
+        self.running: dict[int, _Child] = {}  # pid -> init
+        self.free = list(range(cfg.workers + max(cfg.workers, SPARE)))  # a slot per live init
+        self.cap = 8 * cfg.limits.max_output_chars + _SLACK
         self.inbuf = bytearray()
         self.repbuf = b""
         self.outbuf: list[bytes] = []
         self.closing = False
 
-    # --- children ---------------------------------------------------------------------------
+    # --- inits ------------------------------------------------------------------------------
     def _ask(self) -> None:
-        """Ask the zygote for children up to `spare` idle ones (one per free slot)."""
-        n = min(self.spare - len(self.idle) - self.asked, len(self.free))
+        """Ask the zygote for inits up to `workers` idle ones (one per free slot)."""
+        n = min(self.cfg.workers - len(self.idle) - self.asked, len(self.free))
         if n <= 0:
             return
         slots = [self.free.pop() for _ in range(n)]
@@ -125,30 +122,30 @@ class Server:
             if pid < 0:
                 self._release(slot)
                 continue
-            pidfd = os.pidfd_open(pid)
+            fds: list[int] = []
             try:
-                job_fd = self.kernel.getfd(pidfd, job_w)
+                pidfd = os.pidfd_open(pid)
                 try:
-                    res_fd = self.kernel.getfd(pidfd, res_r)
-                except OSError:
-                    os.close(job_fd)
-                    raise
+                    for fd in (job_w, res_r):
+                        fds.append(self.kernel.getfd(pidfd, fd))
+                finally:
+                    os.close(pidfd)
             except OSError:  # it died already
-                self._discard(_Child(pid, pidfd, None, None, slot))
+                for fd in fds:
+                    os.close(fd)
+                self._discard(_Child(pid, None, None, slot))
                 continue
-            self.idle.append(_Child(pid, pidfd, res_fd, job_fd, slot))
+            self.idle.append(_Child(pid, fds[1], fds[0], slot))
 
     def _start(self, job_id: bytes, limit: float, data: bytes) -> bool:
         """Hand a job to an idle init; False when none is idle (the job waits). An init that
-        died idle is replaced (never reused)."""
+        died idle is replaced."""
         while self.idle:
-            run = self.idle.pop(0)
+            run = self.idle.pop()
             try:
                 view = memoryview(b"%d\n" % len(data) + data)
-                while view:  # blocking: the init is reading
+                while view:  # blocking: the job is reading
                     view = view[os.write(run.job_fd, view) :]  # type: ignore[arg-type]
-                os.close(run.job_fd)  # type: ignore[arg-type]
-                run.job_fd = None
             except OSError:
                 self._discard(run)
                 continue
@@ -161,18 +158,20 @@ class Server:
             return True
         return False
 
-    def _discard(self, run: _Child) -> None:
-        """Kill and reap an init that never got (or will never get) a job."""
+    def _discard(self, run: _Child) -> int:
+        """Kill and reap an init, close our ends, renew its slot; its wait status."""
         self._kill(run)
-        os.waitpid(run.pid, 0)
-        for fd in (run.fd, run.job_fd, run.pidfd):
+        _, status = os.waitpid(run.pid, 0)
+        for fd in (run.fd, run.job_fd):
             if fd is not None:
                 os.close(fd)
+        run.fd = run.job_fd = None
         self._release(run.slot)
+        return status
 
     def _release(self, slot: int) -> None:
-        """Return a dead child's slot, with a fresh tmpfs (a slot that cannot get one is
-        dropped: the server runs on with fewer idle children)."""
+        """Return a dead init's slot, with a fresh tmpfs (a slot that cannot get one is
+        dropped: the server runs on with fewer inits)."""
         if self.slots is not None:
             try:
                 self.kernel.new_slot(self.slots[slot])
@@ -180,70 +179,82 @@ class Server:
                 return
         self.free.append(slot)
 
-    def _close_fd(self, run: _Child) -> None:
-        if run.fd is not None:
-            self.sel.unregister(run.fd)
-            os.close(run.fd)
-            run.fd = None
-
-    def _exited(self, run: _Child) -> None:
-        """The result pipe is closed: reap the init now if it is gone, else wait on its pidfd."""
-        pid, status = os.waitpid(run.pid, os.WNOHANG)
-        if pid:
-            self._finish(run, status, timed_out=False)
-        elif not run.watched:  # readable when the init exits
-            run.watched = True
-            self.sel.register(run.pidfd, selectors.EVENT_READ, (run,))
-
-    def _reap(self, run: _Child) -> None:
-        """Collect an exited init: drain its pipe and send its verdict."""
-        _, status = os.waitpid(run.pid, 0)
-        while run.fd is not None and not run.flooded:  # the writer is gone: read to EOF
-            if not self._read_child(run):
-                self._close_fd(run)
-        self._finish(run, status, timed_out=False)
-
     def _kill(self, run: _Child) -> None:
         with contextlib.suppress(OSError):
             os.kill(run.pid, signal.SIGKILL)  # its pid namespace, and so its job, dies with it
 
-    def _finish(self, run: _Child, wait_status: int | None, timed_out: bool) -> None:
-        self._close_fd(run)
-        if run.watched:
-            self.sel.unregister(run.pidfd)
-        os.close(run.pidfd)
+    def _read_child(self, run: _Child) -> None:
+        """Read what is there: a whole `<exit code> <length>\\n` + result ends the job (the
+        init runs the next); EOF is the init's death, too many bytes a flood."""
+        try:
+            chunk = os.read(run.fd, 1 << 16)  # type: ignore[arg-type]
+        except BlockingIOError:
+            return
+        if not chunk:
+            self._dead(run, "")
+            return
+        run.data += chunk
+        end = run.data.find(b"\n")
+        if end < 0 or len(run.data) > self.cap + 64:
+            if len(run.data) > self.cap + 64:
+                self._dead(run, "flood")
+            return
+        code, length = map(int, bytes(run.data[:end]).split())
+        if len(run.data) < end + 1 + length:
+            return
+        if len(run.data) > end + 1 + length:  # more than one result: a job forged this
+            self._dead(run, "flood")
+            return
+        if length > self.cap:  # the init forwards one byte more than the cap: a flood
+            self._stop(run)
+            self.idle.append(run)
+            self._send_verdict(run, self._verdict(run, code, "flood"), b"")
+            run.data = bytearray()
+            return
+        self._stop(run)
+        self.idle.append(run)
+        self._send_verdict(run, self._verdict(run, code, ""), bytes(run.data[end + 1 :]))
+        run.data = bytearray()
+
+    def _stop(self, run: _Child) -> None:
+        self.sel.unregister(run.fd)  # type: ignore[arg-type]
         del self.running[run.pid]
-        self._release(run.slot)
-        verdict = self._verdict(run, wait_status, timed_out)
+
+    def _dead(self, run: _Child, why: str) -> None:
+        """A running init ended or is ended (`why`: "", "timeout" or "flood")."""
+        self._stop(run)
+        status = self._discard(run)
+        code = None
+        if os.WIFSIGNALED(status) and why == "":
+            code = 128 + os.WTERMSIG(status)
+        self._send_verdict(run, self._verdict(run, code, why or "died"), b"")
+
+    def _send_verdict(
+        self, run: _Child, verdict: tuple[str, None, str] | None, body: bytes
+    ) -> None:
         duration = time.monotonic() - run.start
         if verdict is None:  # exited normally with a result: pass the job's bytes on
-            self._send(run.job_id, bytes(run.data), duration)
+            self._send(run.job_id, body, duration)
         else:
             self._send(run.job_id, encode_result(*verdict, duration), duration)
 
-    def _verdict(
-        self, run: _Child, wait_status: int | None, timed_out: bool
-    ) -> tuple[str, None, str] | None:
+    def _verdict(self, run: _Child, code: int | None, why: str) -> tuple[str, None, str] | None:
         """The server's (status, output, error) for a job without a result of its own. An init
-        exits with its job's status (128 + the signal that killed it)."""
+        reports its job's exit code (128 + the signal that killed it)."""
         limit = run.limit
-        if timed_out:
+        if why == "timeout":
             return "timeout", None, f"exceeded {limit:g} s"
-        if run.flooded:
+        if why == "flood":
             return "output_too_large", None, "result flood"
-        sig = code = None
-        if wait_status is not None and os.WIFSIGNALED(wait_status):
-            sig = os.WTERMSIG(wait_status)
-        elif wait_status is not None and os.WIFEXITED(wait_status):
-            code = os.WEXITSTATUS(wait_status)
-            if code >= 128:
-                sig, code = code - 128, None
+        if code is None:
+            return "crashed", None, "the job's init died"
+        sig = code - 128 if code >= 128 else None
         if sig == signal.SIGXCPU:
             return "timeout", None, f"CPU time over {limit:g} s"
         if sig is not None:
             name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else sig
             return "crashed", None, f"killed by signal {name}"
-        if run.data:
+        if run.data.partition(b"\n")[2]:
             return None
         return "crashed", None, f"exited ({code}) without a result"
 
@@ -268,29 +279,12 @@ class Server:
             self.pending.append((job_id, float(limit), data))
         return True
 
-    def _read_child(self, run: _Child) -> bool:
-        """Read what is there; False when nothing was (would block)."""
-        cap = 8 * self.cfg.limits.max_output_chars + _SLACK
-        try:
-            chunk = os.read(run.fd, 1 << 16) if run.fd is not None else b""
-        except BlockingIOError:
-            return False
-        if not chunk:
-            self._close_fd(run)
-            return True
-        run.data += chunk
-        if len(run.data) > cap:
-            run.flooded = True
-            self._kill(run)
-            self._close_fd(run)
-        return True
-
     def _shutdown(self) -> None:
         self.closing = True
         self.sel.unregister(0)
         self.pending.clear()
         for run in list(self.running.values()):
-            self._kill(run)
+            self._dead(run, "timeout")
         while self.idle:
             self._discard(self.idle.pop())
 
@@ -305,7 +299,7 @@ class Server:
                     break
                 self.pending.popleft()
             if open_stdin and len(self.idle) + self.asked < workers:
-                self._ask()  # in a burst: the zygote's forks in a row share their costs
+                self._ask()
             if self.outbuf:
                 self._flush()
             now = time.monotonic()
@@ -318,23 +312,16 @@ class Server:
                         self._shutdown()
                 elif key.data == "report":
                     self._reported()
-                elif isinstance(key.data, tuple):  # a pidfd: the init exited
-                    if key.data[0].pid in self.running:
-                        self._reap(key.data[0])
                 elif key.data.pid in self.running:
                     self._read_child(key.data)
-                    if key.data.fd is None:  # EOF, or a flood (killed)
-                        self._exited(key.data)
             now = time.monotonic()
             for run in list(self.running.values()):
                 if now > run.deadline:
-                    self._kill(run)
-                    _, status = os.waitpid(run.pid, 0)
-                    self._finish(run, status, timed_out=True)
+                    self._dead(run, "timeout")
         if self.outbuf:
             self._flush()
         os.close(self.ctl)  # the zygote exits
-        while self.asked:  # inits it made meanwhile see EOF on their job pipe, or are killed
+        while self.asked:  # inits it made meanwhile are killed
             try:
                 self._reported()
             except SystemExit:
@@ -381,7 +368,7 @@ def main() -> object:
     os.environ.clear()
     os.environ.update({"PATH": os.defpath, "LC_ALL": "C.UTF-8"})
     limits = cfg.limits
-    fsize = 16 << 20 if slots is not None else 0
+    fsize = 16 << 20  # the job's tmpfs (or, without one, its anonymous result file)
     rlimits = [
         (resource.RLIMIT_FSIZE, fsize, fsize),
         (resource.RLIMIT_CORE, 0, 0),
@@ -396,6 +383,7 @@ def main() -> object:
     cap = 8 * limits.max_output_chars + _SLACK
     values.update(
         SLOTS=None if slots is None else tuple(slots),
+        SLOT_PATHS=None if slots is None else tuple(d.encode() for d in slots),
         STREAMS=child.streams(),
         MAIN=child.job_main(),
         MAX_OUTPUT=limits.max_output_chars,
