@@ -185,16 +185,22 @@ def _runner(program: object, expr: object) -> Any:
 
 
 def _confine() -> None:
-    """In the job (pid 2), while it waits for its bytes: limits, no capabilities, the job's
-    seccomp filter."""
+    """In the job (pid 2), while it waits for its bytes: limits, no capabilities (the jobs'
+    seccomp filter is its init's, but without a private tmpfs)."""
     os.setpgid(0, 0)
     for which, value in RLIMITS:
         if SETRLIMIT(which, value) != 0:
             raise OSError("setrlimit")
     if DROP_CAPS and CAPSET(CAP_HDR, CAP_DATA) != 0:
         raise OSError("capset")
+    if SLOTS is None:
+        _load_filter()
+
+
+def _load_filter() -> None:
+    """The jobs' seccomp filter, on top of the server's."""
     if JOB_FILTER is not None and PRCTL(22, 2, JOB_FILTER, 0, 0) != 0:  # PR_SET_SECCOMP
-        raise OSError("job seccomp filter")
+        raise OSError("the jobs' seccomp filter")
 
 
 def _read_job(fd: int) -> bytes | None:
@@ -263,6 +269,8 @@ def _init(slot: int) -> Any:
         os.closerange(0, PIPE_FDS[0])  # the zygote's pipes, 0-3
         os.closerange(devnull + 1, 1 << 16)
         os.chdir("/")
+        if SLOTS is not None:
+            _load_filter()
     except BaseException:
         os._exit(70)
     while True:
@@ -416,7 +424,8 @@ def _sever(collector: Any, hide: frozenset[str]) -> None:
 
 #: Rebound into the zygote's namespace, in this order.
 _FUNCTIONS = (
-    _describe, _encode, _write_all, _verdict, _runner, _confine, _read_job, _job, _files, _init,
+    _describe, _encode, _write_all, _verdict, _runner, _confine, _load_filter, _read_job, _job,
+    _files, _init,
     _zygote, _forget, _sever,
 )  # fmt: skip
 

@@ -333,10 +333,18 @@ def _seccomp_filter(sc, clone_flags: int):  # noqa: ANN001, ANN202 - pyseccomp, 
     return f
 
 
+#: What an init needs beyond `JOB_SYSCALLS`: each init loads the jobs' filter once, before its
+#: first job, with these; a job holds no capability (mount, chroot, clone3's set_tid), no child
+#: (wait4) and no process to spare (RLIMIT_NPROC) for them. (Without a private tmpfs each job
+#: loads the filter itself: its init makes an anonymous file and forks with clone for it.)
+INIT_SYSCALLS: tuple[str, ...] = (
+    "clone3", "wait4", "mount", "umount2", "chroot", "capset", "setpgid",
+)  # fmt: skip
+
+
 def _job_filter(sc) -> bytes:  # noqa: ANN001 - pyseccomp
-    """The jobs' allow-list as a BPF program, which each job loads before its code runs."""
-    f = _filter(sc, JOB_SYSCALLS)
-    f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")  # so libc falls back to clone (refused)
+    """The jobs' allow-list as a BPF program, which each init loads before its first job."""
+    f = _filter(sc, JOB_SYSCALLS + INIT_SYSCALLS)
     r, w = os.pipe()
     try:
         with os.fdopen(w, "wb", closefd=False) as out:
