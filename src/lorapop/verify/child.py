@@ -10,10 +10,12 @@ or module of this package remains in a job's image.
 For each child slot the server asks for, the zygote clones an *init*: pid 1 of a new pid
 namespace whose parent is the server (CLONE_PARENT), so the server reaps and kills it
 directly. The init dies with the server (PDEATHSIG, which the seccomp filter lets nobody
-clear; the kernel then kills its whole pid namespace), moves into its slot's tmpfs, makes
-fds 0-3 fresh files there, waits for its job on a pipe, then forks the job as pid 2 (signals a
-job sends itself act as in CPython), waits for it, and forwards the job's result bytes (fd 3)
-on its result pipe. The job never holds a pipe, nor any file outside its tmpfs.
+clear; the kernel then kills its whole pid namespace) and runs its slot's jobs one after
+another: for each it makes fds 0-3 new files in the slot's tmpfs, forks the job as pid 2
+(clone3 with set_tid; signals a job sends itself act as in CPython) before its bytes come,
+waits for it, forwards its result (fd 3) with the kernel's sendfile, and gives the slot a new
+tmpfs. The job reads its own bytes, chroots into the tmpfs and drops its capabilities; it
+never holds a pipe, nor any file outside its tmpfs, and the init never holds a job's bytes.
 
 The job's code runs from the interpreter's bottom frame: every function here returns into the
 server's `-c` script before the job's code starts (`BOOT`), so frames, tracebacks and the

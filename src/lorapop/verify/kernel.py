@@ -1,29 +1,34 @@
 """The kernel's side of the sandbox: namespaces, a minimal filesystem view, seccomp, Landlock.
 
 The fork server (`lorapop.verify.server`) calls `confine_server` once, after its imports and
-before its first child; everything here is inherited by the children or cheap per child
-(`JobKernel`). Model text is assumed to reach any Python object in a job (frame walks,
-`object.__subclasses__()`, the ctypes functions bound below), so every layer is enforced by the
-kernel, never by hiding names:
+before its zygote; everything here is inherited by the zygote, the inits and the jobs, or
+cheap per job (`JobKernel`). Model text is assumed to reach any Python object in a job, so every
+layer is enforced by the kernel, never by hiding names:
 
 - user namespace with a private uid map: jobs run as uid/gid 1000 inside; outside they are the
   caller's uid (not root) or, when the caller is root, `UID_BASE + the server's pid` (a uid no
-  other live fork server of this pid namespace has). Children drop every capability before
-  their job.
-- network, IPC and UTS namespaces (no interfaces up: no network; no shared SysV objects).
-- time namespace: the monotonic and boot-time clocks of the second (determinism) server are
-  offset by `CLOCK_SKEW_S`, so a result that depends on them differs between the two runs.
+  other live fork server of this pid namespace has). Jobs drop every capability.
+- network, IPC and UTS namespaces (no interfaces up: no network; no shared SysV objects; the
+  host name is `HOSTNAME` on every node).
+- time namespace: the monotonic and boot-time clocks of the children are offset by an amount
+  the caller draws at random and writes itself (no process of the sandbox knows it); the
+  determinism server's are `CLOCK_SKEW_S` further, so a result that depends on them differs
+  between the two runs.
 - a mount namespace whose root is an empty read-only tmpfs (the host's files are gone: the
-  server has imported all it needs), holding one size- and inode-limited tmpfs per child
-  slot; a child chroots into its slot, and the server remounts the slot after the job (the
-  kernel discards the old one; the server never walks it).
-- a pid namespace per job (`clone(CLONE_NEWPID)`): the job is pid 1 and sees no other process.
-- a seccomp allow-list (libseccomp through pyseccomp), loaded once in the server with
-  no_new_privs and inherited: no exec, no new namespaces, no sockets, no ptrace, keyctl, bpf,
-  perf, io_uring, no threads or forks. Calls the server needs and jobs must not make (mount,
-  chroot, clone of a pid namespace) require a capability that children have dropped.
+  server has imported all it needs), holding one size- and inode-limited tmpfs per slot; a job
+  chroots into its slot, whose tmpfs is renewed after each job (the kernel discards the old
+  one; nothing walks it).
+- a pid namespace per init (`clone(CLONE_NEWPID | CLONE_PARENT)`): its jobs are pid 2 and see
+  no other process; when the init dies (with the server: PDEATHSIG) the kernel kills them.
+- seccomp allow-lists (libseccomp through pyseccomp), with no_new_privs: the server's, loaded
+  once and inherited, and the jobs' (`JOB_SYSCALLS`), which each init adds: no exec, no new
+  namespaces, no sockets, pipes or polling, no ptrace, keyctl, bpf, perf, io_uring, no
+  threads or forks, no CPU number. PDEATHSIG may only be set to SIGKILL.
 - where no user namespace can be made (the kernel forbids unprivileged ones): Landlock
   forbids all file access instead, and the report says which layers are missing.
+
+ctypes stays in a job's image (the zygote's own calls use it) with emptied module globals; its
+C types can still call into libc, within the jobs' seccomp filter.
 """
 
 from __future__ import annotations

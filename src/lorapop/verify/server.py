@@ -4,15 +4,15 @@ Started by `Sandbox` as `python -S -c BOOT CONFIG` (`lorapop.verify.child.BOOT`)
 environment and its own PYTHONHASHSEED (children inherit the hash secret, so determinism
 needs two servers). It pre-imports its policy's modules once, enters the kernel's layers
 (`lorapop.verify.kernel`), then forks a zygote before it reads any job: the zygote drops
-everything of the server and makes each job's init (`lorapop.verify.child`), so a job's image
-holds nothing of other jobs or of the server's work. Inits are made ahead of their jobs (an
-idle init waits on its pipe), so starting a job is one pipe write and the forks overlap the
-jobs that are running. Each init runs exactly one job.
+everything of the server and makes one init per child slot (`lorapop.verify.child`), so a
+job's image holds nothing of other jobs or of the server's work. An init runs its slot's jobs
+one after another, each a new process forked before its bytes come, so starting a job is one
+pipe write; an init never reads a job's bytes nor its result (the kernel copies it).
 
-An init's parent is this process (CLONE_PARENT): it reaps them, kills them when their
-wall-clock limit passes (their pid namespace, and so their job, dies with them) and takes its
-ends of their pipes with pidfd_getfd. After a job the server remounts the slot's tmpfs (never
-walking what the job left). What this kernel allowed is in the hello line.
+An init's parent is this process (CLONE_PARENT): it kills an init when its job's wall-clock
+limit passes (its pid namespace, and so its job, dies with it), reaps it and renews its slot's
+tmpfs; it takes its ends of an init's pipes with pidfd_getfd. What this kernel allowed is in
+the hello line.
 
 Protocol (`lorapop.verify.wire`): stdout carries first, where a time namespace was made,
 `{"timens": true}` (the caller writes the children's clock offsets into /proc/PID/timens_offsets
@@ -20,7 +20,8 @@ and answers `go` on stdin: this process never knows them), then one JSON line
 `{"hello": {...}}`, then one frame `<id> <duration>` + result bytes per job, in completion order:
 the job's own bytes when it exited normally (the caller checks their shape), else the server's
 verdict (timeout, flood, killed by a signal, no result). stdin carries frames
-`<id> <wall-clock limit s>` + the job's bytes for its init, which the server passes on unread.
+`<id> <wall-clock limit s>` + the job's bytes, which the server passes on unread (as
+`<length>\n` + bytes) to the job. An init answers `<exit code> <length>\n` + the result.
 EOF on stdin shuts the server down (children are killed).
 """
 
