@@ -151,7 +151,8 @@ def cases() -> list[tuple[int, str, Job, set[Status], object]]:
         (13, "clear PDEATHSIG", Job(REACH + "def f():\n    return [libc().prctl(1, 0, 0, 0, 0), libc().prctl(1, 15, 0, 0, 0)]", "f()"), {S.OK}, "[-1, -1]"),
         (13, "sleep past the limit (signal.pause)", Job("import signal\ndef f():\n    signal.pause()", "f()", timeout_s=0.5), {S.TIMEOUT}, None),
         (13, "sleep past the limit, signals ignored", Job("import signal\ndef f():\n    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGALRM):\n        signal.signal(s, signal.SIG_IGN)\n    signal.pause()", "f()", timeout_s=0.5), {S.TIMEOUT}, None),
-        (13, "fork a survivor", Job(REACH + f"def f():\n    return [libc().syscall({nr('clone')}, 17, 0, 0, 0, 0), libc().syscall({nr('clone')}, 0x20008011, 0, 0, 0, 0)]", "f()"), {S.OK}, "[-1, -1]"),
+        (13, "fork a survivor", Job(REACH + f"def f():\n    args = (find('c_ulong') * 11)()\n    args[4] = 17\n    return [libc().syscall({nr('clone')}, 17, 0, 0, 0, 0), libc().syscall({nr('clone')}, 0x20008011, 0, 0, 0, 0), libc().syscall({nr('clone3')}, args, 88), libc().syscall({nr('unshare')}, 0x20000000)]", "f()"), {S.OK}, "[-1, -1, -1, -1]"),
+        (13, "remount or leave its tmpfs", Job(REACH + f"def f():\n    return [libc().umount2(b'/', 2), libc().mount(b'x', b'/', b'tmpfs', 0, None), libc().chroot(b'/tmp'), libc().syscall({nr('wait4')}, -1, 0, 0, 0)]", "f()"), {S.OK}, "[-1, -1, -1, -1]"),
         # --- 15: ways past the determinism check ----------------------------------------------
         (15, "host name", Job("import os\ndef f():\n    return os.uname().nodename", "f()", deterministic=True), {S.OK}, "'sandbox'"),
         (15, "argv and environment carry no clock offset", Job("import sys, os\ndef f():\n    return sys.argv, sys.orig_argv, sorted(getattr(os, 'envi' + 'ron'))", "f()", deterministic=True), {S.OK}, "(['-c'], ['python', '-c', ''], ['LC_ALL', 'PATH'])"),
