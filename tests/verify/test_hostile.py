@@ -1,10 +1,10 @@
 """Hostile programs: each gets a clear verdict, none reaches the host, the pool keeps serving.
 
-Cases are grouped by the class of attack they try (ten classes, and 0: the basic ones). Model text is assumed to reach any Python object, so many cases first walk the frames
-to the fork server's own objects (`reach`): the ctypes libc the server bound, its clock
-modules, its result encoder. Every case runs in one concurrent batch, interleaved with honest
-jobs; then the host is checked: no file changed or left behind, no process left, the same
-server alive, the honest neighbours exact.
+Cases are grouped by the class of attack they try (ten classes, 0: the earlier ones; the
+newer classes are in test_isolation.py). Model text is assumed to reach any Python object, so
+the kernel probes take ctypes from object's subclasses (`REACH`). Every case runs in one
+concurrent batch, interleaved with honest jobs; then the host is checked: no file changed or
+left behind, no process left, the same server alive, the honest neighbours exact.
 """
 
 from __future__ import annotations
@@ -25,21 +25,34 @@ from lorapop.verify.sandbox import MAX_ERROR_CHARS
 S = Status
 TOKEN = f"lorapop-escape-{uuid.uuid4().hex[:8]}"
 
-#: Defines reach(name): the nearest object of that name in the job's frames, locals first
-#: (run_child's `kernel` is the server's JobKernel; child.py's globals hold `time`, ...).
+#: Defines find(name), the first class of that name among object's subclasses, and libc() and
+#: clock(id) built from the C types of ctypes found that way: model text is assumed to reach
+#: any object, and `_ctypes` stays in a job's image (the zygote's own kernel calls use it), so
+#: the kernel layers are probed with a foreign-function interface in hand.
 REACH = """
-import sys
-def reach(name):
-    fr = sys._getframe()
-    while fr is not None:
-        if name in fr.f_locals:
-            return fr.f_locals[name]
-        if name in fr.f_globals:
-            return fr.f_globals[name]
-        fr = fr.f_back
+def find(name):
+    seen, stack = set(), [object]
+    while stack:
+        for s in type.__subclasses__(stack.pop()):
+            if s not in seen:
+                if s.__name__ == name:
+                    return s
+                seen.add(s)
+                stack.append(s)
     raise LookupError(name)
+class _Lib:
+    _handle = 0
+    def __getattr__(self, name):
+        class Fn(find('CFuncPtr')):
+            _flags_ = 1
+            _restype_ = find('c_int')
+        return Fn((name, self))
 def libc():
-    return type(reach('kernel')).__init__.__globals__['_libc']
+    return _Lib()
+def clock(which):
+    ts = (find('c_long') * 2)()
+    libc().clock_gettime(which, ts)
+    return ts[0] + ts[1] / 1e9
 """
 
 
@@ -49,7 +62,7 @@ def nr(name: str) -> int:
 
 @dataclass(frozen=True)
 class Case:
-    cls: int  # the class of attack (0: the basic cases)
+    cls: int  # issue 13's class of attack (0: the earlier cases)
     name: str
     job: Job
     want: frozenset[Status]
@@ -94,7 +107,7 @@ def hostile_cases(canaries: list[Path]) -> list[Case]:
         case(0, "kill own process group", "import os\ndef f():\n    os.killpg(0, 9)\n    return 1", {S.OK, S.CRASHED}),
         case(0, "os._exit", "import os\ndef f():\n    os._exit(0)", {S.CRASHED}),
         case(0, "os.abort", "import os\ndef f():\n    os.abort()", {S.CRASHED}),
-        case(0, "segfault via the server's ctypes", "def f():\n    return type(reach('kernel')).__init__.__globals__['ctypes'].string_at(0)", {S.CRASHED}, reach=True),
+        case(0, "segfault via ctypes", "def f():\n    return libc().strlen(0)", {S.CRASHED}, reach=True),
         case(0, "huge return value", "def f():\n    return 'x' * 10**6", {S.OUTPUT_TOO_LARGE}),
         case(0, "print flood", "def f():\n    for _ in range(10**5):\n        print('x' * 100)\n    return 1", {S.OK}, output="1"),
         case(0, "result pipe flood", "import os\ndef f():\n    while True:\n        os.write(3, b'x' * 65536)", {S.OUTPUT_TOO_LARGE}),
@@ -107,9 +120,9 @@ def hostile_cases(canaries: list[Path]) -> list[Case]:
         case(0, "hostile expr text", "def f(x):\n    return x", {S.SYNTAX_ERROR}, expr="f(1); import os"),
         # --- 1: uids shared between sandboxes: signal everything --------------------------
         case(1, "kill -1", "import os\ndef f():\n    try:\n        os.kill(-1, 9)\n    except OSError as e:\n        return e.errno\n    return 0", {S.OK}, output=lambda t: t in ("0", "3")),
-        case(1, "kill every pid", "import os\ndef f():\n    n = 0\n    for p in range(2, 1 << 15):\n        try:\n            os.kill(p, 9)\n            n += 1\n        except OSError:\n            pass\n    return n", {S.OK}, output="0"),
-        case(1, "kill every process group", "import os\ndef f():\n    n = 0\n    for g in range(2, 1 << 13):\n        try:\n            os.killpg(g, 9)\n            n += 1\n        except OSError:\n            pass\n    return n", {S.OK}, output="0"),
-        case(1, "kill the server", "import os\ndef f():\n    os.kill(os.getppid(), 9)\n    return os.getppid()", {S.OK}, output="0"),
+        case(1, "kill every pid", "import os\ndef f():\n    n = 0\n    for p in range(3, 1 << 15):\n        try:\n            os.kill(p, 9)\n            n += 1\n        except OSError:\n            pass\n    return n", {S.OK}, output="0"),
+        case(1, "kill every process group", "import os\ndef f():\n    n = 0\n    for g in range(3, 1 << 13):\n        try:\n            os.killpg(g, 9)\n            n += 1\n        except OSError:\n            pass\n    return n", {S.OK}, output="0"),
+        case(1, "kill the server (the job's init)", "import os\ndef f():\n    os.kill(os.getppid(), 9)\n    return os.getppid()", {S.OK}, output="1"),
         case(1, "kill the test process", f"import os\ndef f():\n    os.kill({me}, 9)", {S.RUNTIME_ERROR}),
         case(1, "kill via libc", f"def f():\n    return [libc().kill({me}, 9), libc().kill(-1, 9) * 0 - 1]", {S.OK}, output="[-1, -1]", reach=True),
         case(1, "private uid", "import os\ndef f():\n    return os.getresuid(), os.getresgid(), os.getgroups()", {S.OK}, output="((1000, 1000, 1000), (1000, 1000, 1000), [])"),
@@ -128,17 +141,17 @@ def hostile_cases(canaries: list[Path]) -> list[Case]:
              f"        c.syscall({nr('mknodat')}, -100, b'n', 0o20666, 0x103), c.syscall({nr('chown')}, b'/', 0, 0),\n"
              "    ]", {S.OK}, output=all_refused, reach=True),
         case(2, "sockets through the server's libc", f"def f():\n    return {sc}", {S.OK}, output=all_refused, reach=True),
-        case(2, "clone with the server's own flags", "def f():\n    return reach('kernel').fork()", {S.RUNTIME_ERROR}, reach=True),
+        case(2, "clone an init as the zygote does", f"def f():\n    return [libc().syscall({nr('clone')}, 0x20008011, 0, 0, 0, 0), libc().syscall({nr('clone')}, 17, 0, 0, 0, 0)]", {S.OK}, output=all_refused, reach=True),
         case(2, "raw clone of a new user namespace", f"def f():\n    return [libc().syscall({nr('clone')}, 0x10000000 | 17, 0, 0, 0, 0), libc().fork()]", {S.OK}, output=all_refused, reach=True),
         case(2, "unshare via os", "import os\ndef f():\n    return os.unshare(0x10000000)", {S.RUNTIME_ERROR}),
         case(2, "regain root", "import os\ndef f():\n    os.setuid(0)", {S.RUNTIME_ERROR}),
-        case(2, "raise own rlimits", "def f():\n    r = reach('resource')\n    r.setrlimit(r.RLIMIT_AS, (-1, -1))", {S.RUNTIME_ERROR}, reach=True),
+        case(2, "raise own rlimits", "def f():\n    big = (find('c_ulong') * 2)(2**64 - 1, 2**64 - 1)\n    return [libc().setrlimit(9, big), libc().setrlimit(6, big)]", {S.OK}, output=all_refused, reach=True),
         # --- 3: execve and forged verdicts from an exec'd shell ----------------------------
         case(3, "os.execv a shell", f"import os\ndef f():\n    os.execv('/bin/sh', ['sh', '-c', 'rm -f {cl}; echo ok 1 -1 0.0 >&3; echo 7 >&3'])", {S.RUNTIME_ERROR}),
         case(3, "execve through libc", f"def f():\n    return [libc().execve(b'/bin/sh', None, None), libc().syscall({nr('execveat')}, -100, b'/bin/sh', 0, 0, 0)]", {S.OK}, output=all_refused, reach=True),
         case(3, "os.system", f"import os\ndef f():\n    return os.system('echo x > {esc}; rm -f {cl}')", {S.OK, S.RUNTIME_ERROR}),
         case(3, "posix_spawn", f"import os\ndef f():\n    return os.posix_spawn('/bin/rm', ['rm', '{cl}'], {{}})", {S.RUNTIME_ERROR}),
-        case(3, "exec the server's python", "import os\ndef f():\n    os.execv(reach('sys').executable, ['python', '-c', 'print(1)'])", {S.RUNTIME_ERROR}, reach=True),
+        case(3, "exec python", "import os, sys\ndef f():\n    os.execv(sys.executable, ['python', '-c', 'print(1)'])", {S.RUNTIME_ERROR}),
         # --- 4: kill or stall the server through the work directory ------------------------
         case(4, "nested directories", "import os\ndef f():\n    n = 0\n    try:\n        while True:\n            os.mkdir('d')\n            os.chdir('d')\n            n += 1\n    except OSError as e:\n        return n, e.errno", {S.OK}, output=under(1100)),
         case(4, "150k directories", "import os\ndef f():\n    n = 0\n    try:\n        for i in range(150_000):\n            os.mkdir(f'd{i}')\n            n += 1\n    except OSError as e:\n        return n, e.errno", {S.OK}, output=under(1100)),
@@ -152,10 +165,10 @@ def hostile_cases(canaries: list[Path]) -> list[Case]:
         case(5, "a counter in a file", "def f():\n    try:\n        n = int(open('/counter').read())\n    except FileNotFoundError:\n        n = 0\n    open('/counter', 'w').write(str(n + 1))\n    return n + 1", {S.OK}, output="1", det=True),
         case(5, "/dev/shm of the host", f"def f():\n    open('/dev/shm/{TOKEN}', 'w').write('x')", {S.RUNTIME_ERROR}),
         # --- 6: results that vary between runs must differ between the two runs -------------
-        case(6, "identity", "import os\ndef f():\n    return os.getuid(), os.getgid(), os.getpid(), os.getppid(), os.getcwd(), sorted(getattr(os, 'envi' + 'ron').items()), os.listdir('/')", {S.OK}, det=True, output="(1000, 1000, 1, 0, '/', [('LC_ALL', 'C.UTF-8'), ('PATH', '/bin:/usr/bin')], [])"),
-        case(6, "monotonic clock in days", "def f():\n    return int(reach('time').monotonic()) // 86400", {S.NONDETERMINISTIC}, det=True, reach=True),
-        case(6, "boot-time clock in hours", "def f():\n    return int(reach('time').clock_gettime(7)) // 3600", {S.NONDETERMINISTIC}, det=True, reach=True),
-        case(6, "monotonic clock in years", "def f():\n    return int(reach('time').monotonic()) // (365 * 86400)", {S.NONDETERMINISTIC}, det=True, reach=True),
+        case(6, "identity", "import os\ndef f():\n    return os.getuid(), os.getgid(), os.getpid(), os.getppid(), os.getcwd(), sorted(getattr(os, 'envi' + 'ron').items()), os.listdir('/')", {S.OK}, det=True, output="(1000, 1000, 2, 1, '/', [('LC_ALL', 'C.UTF-8'), ('PATH', '/bin:/usr/bin')], [])"),
+        case(6, "monotonic clock in days", "def f():\n    return int(clock(1)) // 86400", {S.NONDETERMINISTIC}, det=True, reach=True),
+        case(6, "boot-time clock in hours", "def f():\n    return int(clock(7)) // 3600", {S.NONDETERMINISTIC}, det=True, reach=True),
+        case(6, "monotonic clock in years", "def f():\n    return int(clock(1)) // (365 * 86400)", {S.NONDETERMINISTIC}, det=True, reach=True),
         case(6, "an address", "def f():\n    return id(object()) // 4096", {S.NONDETERMINISTIC}, det=True),
         case(6, "a default repr", "class A:\n    pass\ndef f():\n    return repr(A())", {S.NONDETERMINISTIC}, det=True),
         case(6, "/proc/uptime", "def f():\n    return open('/proc/uptime').read().split()[0]", {S.RUNTIME_ERROR}, det=True),
@@ -180,7 +193,7 @@ def hostile_cases(canaries: list[Path]) -> list[Case]:
         case(9, "two results", "import os\ndef f():\n    os.write(3, b'ok 1 -1 0.0\\n1ok 1 -1 0.0\\n2')\n    os._exit(0)", {S.CRASHED}),
         case(9, "nan duration", "import os\ndef f():\n    os.write(3, b'ok 1 -1 nan\\n1')\n    os._exit(0)", {S.CRASHED}),
         case(9, "unknown status", "import os\ndef f():\n    os.write(3, b'pwned 1 -1 0.0\\n1')\n    os._exit(0)", {S.CRASHED}),
-        case(9, "forge with the child's encoder", "import os\ndef f():\n    os.write(3, reach('encode_result')('ok', 'x' * 50000, None, 0.0))\n    os._exit(0)", {S.OUTPUT_TOO_LARGE}, reach=True),
+        case(9, "forge, then return", "import os\ndef f():\n    os.write(3, b'ok 1 -1 0.0\\n7')\n    return 8", {S.CRASHED}),
         case(9, "forge, then hang", "import os\ndef f():\n    os.write(3, b'ok 2 -1 0.0\\n42')\n    while True:\n        pass", {S.TIMEOUT}),
     ]  # fmt: skip
 
@@ -266,9 +279,11 @@ def test_host_untouched(outcomes, canaries):
 def test_server_survived_and_no_process_left(outcomes, sandbox):
     _, _, _, (before, after, procs) = outcomes
     assert before == after and sandbox._servers[0].alive()
-    # Every process of the jobs' uid is the server or a child it keeps (idle, forked ahead).
+    # Every process of the jobs' uid is the server, its zygote, an idle init it keeps (made
+    # ahead), or such an init's job process (forked ahead, waiting for its bytes).
     assert before in procs
-    assert all(pid == before or ppid == before for pid, ppid in procs.items()), procs
+    kids = {pid for pid, ppid in procs.items() if ppid == before}
+    assert all(pid == before or ppid == before or ppid in kids for pid, ppid in procs.items())
 
 
 def test_pool_keeps_serving(outcomes, sandbox):

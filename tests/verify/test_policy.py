@@ -188,10 +188,13 @@ def test_job_limit_shorter_than_the_default():
     assert b.ok
 
 
-def test_job_limit_sets_the_cpu_rlimit(bench):
+def test_job_limit_sets_the_cpu_rlimit():
+    """(resource is the server's own module: a policy that lists it lets jobs import it.)"""
+    mine = Policy("rl", (), False, ("resource",), ("lorapop",))
     prog = "import resource as r\ndef f():\n    return r.getrlimit(r.RLIMIT_CPU)"
     jobs = [Job(prog, "f()", timeout_s=7.5), Job(prog, "f()"), Job(prog, "f()", timeout_s=0.2)]
-    assert [v.output for v in bench.run(jobs)] == ["(8, 9)", "(2, 3)", "(1, 2)"]
+    with Sandbox(workers=2, timeout_s=1.0, policy=mine) as sb:
+        assert [v.output for v in sb.run(jobs)] == ["(8, 9)", "(2, 3)", "(1, 2)"]
 
 
 def test_job_limit_on_cpu_bound_and_deterministic_jobs(sandbox):

@@ -37,7 +37,7 @@ def answers(srv: _Server, n: int, timeout: float = 20.0) -> list[tuple[int, dict
     while len(got) < n and time.monotonic() < deadline:
         frames = srv.read()
         assert frames is not None, "the server died"
-        got += [(rid, decode_result(data)) for rid, data in frames]
+        got += [(rid, decode_result(data)) for rid, _, data in frames]
     return got
 
 

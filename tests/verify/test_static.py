@@ -101,8 +101,12 @@ def test_threads_build_asts_one_at_a_time(monkeypatch):
         return real_parse(*args, **kwargs)
 
     monkeypatch.setattr(static.ast, "parse", slow_parse)
-    threads = [threading.Thread(target=lambda: [check("def f(x):\n    return x", f"f({i})")
-                                                for i in range(20)]) for _ in range(3)]
+    threads = [
+        threading.Thread(
+            target=lambda: [check("def f(x):\n    return x", f"f({i})") for i in range(20)]
+        )
+        for _ in range(3)
+    ]
     for t in threads:
         t.start()
     for t in threads:

@@ -83,7 +83,7 @@ def test_every_job_gets_a_fresh_process(sandbox):
         "    return seen, os.getpid(), os.getuid(), os.getcwd(), files"
     )
     verdicts = sandbox.run([Job(prog, "f()") for _ in range(24)])
-    assert {v.output for v in verdicts} == {"(None, 1, 1000, '/', [])"}
+    assert {v.output for v in verdicts} == {"(None, 2, 1000, '/', [])"}
 
 
 def test_a_job_cannot_reach_the_idle_children(sandbox):

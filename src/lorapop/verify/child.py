@@ -1,45 +1,73 @@
-"""What a forked job process does: confine itself, wait for its job, run it, report one result.
+"""A job's processes: the zygote that makes them, the job's init, and the job itself.
 
-Runs inside the fork server, after `fork()`. The server forks children ahead of time: each one
-confines itself (process group, fds, its tmpfs as root, capabilities, rlimits) with no job yet
-(`lorapop.verify.kernel` did the rest once in the server), then blocks
-reading its single job (code objects compiled by the caller) from fd 4, so a job starts with a
-pipe write instead of a fork. A failure to confine reports `crashed` without running the job.
-The result is length-prefixed text (never a pickle) written to fd 3 (`lorapop.verify.wire`);
-the server reads at most a capped amount and the caller trusts only its shape.
+The fork server (`lorapop.verify.server`) forks one zygote before it reads any job; the zygote
+never reads one either. Before its first child it drops everything of the server: every module
+the job may not import (the server's own tools, the policy's hidden ones, the references other
+modules keep to them), the import machinery's creators, the server's objects; the collector
+then frees them. What it keeps lives in one small namespace (`zygote_namespace`), so no class
+or module of this package remains in a job's image.
+
+For each child slot the server asks for, the zygote clones an *init*: pid 1 of a new pid
+namespace whose parent is the server (CLONE_PARENT), so the server reaps and kills it
+directly. The init dies with the server (PDEATHSIG, which the seccomp filter lets nobody
+clear; the kernel then kills its whole pid namespace) and runs its slot's jobs one after
+another: for each it makes fds 0-3 new files in the slot's tmpfs, forks the job as pid 2
+(clone3 with set_tid; signals a job sends itself act as in CPython) before its bytes come,
+waits for it, forwards its result (fd 3) with the kernel's sendfile, and gives the slot a new
+tmpfs. The job reads its own bytes, chroots into the tmpfs and drops its capabilities; it
+never holds a pipe, nor any file outside its tmpfs, and the init never holds a job's bytes.
+
+The job's code runs from the interpreter's bottom frame: every function here returns into the
+server's `-c` script before the job's code starts (`BOOT`), so frames, tracebacks and the
+recursion depth a job sees are those of a script. The result is length-prefixed text (never a
+pickle) that the caller parses as hostile bytes (`lorapop.verify.wire`).
 """
 
 from __future__ import annotations
 
 import builtins
+import contextlib
+import gc
 import io
+import marshal
 import os
 import pickle
-import resource
+import signal
 import sys
-import time
 import types
 from dataclasses import dataclass
-from types import CodeType
-from typing import NoReturn
-
-from lorapop.verify.kernel import JobKernel
-from lorapop.verify.wire import decode_job, encode_result
+from typing import Any
 
 RESULT_FD = 3
-JOB_FD = 4
-# Bound at import, so a program that rebinds builtins.repr or pickle.dumps cannot fake a result.
-_repr, _dumps, _str, _type, _len = repr, pickle.dumps, str, type, len
+#: Bytes of a job's tmpfs kept for its result (a job that fills the rest can still report).
+RESERVED = 1 << 16
+#: Where the zygote keeps its pipes (clear of 0-3, which a job's init makes its own).
+ZYGOTE_FDS = (100, 101, 102)  # control (server -> zygote), report (zygote -> server), lifeline
+#: Where an init holds its pipes: job read and write ends, result read and write ends.
+PIPE_FDS = (200, 201, 202, 203)
+_RLIMIT_CPU, _RLIMIT_FSIZE, _RLIMIT_NPROC, _RLIMIT_NOFILE, _RLIMIT_CORE, _RLIMIT_AS = (
+    0, 1, 6, 7, 4, 9,
+)  # fmt: skip
+_O_TMPFILE = getattr(os, "O_TMPFILE", 0o20200000)
 
-# The fork server pre-imports its policy's modules (`lorapop.verify.policy`); a job can import
-# those and nothing else (the import system is switched off in the child, which also makes
-# behaviour independent of which stdlib files the unprivileged user could read).
+#: The server's `-c` script. `main()` never returns in the server; the zygote gets its loop, a
+#: job its context manager. Each name is popped before use, so the frame below a job's code
+#: holds nothing of the server: the job's code runs at depth 2, as a script's body would.
+BOOT = """from lorapop.verify.server import main as _m
+_z = _m()
+del _m
+_w = globals().pop('_z')()
+with globals().pop('_w') as _o:
+    exec(_o[0], _o[1])
+    _o.append(eval(_o[2], _o[1]))
+__import__('os')._exit(70)
+"""
 
 
 @dataclass(frozen=True)
 class Limits:
     """Limits applied with setrlimit. `timeout_s` is the default; a job may carry its own (the
-    child sets RLIMIT_CPU once it has read its job)."""
+    job sets RLIMIT_CPU once its init has read it)."""
 
     timeout_s: float
     memory_mb: int
@@ -49,85 +77,51 @@ class Limits:
     isolate: bool = True
 
 
-class _CappedText(io.TextIOBase):
-    """A stdout/stderr that keeps the first `cap` characters and drops the rest."""
-
-    def __init__(self, cap: int) -> None:
-        self.cap, self.parts, self.size = cap, [], 0
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, s: str) -> int:
-        if not isinstance(s, str):
-            raise TypeError(f"write() argument must be str, not {type(s).__name__}")
-        if self.size < self.cap:
-            self.parts.append(s[: self.cap - self.size])
-            self.size += len(self.parts[-1])
-        return len(s)
+def cpu_limit(timeout_s: float) -> int:
+    """RLIMIT_CPU seconds for a wall-clock limit: a backstop above it (the server enforces the
+    wall clock; the soft limit's SIGXCPU reads as a timeout)."""
+    return int(timeout_s) + 1
 
 
-@dataclass(frozen=True)
-class Prepared:
-    """What every child of one server needs, built once in the server before it forks.
+# --- what runs in the zygote, its inits and jobs (rebound into `zygote_namespace`) ----------
 
-    Doing this work (and hiding modules, dropping import caches) in each child instead would
-    run more Python there, and every page a child writes costs a copy-on-write fault.
-    """
-
-    limits: Limits
-    rlimits: tuple[tuple[int, tuple[int, int]], ...]
-    devnull: int
-    streams: tuple[io.StringIO, _CappedText, _CappedText]  # each child mutates its own copy
-    importer: tuple[object, ...]  # the server's import state, which children unbind
-    main: types.ModuleType  # the job's __main__, already in sys.modules
-    server_main: object  # the server's own __main__, kept alive
-
-
-def prepare(limits: Limits, hidden: tuple[str, ...], devnull: int, tmpfs: bool) -> Prepared:
-    """Call once in the server, after its imports: hide the `hidden` top-level packages from
-    jobs, build the shared parts. RLIMIT_CPU is not among them: it depends on the job. With
-    `tmpfs` each job has its own (files up to its size); without, no file can grow."""
-    hide = frozenset(hidden)
-    for name in list(sys.modules):  # the server keeps its own references
-        if name.split(".")[0] in hide:
-            del sys.modules[name]
-    sys.path_importer_cache.clear()  # a cache: freeing it in each child would touch every entry
-    fsize = 16 << 20 if tmpfs else 0
-    rlimits = [
-        (resource.RLIMIT_FSIZE, (fsize, fsize)),
-        (resource.RLIMIT_CORE, (0, 0)),
-        (resource.RLIMIT_NOFILE, (limits.nofile, limits.nofile)),
-    ]
-    if limits.memory_mb > 0:
-        cap = limits.memory_mb << 20
-        rlimits.append((resource.RLIMIT_AS, (cap, cap)))
-    if limits.isolate:
-        # No fork or clone (seccomp refuses them too; this holds without it, while the server
-        # shares the uid).
-        rlimits.append((resource.RLIMIT_NPROC, (0, 0)))
-    cap = limits.max_stdout_chars
-    streams = (io.StringIO(""), _CappedText(cap), _CappedText(cap))
-    importer = (sys.meta_path, sys.path_hooks, sys.path_importer_cache, sys.path)
-    # A real module as __main__ (as `python prog.py` has), so dataclasses, pickle and
-    # `if __name__ == "__main__"` behave as in plain execution. Made here, not per child: making
-    # it and swapping sys.modules["__main__"] in a child costs ~30 page faults.
-    main = types.ModuleType("__main__")
-    main.__dict__["__builtins__"] = builtins
-    server_main, sys.modules["__main__"] = sys.modules.get("__main__"), main
-    return Prepared(limits, tuple(rlimits), devnull, streams, importer, main, server_main)
-
-
-def _confine(prep: Prepared, kernel: JobKernel, slot_dir: str | None) -> None:
-    os.setpgid(0, 0)
-    os.closerange(JOB_FD + 1, 1 << 16)
-    kernel.enter(slot_dir)
-    for which, value in prep.rlimits:
-        resource.setrlimit(which, value)
-    sys.stdin, sys.stdout, sys.stderr = prep.streams
-    # Import system off. Rebinding (not clearing) leaves the server's objects alone: freeing
-    # them here would write to every page they lie on. `prep.importer` keeps them alive.
-    sys.meta_path, sys.path_hooks, sys.path_importer_cache, sys.path = [], [], {}, []
+# Bound at import, so a program that rebinds builtins.repr or pickle.dumps cannot fake a result.
+_repr, _str, _type, _len = repr, str, type, len
+_dumps, _loads, _contextmanager = pickle.dumps, marshal.loads, contextlib.contextmanager
+# The rest of the zygote's namespace, bound by `zygote_namespace` from the server's values
+# (`lorapop.verify.kernel.JobKernel.values`, `lorapop.verify.server.main`); None here.
+CLONE_INIT: Any = None  # () -> pid: an init (pid 1 of a new pid namespace, the server's child)
+FORK_JOB: Any = None  # () -> pid: a plain child
+CLONE_JOB: Any = None  # () -> pid: a job, as pid 2 where the init is pid 1
+UMOUNT: Any = None  # umount2
+MOUNT: Any = None  # mount
+SLOT_PATHS: Any = None  # SLOTS as bytes
+SLOT_FLAGS: Any = None  # a slot's tmpfs: mount flags
+SLOT_OPTIONS: Any = None  # and options
+PRCTL: Any = None
+SETRLIMIT: Any = None
+RLIMIT_PAIR: Any = None  # a ctypes struct rlimit
+RLIMITS: Any = None  # the job's limits (but RLIMIT_CPU) as (which, RLIMIT_PAIR)
+CPU_HARD: Any = None  # RLIMIT_CPU's hard limit where the server started
+CAPSET: Any = None
+CAP_HDR: Any = None
+CAP_DATA: Any = None  # no capabilities
+DROP_CAPS: Any = None
+JOB_FILTER: Any = None  # the job's seccomp program (struct sock_fprog), or None
+SLOTS: Any = None  # each slot's tmpfs, or None without a private filesystem
+DEVNULL: Any = None  # the zygote's fd of /dev/null, for when there is no private tmpfs
+STREAMS: Any = None  # the job's sys.stdin, stdout, stderr
+MAIN: Any = None  # the job's __main__ module
+MAX_OUTPUT: Any = None  # a longer repr is output_too_large
+RESULT_CAP: Any = None  # result bytes an init forwards at most
+HIDE: Any = None  # top-level names of the modules the zygote drops
+RECURSION: Any = None  # the job's sys.getrecursionlimit, setrecursionlimit (`_recursion`)
+RECURSION_GET: Any = None  # the real sys.getrecursionlimit
+SIGNAL: Any = None  # signal.signal
+DEFAULT_INT: Any = None  # signal.default_int_handler
+RECURSION_SET: Any = None  # the real sys.setrecursionlimit
+_get: Any = None  # the real sys.getrecursionlimit, in `_recursion`'s functions
+_set: Any = None  # the real sys.setrecursionlimit, in `_recursion`'s functions
 
 
 def _describe(e: BaseException) -> str:
@@ -139,17 +133,23 @@ def _describe(e: BaseException) -> str:
         return "unprintable exception"
 
 
-def execute(
-    program: CodeType, expr: CodeType, ns: dict, max_output_chars: int
-) -> tuple[str, str | None, str | None]:
-    """Run `program` then `expr` in the namespace `ns`: (status, output repr, error)."""
-    try:
-        exec(program, ns)
-        value = eval(expr, ns)
-    except MemoryError:
-        return "memory", None, "MemoryError"
-    except BaseException as e:
-        return "runtime_error", None, _describe(e)
+def _encode(status: str, output: str | None, error: str | None) -> bytes:
+    """`lorapop.verify.wire.encode_result`'s format; the duration is the server's to measure."""
+    out = b"" if output is None else output.encode("utf-8", "surrogatepass")
+    err = b"" if error is None else error.encode("utf-8", "surrogatepass")
+    n_out = -1 if output is None else _len(out)
+    n_err = -1 if error is None else _len(err)
+    return f"{status} {n_out} {n_err} 0.0\n".encode() + out + err
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _verdict(box: list) -> tuple[str, str | None, str | None]:
+    value = box[3]
     try:
         _dumps(value)
     except MemoryError:
@@ -164,73 +164,363 @@ def execute(
         return "runtime_error", None, "repr: " + _describe(e)
     if _type(text) is not _str:
         return "runtime_error", None, "repr: not a str"
-    if _len(text) > max_output_chars:
-        return (
-            "output_too_large",
-            None,
-            f"repr has {_len(text)} characters (cap {max_output_chars})",
-        )
+    if _len(text) > MAX_OUTPUT:
+        return "output_too_large", None, f"repr has {_len(text)} characters (cap {MAX_OUTPUT})"
     return "ok", text, None
 
 
-def cpu_limit(timeout_s: float) -> int:
-    """RLIMIT_CPU seconds for a wall-clock limit: a backstop above it (the server enforces the
-    wall clock; the soft limit's SIGXCPU reads as a timeout)."""
-    return int(timeout_s) + 1
-
-
-def _limit_cpu(seconds: int) -> None:
-    """Soft limit `seconds`, hard one more; never above a hard limit the server inherited."""
-    hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
-    soft, new_hard = seconds, seconds + 1
-    if hard != resource.RLIM_INFINITY:
-        soft, new_hard = min(soft, hard), min(new_hard, hard)
-    resource.setrlimit(resource.RLIMIT_CPU, (soft, new_hard))
-
-
-def _read_job() -> tuple[CodeType, CodeType, int] | None:
-    """(program, expr, cpu seconds) the server writes to fd 4, then EOF; None when closed."""
-    parts = []
-    while chunk := os.read(JOB_FD, 1 << 16):
-        parts.append(chunk)
-    os.close(JOB_FD)
-    return decode_job(b"".join(parts)) if parts else None
-
-
-def run_child(
-    fds: tuple[int, int], prep: Prepared, kernel: JobKernel, slot_dir: str | None
-) -> NoReturn:
-    """Entry point right after fork(): `fds` = (result pipe write end, job pipe read end)."""
+def _runner(program: object, expr: object) -> Any:
+    """The job's context manager (a generator: no class of ours for a job to find): BOOT runs
+    the job inside it; whatever happens, the result goes to fd 3 and the process exits."""
+    box = [program, MAIN.__dict__, expr]
     try:
-        # Park the three fds above every fd we were given, then move them down: 0-2 /dev/null,
-        # 3 the result pipe, 4 the job pipe (the rest is closed before the job runs).
-        high = max(*fds, prep.devnull) + 1
-        for i, fd in enumerate((prep.devnull, *fds)):
-            os.dup2(fd, high + i)
-        for fd in (0, 1, 2, RESULT_FD, JOB_FD):
-            os.dup2(high + max(0, fd - 2), fd)
-        try:
-            _confine(prep, kernel, slot_dir)
-            failure = None
-        except BaseException as e:
-            failure = "confinement: " + _describe(e)
-        job = _read_job()
-        if job is None:  # the server is shutting down
-            os._exit(0)
-        program, expr, cpu = job
-        if failure is None:
-            try:
-                _limit_cpu(cpu)
-            except BaseException as e:
-                failure = "confinement: " + _describe(e)
-        if failure is not None:
-            data = encode_result("crashed", None, failure, 0.0)
-        else:
-            t0 = time.perf_counter()
-            res = execute(program, expr, prep.main.__dict__, prep.limits.max_output_chars)
-            data = encode_result(*res, time.perf_counter() - t0)
-        view = memoryview(data)
-        while view:
-            view = view[os.write(RESULT_FD, view) :]
+        yield box
+        res = _verdict(box)
+    except MemoryError:
+        res = "memory", None, "MemoryError"
+    except BaseException as e:
+        res = "runtime_error", None, _describe(e)
+    try:
+        _write_all(RESULT_FD, _encode(*res))
     finally:
         os._exit(0)
+
+
+def _confine() -> None:
+    """In the job (pid 2), while it waits for its bytes: limits, no capabilities (the jobs'
+    seccomp filter is its init's, but without a private tmpfs)."""
+    os.setpgid(0, 0)
+    for which, value in RLIMITS:
+        if SETRLIMIT(which, value) != 0:
+            raise OSError("setrlimit")
+    if DROP_CAPS and CAPSET(CAP_HDR, CAP_DATA) != 0:
+        raise OSError("capset")
+    if SLOTS is None:
+        _load_filter()
+
+
+def _load_filter() -> None:
+    """The jobs' seccomp filter, on top of the server's."""
+    if JOB_FILTER is not None and PRCTL(22, 2, JOB_FILTER, 0, 0) != 0:  # PR_SET_SECCOMP
+        raise OSError("the jobs' seccomp filter")
+
+
+def _read_job(fd: int) -> bytes | None:
+    """`<length>\\n` + the job's bytes, from the server; None when it closed the pipe."""
+    buf = b""
+    while b"\n" not in buf:
+        chunk = os.read(fd, 64)
+        if not chunk:
+            return None
+        buf += chunk
+    head, _, rest = buf.partition(b"\n")
+    parts, left = [rest], int(head) - len(rest)
+    while left > 0:
+        chunk = os.read(fd, left)
+        if not chunk:
+            return None
+        parts.append(chunk)
+        left -= len(chunk)
+    os.close(fd)
+    return b"".join(parts)
+
+
+def _job(program: object, expr: object, cpu: int) -> Any:
+    """The job's CPU limit and standard streams, then its context manager."""
+    hard = CPU_HARD
+    if SETRLIMIT(_RLIMIT_CPU, RLIMIT_PAIR(min(cpu, hard), min(cpu + 1, hard))) != 0:
+        raise OSError("setrlimit cpu")
+    sys.stdin, sys.stdout, sys.stderr = STREAMS
+    sys.__stdin__, sys.__stdout__, sys.__stderr__ = STREAMS
+    SIGNAL(2, DEFAULT_INT)  # SIGINT: KeyboardInterrupt, as in any script (the server ignores it)
+    sys.getrecursionlimit, sys.setrecursionlimit = RECURSION
+    RECURSION_SET(RECURSION_GET() + FRAMES_BELOW)
+    return _contextmanager(_runner)(program, expr)
+
+
+def _files(slot: int, devnull: int) -> None:
+    """fds 0-3 for the init's next job: 0-2 and the result file, each new, no names, in the
+    job's own tmpfs (without one: the server's null, and an anonymous file)."""
+    if SLOTS is None:
+        for fd in range(3):
+            os.dup2(devnull, fd)
+        if os.memfd_create("result") != RESULT_FD:
+            raise OSError("the result file is not fd 3")
+        return
+    for want in range(4):
+        if os.open(SLOTS[slot], _O_TMPFILE | os.O_RDWR, 0o600) != want:
+            raise OSError(f"fd {want} is taken")
+    os.posix_fallocate(RESULT_FD, 0, RESERVED)  # room for the result in a full tmpfs
+
+
+def _init(slot: int) -> Any:
+    """In a new init (pid 1 of the jobs' pid namespace; its parent is the server), holding
+    its pipes at PIPE_FDS. It runs jobs one at a time, each a new process forked as pid 2
+    before its bytes come; after each it sends `<exit code> <length>\\n` and the job's result
+    (the kernel copies it: no job's bytes enter this process) and gives the slot a new tmpfs.
+    Returns only in a job process: its context manager."""
+    job_r, job_w, res_r, res_w = PIPE_FDS
+    try:
+        PRCTL(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL: die with the server
+        try:
+            if os.read(ZYGOTE_FDS[2], 1) == b"":  # the server died before the line above
+                os._exit(0)
+        except BlockingIOError:
+            pass
+        devnull = os.dup2(DEVNULL, PIPE_FDS[3] + 1)
+        os.closerange(0, PIPE_FDS[0])  # the zygote's pipes, 0-3
+        os.closerange(devnull + 1, 1 << 16)
+        os.chdir("/")
+        if SLOTS is not None:
+            _load_filter()
+    except BaseException:
+        os._exit(70)
+    while True:
+        try:
+            _files(slot, devnull)
+            pid = CLONE_JOB()  # pid 2, ahead of its bytes: starting it is one pipe write
+            if pid < 0:
+                raise OSError("the job could not be forked")
+        except BaseException:
+            os._exit(70)
+        if pid == 0:
+            try:
+                for fd in (job_w, res_r, res_w, devnull):
+                    os.close(fd)
+                if SLOTS is not None:
+                    os.chroot(SLOTS[slot])
+                    os.chdir("/")
+                _confine()
+                data = _read_job(job_r)
+                if data is None:  # the server is shutting down
+                    os._exit(0)
+                head, _, body = data.partition(b"\n")
+                program, expr = _loads(body)
+                return _job(program, expr, int(head))
+            except BaseException as e:
+                try:
+                    _write_all(RESULT_FD, _encode("crashed", None, "confinement: " + _describe(e)))
+                finally:
+                    os._exit(0)
+        try:
+            _, status = os.waitpid(pid, 0)
+            code = os.waitstatus_to_exitcode(status)
+            left = min(os.lseek(RESULT_FD, 0, os.SEEK_CUR), RESULT_CAP)
+            _write_all(res_w, b"%d %d\n" % (128 - code if code < 0 else min(code, 127), left))
+            offset = 0
+            while left > 0 and (n := os.sendfile(res_w, RESULT_FD, offset, left)) > 0:
+                offset, left = offset + n, left - n
+            if left > 0:
+                raise OSError("the result file shrank")
+            os.closerange(0, 4)
+            renew = SLOTS is not None  # what the job left is discarded whole
+            if renew and (
+                UMOUNT(SLOT_PATHS[slot], 2) != 0
+                or MOUNT(b"tmpfs", SLOT_PATHS[slot], b"tmpfs", SLOT_FLAGS, SLOT_OPTIONS) != 0
+            ):
+                raise OSError("the slot's tmpfs could not be renewed")
+        except BaseException:
+            os._exit(70)
+
+
+def _zygote() -> Any:
+    """The zygote's loop: each line on the control pipe names a slot; it clones an init for it
+    and reports `pid slot job_w res_r` (its fds, for the server to copy: pidfd_getfd). Returns
+    only in a job process."""
+    collector, hide = _forget()
+    collector.collect()  # here: _forget's frame no longer holds what its loops last saw
+    _sever(collector, hide)
+    collector.collect()
+    collector.freeze()  # kept objects out of the collector: fewer copy-on-write faults per job
+    del collector, hide
+    ctl, report, _ = ZYGOTE_FDS
+    buf = b""
+    while True:
+        chunk = os.read(ctl, 4096)
+        if not chunk:
+            os._exit(0)
+        *lines, buf = (buf + chunk).split(b"\n")
+        out = []
+        for line in lines:
+            slot = int(line)
+            fds: list[int] = []
+            try:
+                for _ in range(2):
+                    fds += os.pipe()
+                for i, fd in enumerate(fds):  # where the init keeps them: the server copies
+                    os.dup2(fd, PIPE_FDS[i])  # them from there while it runs
+                    os.close(fd)
+                fds = list(PIPE_FDS)
+                pid = CLONE_INIT()
+                if pid < 0:
+                    raise OSError("clone")
+            except OSError:
+                for fd in fds:
+                    os.close(fd)
+                out.append(b"-1 %d 0 0\n" % slot)
+                continue
+            if pid == 0:
+                return _init(slot)
+            for fd in fds:
+                os.close(fd)
+            out.append(b"%d %d %d %d\n" % (pid, slot, PIPE_FDS[1], PIPE_FDS[2]))
+        _write_all(report, b"".join(out))
+
+
+def _forget() -> tuple[Any, frozenset[str]]:
+    """Once, in the zygote: drop every module a job may not import and everything of the
+    server, so that the collector (returned) frees them before any job exists."""
+    hide = HIDE
+    gone = {id(m) for name, m in sys.modules.items() if name.split(".")[0] in hide}
+    for name in [n for n in sys.modules if n.split(".")[0] in hide]:
+        del sys.modules[name]
+
+    def hidden(v: object) -> bool:
+        if id(v) in gone:
+            return True
+        owner = getattr(v, "__self__", None) if _type(v) is types.BuiltinFunctionType else None
+        if owner is not None and id(owner) in gone:
+            return True
+        mod = getattr(v, "__module__", None) if isinstance(v, type | types.FunctionType) else None
+        return isinstance(mod, str) and mod.split(".")[0] in hide
+
+    for mod in list(sys.modules.values()):  # e.g. statistics.random: the kept ones' references
+        d = getattr(mod, "__dict__", None)
+        if isinstance(d, dict):
+            for k, v in list(d.items()):
+                if hidden(v):
+                    d[k] = None
+    for obj in gc.get_objects():  # modules kept alive only as others' attributes (ctypes.util)
+        if isinstance(obj, types.ModuleType):
+            d = obj.__dict__
+            for k, v in list(d.items()):
+                if isinstance(v, types.ModuleType) and v is not obj and id(v) in gone:
+                    d[k] = None
+    imp = sys.modules.get("_imp")
+    for name in ("create_builtin", "create_dynamic", "exec_builtin", "exec_dynamic",
+                 "init_frozen", "get_frozen_object", "find_frozen"):  # fmt: skip
+        if imp is not None and hasattr(imp, name):
+            delattr(imp, name)  # no module can be made again from the interpreter's tables
+    sys.meta_path, sys.path_hooks, sys.path_importer_cache, sys.path = [], [], {}, []
+    sys.argv, sys.orig_argv = ["-c"], ["python", "-c", ""]
+    ns = globals()
+    return ns.pop("gc"), ns.pop("HIDE")
+
+
+def _sever(collector: Any, hide: frozenset[str]) -> None:
+    """Empty the globals of the dropped modules something still keeps alive (ctypes, whose
+    objects the zygote calls; random and threading, whose at-fork hooks the interpreter
+    holds): their functions and classes, should a job reach them, fail as a missing import
+    would. The zygote's own ctypes calls need no module globals."""
+    for obj in collector.get_objects():
+        if isinstance(obj, types.ModuleType) and obj is not collector:
+            d = obj.__dict__
+        elif isinstance(obj, dict) and "__builtins__" in obj:  # a freed module's globals
+            d = obj
+        else:
+            continue
+        name = d.get("__name__")
+        if isinstance(name, str) and name.split(".")[0] in hide and d is not globals():
+            d.clear()
+
+
+#: Rebound into the zygote's namespace, in this order.
+_FUNCTIONS = (
+    _describe, _encode, _write_all, _verdict, _runner, _confine, _load_filter, _read_job, _job,
+    _files, _init,
+    _zygote, _forget, _sever,
+)  # fmt: skip
+
+
+#: Frames below a job's code that a script's code has not: BOOT's and the expr's own.
+FRAMES_BELOW = 2
+
+
+def _getrecursionlimit() -> int:
+    """sys.getrecursionlimit, less the frames below the job's code (a script's limit)."""
+    return _get() - FRAMES_BELOW
+
+
+def _setrecursionlimit(limit: int) -> None:
+    """sys.setrecursionlimit, plus the frames below the job's code; its errors are CPython's."""
+    if _type(limit) is not int or limit < 1:
+        _set(limit)
+    _set(limit + FRAMES_BELOW)
+
+
+def _recursion() -> tuple[types.FunctionType, types.FunctionType]:
+    """The job's sys.getrecursionlimit and setrecursionlimit: the usable depth and the limit
+    read back are a script's (a job runs two frames deeper). Their globals hold only the real
+    two."""
+    ns = {"__builtins__": builtins, "_get": sys.getrecursionlimit,
+          "_set": sys.setrecursionlimit, "_type": type, "FRAMES_BELOW": FRAMES_BELOW}  # fmt: skip
+    return tuple(
+        types.FunctionType(fn.__code__, ns, fn.__name__[1:])
+        for fn in (_getrecursionlimit, _setrecursionlimit)
+    )  # type: ignore[return-value]
+
+
+def zygote_namespace(values: dict[str, object]) -> types.FunctionType:
+    """The zygote's loop, as a function whose globals are a new dict holding only `values`
+    and this module's process functions (none of this package's modules or classes)."""
+    ns: dict[str, object] = {
+        "__builtins__": builtins,
+        "__name__": "__sandbox__",
+        "os": os,
+        "sys": sys,
+        "gc": gc,
+        "types": types,
+        "_contextmanager": _contextmanager,
+        "_loads": _loads,
+        "_dumps": _dumps,
+        "_repr": _repr,
+        "_str": _str,
+        "_type": _type,
+        "_len": _len,
+        "RESULT_FD": RESULT_FD,
+        "RESERVED": RESERVED,
+        "ZYGOTE_FDS": ZYGOTE_FDS,
+        "PIPE_FDS": PIPE_FDS,
+        "_RLIMIT_CPU": _RLIMIT_CPU,
+        "RECURSION": _recursion(),
+        "RECURSION_GET": sys.getrecursionlimit,
+        "SIGNAL": signal.signal,
+        "DEFAULT_INT": signal.default_int_handler,
+        "RECURSION_SET": sys.setrecursionlimit,
+        "FRAMES_BELOW": FRAMES_BELOW,
+        "_O_TMPFILE": _O_TMPFILE,
+        **values,
+    }
+    for fn in _FUNCTIONS:
+        ns[fn.__name__] = types.FunctionType(
+            fn.__code__, ns, fn.__name__, fn.__defaults__, fn.__closure__
+        )
+    return ns["_zygote"]  # type: ignore[return-value]
+
+
+def streams() -> tuple[io.TextIOWrapper, io.TextIOWrapper, io.TextIOWrapper]:
+    """sys.stdin/stdout/stderr as CPython makes them for files (fds 0-2 are each job's own),
+    built once in the server; each job mutates its own copy."""
+
+    def std(fd: int, mode: str, **kw: object) -> io.TextIOWrapper:
+        raw = io.FileIO(fd, mode, closefd=False)
+        raw.name = ("<stdin>", "<stdout>", "<stderr>")[fd]  # type: ignore[misc]
+        buffered = io.BufferedReader(raw) if mode == "r" else io.BufferedWriter(raw)
+        text = io.TextIOWrapper(buffered, encoding="utf-8", **kw)  # type: ignore[arg-type]
+        text.mode = mode  # type: ignore[misc]
+        return text
+
+    return (
+        std(0, "r", errors="surrogateescape"),
+        std(1, "w", errors="surrogateescape"),
+        std(2, "w", errors="backslashreplace", line_buffering=True),
+    )
+
+
+def job_main() -> types.ModuleType:
+    """The job's `__main__` (a real module, as `python prog.py` has: dataclasses, pickle and
+    `if __name__ == "__main__"` behave as in plain execution), registered in sys.modules."""
+    main = types.ModuleType("__main__")
+    main.__dict__["__builtins__"] = builtins
+    sys.modules["__main__"] = main
+    return main

@@ -24,7 +24,8 @@ EXAMPLES: list[tuple[str, Job]] = [
     ("os.system", Job("import os\ndef f():\n    return os.system('touch /pwned')", "f()")),
     ("kill every process", Job("import os\ndef f():\n    os.kill(-1, 9)", "f()")),
     ("look at the host", Job("import os\ndef f():\n    return os.listdir('/')", "f()")),
-    ("clock-dependent", Job("import sys\ndef f():\n    return int(sys._getframe(2).f_globals['time'].monotonic()) // 86400", "f()", deterministic=True)),
+    ("the server's frames", Job("import sys\ndef f():\n    return sys._getframe(2).f_globals['time']", "f()")),
+    ("an address", Job("def f():\n    return id(object()) // 16", "f()", deterministic=True)),
     ("huge output", Job("def f():\n    return 'x' * 10**6", "f()")),
 ]  # fmt: skip
 

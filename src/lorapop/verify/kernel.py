@@ -1,29 +1,34 @@
 """The kernel's side of the sandbox: namespaces, a minimal filesystem view, seccomp, Landlock.
 
 The fork server (`lorapop.verify.server`) calls `confine_server` once, after its imports and
-before its first child; everything here is inherited by the children or cheap per child
-(`JobKernel`). Model text is assumed to reach any Python object in a job (frame walks,
-`object.__subclasses__()`, the ctypes functions bound below), so every layer is enforced by the
-kernel, never by hiding names:
+before its zygote; everything here is inherited by the zygote, the inits and the jobs, or
+cheap per job (`JobKernel`). Model text is assumed to reach any Python object in a job, so every
+layer is enforced by the kernel, never by hiding names:
 
 - user namespace with a private uid map: jobs run as uid/gid 1000 inside; outside they are the
   caller's uid (not root) or, when the caller is root, `UID_BASE + the server's pid` (a uid no
-  other live fork server of this pid namespace has). Children drop every capability before
-  their job.
-- network, IPC and UTS namespaces (no interfaces up: no network; no shared SysV objects).
-- time namespace: the monotonic and boot-time clocks of the second (determinism) server are
-  offset by `CLOCK_SKEW_S`, so a result that depends on them differs between the two runs.
+  other live fork server of this pid namespace has). Jobs drop every capability.
+- network, IPC and UTS namespaces (no interfaces up: no network; no shared SysV objects; the
+  host name is `HOSTNAME` on every node).
+- time namespace: the monotonic and boot-time clocks of the children are offset by an amount
+  the caller draws at random and writes itself (no process of the sandbox knows it); the
+  determinism server's are `CLOCK_SKEW_S` further, so a result that depends on them differs
+  between the two runs.
 - a mount namespace whose root is an empty read-only tmpfs (the host's files are gone: the
-  server has imported all it needs), holding one size- and inode-limited tmpfs per child
-  slot; a child chroots into its slot, and the server remounts the slot after the job (the
-  kernel discards the old one; the server never walks it).
-- a pid namespace per job (`clone(CLONE_NEWPID)`): the job is pid 1 and sees no other process.
-- a seccomp allow-list (libseccomp through pyseccomp), loaded once in the server with
-  no_new_privs and inherited: no exec, no new namespaces, no sockets, no ptrace, keyctl, bpf,
-  perf, io_uring, no threads or forks. Calls the server needs and jobs must not make (mount,
-  chroot, clone of a pid namespace) require a capability that children have dropped.
+  server has imported all it needs), holding one size- and inode-limited tmpfs per slot; a job
+  chroots into its slot, whose tmpfs is renewed after each job (the kernel discards the old
+  one; nothing walks it).
+- a pid namespace per init (`clone(CLONE_NEWPID | CLONE_PARENT)`): its jobs are pid 2 and see
+  no other process; when the init dies (with the server: PDEATHSIG) the kernel kills them.
+- seccomp allow-lists (libseccomp through pyseccomp), with no_new_privs: the server's, loaded
+  once and inherited, and the jobs' (`JOB_SYSCALLS`), which each init adds: no exec, no new
+  namespaces, no sockets, pipes or polling, no ptrace, keyctl, bpf, perf, io_uring, no
+  threads or forks, no CPU number. PDEATHSIG may only be set to SIGKILL.
 - where no user namespace can be made (the kernel forbids unprivileged ones): Landlock
   forbids all file access instead, and the report says which layers are missing.
+
+ctypes stays in a job's image (the zygote's own calls use it) with emptied module globals; its
+C types can still call into libc, within the jobs' seccomp filter.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import os
 import signal
 
 CLONE_NEWTIME = 0x80
+CLONE_PARENT = 0x00008000
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUTS = 0x04000000
 CLONE_NEWIPC = 0x08000000
@@ -45,16 +51,23 @@ CLONE_NEWNET = 0x40000000
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
 _MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = 32, 4096, 1 << 14, 1 << 18
 _MNT_DETACH = 2
-_PR_SET_PDEATHSIG, _PR_SET_DUMPABLE = 1, 4
+_SLOT_FLAGS = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC
+_PR_SET_PDEATHSIG, _PR_SET_DUMPABLE, _PR_SET_SECCOMP = 1, 4, 22
+_SECCOMP_MODE_FILTER = 2
 _CAP_VERSION_3 = 0x20080522
 
 #: First outer uid of a root caller's servers (unassigned ids far above real users).
 UID_BASE = 0x7F000000
 #: uid and gid of a job inside its user namespace (the same in both determinism runs).
 JOB_ID = 1000
-#: Monotonic/boot-time clock offset of the determinism server: ~31 years and a fraction, so a
-#: reading of those clocks at any resolution from nanoseconds to decades differs between runs.
+#: How much further the determinism server's monotonic/boot-time clocks are offset than the main
+#: server's: ~31 years and a fraction, so a reading of those clocks at any resolution from
+#: nanoseconds to decades differs between runs. Each server's own offset adds a random part
+#: (below `CLOCK_RANDOM_S`) that the caller writes into its time namespace: no job can read it.
 CLOCK_SKEW_S = 987_654_321.123456789
+CLOCK_RANDOM_S = 100_000_000.0
+#: Every job's host name (its UTS namespace): the same on every node.
+HOSTNAME = b"sandbox"
 #: Each job's private tmpfs (its root and working directory).
 JOB_TMPFS = "size=16m,nr_inodes=1024,mode=755"
 #: Layers without which `isolate="strict"` refuses to run.
@@ -110,40 +123,87 @@ def _write(path: str, text: str) -> None:
 
 
 class JobKernel:
-    """What each child does to the kernel: made in the server, called in the child after fork.
+    """The kernel calls of the zygote, its inits and jobs: built in the server, handed to the
+    zygote as plain ctypes objects (`values`), so no class of this package reaches a job.
 
-    The ctypes objects are built once here, so a child only makes the calls (each first touch
-    of a page costs the child a copy-on-write fault)."""
+    clone_flags: how the zygote makes an init (a new pid namespace where the server can make
+    one, and always the server as its parent); drop_caps: jobs drop the capabilities the
+    server holds in its user namespace; job_filter: the jobs' own seccomp program (BPF), loaded
+    on top of the server's."""
 
-    def __init__(self, clone_flags: int, drop_caps: bool) -> None:
+    def __init__(self, clone_flags: int, drop_caps: bool, job_filter: bytes | None = None) -> None:
         self.drop_caps = drop_caps
-        self._clone = _pylibc.syscall
-        self._clone.restype = ctypes.c_long
-        number = _sysno("clone")
-        self._sys_clone = None if number is None else ctypes.c_long(number)
-        self._flags = ctypes.c_ulong(clone_flags)
-        self._zero = ctypes.c_long(0)
-        self._hdr = (ctypes.c_uint32 * 2)(_CAP_VERSION_3, 0)
-        self._caps = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable x 2: none
+        self.clone_flags = clone_flags
+        self.job_filter = job_filter
         self._umount2 = _libc.umount2
+        number = _sysno("pidfd_getfd")
+        self._getfd = None if number is None else (_libc.syscall, ctypes.c_long(number))
 
-    def fork(self) -> int:
-        """A child (in a new pid namespace where the server can make one): the raw clone call,
-        without libc's and CPython's at-fork work (`random` reseeding itself, lock resets: 5-7%
-        of a child's CPU, and no thread can hold a lock here: the server starts none)."""
-        if self._sys_clone is None:
-            return os.fork()
-        z = self._zero
-        return _check(self._clone(self._sys_clone, self._flags, z, z, z, z), "clone")
+    def values(self, rlimits: list[tuple[int, int, int]], cpu_hard: int) -> dict[str, object]:
+        """What `lorapop.verify.child` calls, by name: raw clones (no libc or CPython at-fork
+        work: no thread can hold a lock here, the server starts none), prctl, setrlimit,
+        capset and the job filter's `struct sock_fprog`."""
+        syscall = _pylibc.syscall  # keeps the GIL across clone (as fork does)
+        syscall.restype = ctypes.c_long
+        number = _sysno("clone")
+        z = ctypes.c_long(0)
+        if number is None:
+            clone_init = fork_job = os.fork
+        else:
+            nr = ctypes.c_long(number)
+            flags = ctypes.c_ulong(self.clone_flags)
+            clone_init = functools.partial(syscall, nr, flags, z, z, z, z)
+            fork_job = functools.partial(syscall, nr, ctypes.c_ulong(signal.SIGCHLD), z, z, z, z)
+        clone_job = fork_job
+        number3 = _sysno("clone3")
+        if self.clone_flags & CLONE_NEWPID and number3 is not None:
+            # clone3 with set_tid: each job of an init is pid 2 (the init holds
+            # CAP_CHECKPOINT_RESTORE in its user namespace), so pids never count jobs.
+            tid = (ctypes.c_int * 1)(2)
+            args = (ctypes.c_uint64 * 11)()
+            args[4] = signal.SIGCHLD  # exit_signal
+            args[8], args[9] = ctypes.addressof(tid), 1  # set_tid, set_tid_size
+            clone_job = functools.partial(
+                syscall, ctypes.c_long(number3), args, ctypes.c_size_t(ctypes.sizeof(args))
+            )
+            clone_job.keep = tid  # type: ignore[attr-defined]
+        pair = ctypes.c_ulong * 2
+        job_filter = None
+        if self.job_filter:
+            code = ctypes.create_string_buffer(self.job_filter, len(self.job_filter))
+            # struct sock_fprog {unsigned short len; struct sock_filter *filter;}
+            prog = ctypes.create_string_buffer(16)
+            ctypes.memmove(prog, ctypes.byref(ctypes.c_ushort(len(self.job_filter) // 8)), 2)
+            ctypes.c_void_p.from_buffer(prog, 8).value = ctypes.addressof(code)
+            job_filter = (prog, code)
+        return {
+            "CLONE_INIT": clone_init,
+            "FORK_JOB": fork_job,
+            "CLONE_JOB": clone_job,
+            "UMOUNT": _libc.umount2,
+            "MOUNT": _libc.mount,
+            "SLOT_FLAGS": ctypes.c_ulong(_SLOT_FLAGS),
+            "SLOT_OPTIONS": JOB_TMPFS.encode(),
+            "PRCTL": _libc.prctl,
+            "SETRLIMIT": _libc.setrlimit,
+            "RLIMIT_PAIR": pair,
+            "RLIMITS": tuple((which, pair(soft, hard)) for which, soft, hard in rlimits),
+            "CPU_HARD": cpu_hard,
+            "CAPSET": _libc.capset,
+            "CAP_HDR": (ctypes.c_uint32 * 2)(_CAP_VERSION_3, 0),
+            "CAP_DATA": (ctypes.c_uint32 * 6)(),  # effective, permitted, inheritable x 2: none
+            "DROP_CAPS": self.drop_caps,
+            "JOB_FILTER": None if job_filter is None else job_filter[0],
+            "JOB_FILTER_CODE": None if job_filter is None else job_filter[1],
+        }
 
-    def enter(self, slot_dir: str | None) -> None:
-        """In the child: die with the server, chroot into the job's tmpfs, drop capabilities."""
-        _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if slot_dir is not None:
-            os.chroot(slot_dir)
-        os.chdir("/")
-        if self.drop_caps:  # those the server holds in its user namespace
-            _check(_libc.capset(self._hdr, self._caps), "capset")
+    def getfd(self, pidfd: int, fd: int) -> int:
+        """A copy of another process's fd (pidfd_getfd): the server takes its ends of an init's
+        pipes, which the zygote made."""
+        if self._getfd is None:
+            raise OSError(errno.ENOSYS, "pidfd_getfd: unknown syscall number")
+        call, nr = self._getfd
+        return _check(call(nr, pidfd, fd, 0), "pidfd_getfd")
 
     def new_slot(self, slot_dir: str) -> None:
         """Give a slot a new empty tmpfs (in the server): the old one is discarded whole."""
@@ -152,7 +212,7 @@ class JobKernel:
 
 
 def _mount_slot(slot_dir: str) -> None:
-    mount("tmpfs", slot_dir, "tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, JOB_TMPFS)
+    mount("tmpfs", slot_dir, "tmpfs", _SLOT_FLAGS, JOB_TMPFS)
 
 
 def _enter_user_ns(info: dict) -> bool:
@@ -205,62 +265,105 @@ def _build_view(n_slots: int, info: dict) -> list[str] | None:
         return None
 
 
-def _enter_time_ns(skew: float, info: dict) -> bool:
+def _enter_time_ns(info: dict) -> bool:
+    """A time namespace for the children; its offsets are the caller's to write (through
+    /proc/PID/timens_offsets) before the zygote enters it: this process never knows them."""
     try:
         unshare(CLONE_NEWTIME)
-        sec, nsec = int(skew), round((skew - int(skew)) * 1e9)
-        _write("/proc/self/timens_offsets", f"monotonic {sec} {nsec}\nboottime {sec} {nsec}\n")
         return True
     except OSError as e:
         info["notes"].append(f"no time namespace ({e.strerror or e})")
         return False
 
 
-#: What CPython needs to compute, and the server to run its children (ioctl, prctl, clone and
-#: times are ruled on their arguments in `_seccomp_filter`); the rest fails with EPERM.
-ALLOWED_SYSCALLS: tuple[str, ...] = (
-    # memory, signals, clocks, exit
+#: What a job may call: what CPython needs to compute (ioctl and times are ruled on their
+#: arguments in `_filter`); the rest fails with EPERM. No pipes, sockets, polling or CPU
+#: number: their inode numbers and values come from host-wide counters.
+JOB_SYSCALLS: tuple[str, ...] = (
+    # memory, signals (a job's own pid namespace holds only it and its init), clocks, exit
     "brk", "mmap", "munmap", "mremap", "mprotect", "madvise", "mincore", "rt_sigaction",
     "rt_sigprocmask", "rt_sigreturn", "sigaltstack", "restart_syscall", "exit", "exit_group",
     "futex", "sched_yield", "getitimer", "setitimer", "alarm", "nanosleep", "clock_nanosleep",
-    "clock_gettime", "clock_getres", "gettimeofday", "time", "getrandom", "getcpu", "uname",
-    "getrlimit", "setrlimit", "prlimit64", "umask",
+    "clock_gettime", "clock_getres", "gettimeofday", "time", "getrandom", "uname",
+    "getrlimit", "setrlimit", "prlimit64", "umask", "kill", "tgkill", "tkill", "pause",
+    "rt_sigsuspend", "rt_sigtimedwait", "rt_sigpending",
     # ids (inside the namespaces)
     "getpid", "getppid", "gettid", "getuid", "geteuid", "getgid", "getegid", "getresuid",
-    "getresgid", "getgroups", "getpgid", "getpgrp", "getsid", "setpgid", "getpriority",
-    "capget", "capset",
+    "getresgid", "getgroups", "getpgid", "getpgrp", "getsid", "getpriority", "capget",
     # fds and files (a job reaches only its own tmpfs)
     "read", "write", "readv", "writev", "pread64", "pwrite64", "preadv", "pwritev", "lseek",
-    "close", "close_range", "dup", "dup2", "dup3", "fcntl", "pipe", "pipe2", "poll", "ppoll",
-    "select", "pselect6", "epoll_create", "epoll_create1", "epoll_ctl", "epoll_wait",
-    "epoll_pwait", "epoll_pwait2", "open", "openat", "openat2", "creat", "stat", "lstat",
-    "fstat", "newfstatat", "statx", "statfs", "fstatfs", "access", "faccessat", "faccessat2",
-    "readlink", "readlinkat", "getdents", "getdents64", "getcwd", "chdir", "fchdir", "mkdir",
-    "mkdirat", "rmdir", "unlink", "unlinkat", "rename", "renameat", "renameat2", "link",
-    "linkat", "symlink", "symlinkat", "chmod", "fchmod", "fchmodat", "truncate", "ftruncate",
-    "fsync", "fdatasync", "fallocate", "fadvise64", "flock", "utimensat", "utime", "utimes",
-    "futimesat", "sendfile", "copy_file_range",
-    # the server: its children, their pipes and tmpfs slots (mount and chroot need
-    # capabilities that children drop before their job)
-    "wait4", "waitid", "kill", "pidfd_open", "mount", "umount2", "chroot",
+    "close", "close_range", "dup", "dup2", "dup3", "fcntl", "open", "openat", "openat2",
+    "creat", "stat", "lstat", "fstat", "newfstatat", "statx", "statfs", "fstatfs", "access",
+    "faccessat", "faccessat2", "readlink", "readlinkat", "getdents", "getdents64", "getcwd",
+    "chdir", "fchdir", "mkdir", "mkdirat", "rmdir", "unlink", "unlinkat", "rename",
+    "renameat", "renameat2", "link", "linkat", "symlink", "symlinkat", "chmod", "fchmod",
+    "fchmodat", "truncate", "ftruncate", "fsync", "fdatasync", "fallocate", "fadvise64",
+    "flock", "utimensat", "utime", "utimes", "futimesat", "sendfile", "copy_file_range",
 )  # fmt: skip
 
+#: What the server, its zygote and the inits need beyond that (prctl and clone are ruled on
+#: their arguments). mount and chroot need capabilities that jobs drop; jobs also load
+#: `JOB_SYSCALLS` on top of this list.
+SERVER_SYSCALLS: tuple[str, ...] = (
+    "pipe", "pipe2", "poll", "ppoll", "select", "pselect6", "epoll_create", "epoll_create1",
+    "epoll_ctl", "epoll_wait", "epoll_pwait", "epoll_pwait2", "setpgid", "capset", "wait4",
+    "waitid", "pidfd_open", "pidfd_getfd", "mount", "umount2", "chroot", "memfd_create",
+)  # fmt: skip
+#: The server's whole allow-list (the jobs' and its own).
+ALLOWED_SYSCALLS = JOB_SYSCALLS + SERVER_SYSCALLS
 
-def _seccomp_filter(sc, clone_flags: int):  # noqa: ANN001, ANN202 - pyseccomp, its filter
-    """The allow-list: what CPython needs to compute, and the server to run its children."""
+
+def _filter(sc, names: tuple[str, ...]):  # noqa: ANN001, ANN202 - pyseccomp, its filter
     f = sc.SyscallFilter(sc.ERRNO(errno.EPERM))
-    for name in ALLOWED_SYSCALLS:
+    for name in names:
         with contextlib.suppress(OSError):  # not a syscall on this architecture
             f.add_rule(sc.ALLOW, name)
     for request in (0x5401, 0x5450, 0x5451, 0x5421):  # TCGETS, FIONCLEX, FIOCLEX, FIONBIO
         f.add_rule(sc.ALLOW, "ioctl", sc.Arg(1, sc.EQ, request))
-    f.add_rule(sc.ALLOW, "prctl", sc.Arg(0, sc.EQ, _PR_SET_PDEATHSIG))
-    f.add_rule(sc.ALLOW, "clone", sc.Arg(0, sc.EQ, clone_flags))  # exactly the server's
-    f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")  # so libc falls back to clone (refused)
     # times() reports ticks since boot, which no time namespace offsets; refused, libc would
     # hand back an unfilled struct, so the job is killed instead (SIGSYS: crashed).
     f.add_rule(sc.KILL_PROCESS, "times")
     return f
+
+
+def _seccomp_filter(sc, clone_flags: int):  # noqa: ANN001, ANN202 - pyseccomp, its filter
+    """The server's allow-list, inherited by the zygote, the inits and the jobs."""
+    f = _filter(sc, ALLOWED_SYSCALLS)
+    f.add_rule(sc.ALLOW, "clone3")  # an init's job (set_tid); jobs' own filter refuses it
+    # PDEATHSIG may be set to SIGKILL only: nobody can clear it (an init dies with the server).
+    f.add_rule(sc.ALLOW, "prctl", sc.Arg(0, sc.EQ, _PR_SET_PDEATHSIG), sc.Arg(1, sc.EQ, 9))
+    f.add_rule(sc.ALLOW, "prctl", sc.Arg(0, sc.EQ, _PR_SET_SECCOMP))  # only ever adds rules
+    f.add_rule(sc.ALLOW, "clone", sc.Arg(0, sc.EQ, clone_flags))  # an init
+    f.add_rule(sc.ALLOW, "clone", sc.Arg(0, sc.EQ, signal.SIGCHLD))  # the zygote, a job
+    return f
+
+
+#: What an init needs beyond `JOB_SYSCALLS`: each init loads the jobs' filter once, before its
+#: first job, with these; a job holds no capability (mount, chroot, clone3's set_tid), no child
+#: (wait4) and no process to spare (RLIMIT_NPROC) for them. (Without a private tmpfs each job
+#: loads the filter itself: its init makes an anonymous file and forks with clone for it.)
+INIT_SYSCALLS: tuple[str, ...] = (
+    "clone3", "wait4", "mount", "umount2", "chroot", "capset", "setpgid",
+)  # fmt: skip
+
+
+def _job_filter(sc) -> bytes:  # noqa: ANN001 - pyseccomp
+    """The jobs' allow-list as a BPF program, which each init loads before its first job."""
+    f = _filter(sc, JOB_SYSCALLS + INIT_SYSCALLS)
+    r, w = os.pipe()
+    try:
+        with os.fdopen(w, "wb", closefd=False) as out:
+            f.export_bpf(out)
+        os.close(w)
+        w = -1
+        parts = []
+        while chunk := os.read(r, 1 << 16):
+            parts.append(chunk)
+        return b"".join(parts)
+    finally:
+        os.close(r)
+        if w >= 0:
+            os.close(w)
 
 
 def _landlock(info: dict) -> bool:
@@ -281,7 +384,7 @@ def _landlock(info: dict) -> bool:
         return False
 
 
-def confine_server(n_slots: int, clock_skew: float) -> tuple[dict, JobKernel, list[str] | None]:
+def confine_server(n_slots: int) -> tuple[dict, JobKernel, list[str] | None]:
     """Enter every layer this kernel allows; (report, per-child calls, slot dirs or None).
 
     The report maps each of LAYERS to whether it is active, plus "notes" (why not) and
@@ -294,9 +397,11 @@ def confine_server(n_slots: int, clock_skew: float) -> tuple[dict, JobKernel, li
         try:
             unshare(CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS)
             layers["net_ns"] = True
+            _check(_libc.sethostname(HOSTNAME, len(HOSTNAME)), "sethostname")
+            _check(_libc.setdomainname(b"(none)", 6), "setdomainname")
         except OSError as e:
             info["notes"].append(f"no network namespace ({e.strerror or e})")
-        layers["time_ns"] = _enter_time_ns(clock_skew, info)
+        layers["time_ns"] = _enter_time_ns(info)
         try:
             unshare(CLONE_NEWNS)
             slots = _build_view(n_slots, info)
@@ -306,7 +411,7 @@ def confine_server(n_slots: int, clock_skew: float) -> tuple[dict, JobKernel, li
     else:
         slots = None
     layers["fs_view"] = layers["job_tmpfs"] = layers["pid_ns"] = slots is not None
-    flags = CLONE_NEWPID | signal.SIGCHLD if slots else signal.SIGCHLD
+    flags = CLONE_PARENT | signal.SIGCHLD | (CLONE_NEWPID if slots else 0)
     kernel = JobKernel(flags, drop_caps=layers["user_ns"])
     if slots is None:
         layers["landlock"] = _landlock(info)
@@ -318,6 +423,7 @@ def confine_server(n_slots: int, clock_skew: float) -> tuple[dict, JobKernel, li
         )
     else:
         try:
+            kernel.job_filter = _job_filter(sc)
             _seccomp_filter(sc, flags).load()  # sets no_new_privs too
             layers["seccomp"] = True
         except OSError as e:

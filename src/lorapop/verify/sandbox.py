@@ -14,6 +14,7 @@ import importlib.util
 import json
 import logging
 import os
+import secrets
 import selectors
 import subprocess
 import sys
@@ -24,8 +25,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from lorapop.verify import static
-from lorapop.verify.child import cpu_limit
-from lorapop.verify.kernel import CLOCK_SKEW_S, LAYERS, REQUIRED
+from lorapop.verify.child import BOOT, cpu_limit
+from lorapop.verify.kernel import CLOCK_RANDOM_S, CLOCK_SKEW_S, LAYERS, REQUIRED
 from lorapop.verify.policy import Policy, resolve
 from lorapop.verify.verdict import Job, Status, Verdict, check_timeout
 from lorapop.verify.wire import decode_result, encode_frame, encode_job, split_frames
@@ -46,7 +47,7 @@ class SandboxError(RuntimeError):
 class _Server:
     """One fork-server process and the pipes to it."""
 
-    def __init__(self, config: dict, hash_seed: int) -> None:
+    def __init__(self, config: dict, hash_seed: int, clock_offset_s: float = 0.0) -> None:
         env = {
             "PYTHONHASHSEED": str(hash_seed),
             "PYTHONPATH": os.pathsep.join(_server_path()),
@@ -54,7 +55,7 @@ class _Server:
             "PATH": os.defpath,
             "LC_ALL": "C.UTF-8",
         }
-        cmd = [sys.executable, "-S", "-m", "lorapop.verify.server", json.dumps(config)]
+        cmd = [sys.executable, "-S", "-c", BOOT, json.dumps(config)]
         self.hash_seed = hash_seed
         self.proc = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd="/",
@@ -63,11 +64,22 @@ class _Server:
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.stdin, self.fd = self.proc.stdin, self.proc.stdout.fileno()
         self.buf = bytearray()
-        self.info: dict = self._hello(timeout=60.0)
+        deadline = time.monotonic() + 60.0
+        first = self._line(deadline)
+        note = None
+        if "timens" in first:  # the children's clock offsets: written here, never sent
+            note = _write_offsets(self.proc.pid, clock_offset_s)
+            self.stdin.write(b"go\n")
+            self.stdin.flush()
+            first = self._line(deadline)
+        self.info: dict = first["hello"]
+        if note is not None:
+            self.info["layers"]["time_ns"] = False
+            self.info["notes"].append(note)
 
-    def _hello(self, timeout: float) -> dict:
-        """The server's first line, `{"hello": {...}}`: what isolation it achieved."""
-        deadline = time.monotonic() + timeout
+    def _line(self, deadline: float) -> dict:
+        """The server's next JSON line: `{"timens": true}` or `{"hello": {...}}` (what
+        isolation it achieved)."""
         sel = selectors.DefaultSelector()
         sel.register(self.fd, selectors.EVENT_READ)
         try:
@@ -83,16 +95,16 @@ class _Server:
         end = self.buf.index(b"\n")
         line = bytes(self.buf[:end])
         del self.buf[: end + 1]
-        return json.loads(line)["hello"]
+        return json.loads(line)
 
-    def read(self) -> list[tuple[int, bytes]] | None:
-        """The complete (request id, result bytes) frames of one read (call when readable);
-        None at EOF."""
+    def read(self) -> list[tuple[int, float, bytes]] | None:
+        """The complete (request id, duration, result bytes) frames of one read (call when
+        readable); None at EOF."""
         chunk = os.read(self.fd, 1 << 20)
         if not chunk:
             return None
         self.buf += chunk
-        return [(int(head[0]), body) for head, body in split_frames(self.buf)]
+        return [(int(head[0]), float(head[1]), body) for head, body in split_frames(self.buf)]
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -111,6 +123,18 @@ class _Server:
         self.proc.stdout.close()  # type: ignore[union-attr]
 
 
+def _write_offsets(pid: int, seconds: float) -> str | None:
+    """Offset the monotonic and boot-time clocks of a server's children; None, or why not."""
+    sec, nsec = int(seconds), round((seconds - int(seconds)) * 1e9)
+    text = f"monotonic {sec} {nsec}\nboottime {sec} {nsec}\n"
+    try:
+        with open(f"/proc/{pid}/timens_offsets", "w") as f:
+            f.write(text)
+    except OSError as e:
+        return f"no clock offsets ({e.strerror or e})"
+    return None
+
+
 def _server_path() -> list[str]:
     """sys.path of a fork server (started with -S: no site-packages): lorapop's source and the
     directories of the kernel-layer libraries, where installed."""
@@ -127,14 +151,13 @@ def _server_path() -> list[str]:
     return path
 
 
-def _parse(data: bytes, max_output_chars: int) -> Verdict:
+def _parse(data: bytes, max_output_chars: int, duration: float = 0.0) -> Verdict:
     """A child's result bytes (hostile: a job can write its own) as a verdict, capped here
-    whatever the child claims."""
+    whatever the child claims; the duration is the server's measure."""
     res = decode_result(data)
     if res is None:
-        return Verdict(Status.CRASHED, None, "malformed result from the sandbox", 0.0)
+        return Verdict(Status.CRASHED, None, "malformed result from the sandbox", duration)
     status, output, error = Status(res["status"]), res["output"], res["error"]
-    duration: float = res["duration"]  # type: ignore[assignment]
     if status is not Status.OK:
         output = None
     elif not isinstance(output, str):
@@ -230,11 +253,12 @@ class Sandbox:
         config = {
             "workers": self.workers,
             "limits": self._limits,
-            "clock_skew_s": CLOCK_SKEW_S * i,
             "modules": list(self.policy.modules),
             "hidden": list(self.policy.hidden),
         }
-        srv = _Server(config, self.hash_seeds[i])
+        # Random for each server, never sent to it; the second's ~31 years further.
+        offset = secrets.randbelow(int(CLOCK_RANDOM_S * 1e6)) / 1e6 + CLOCK_SKEW_S * i
+        srv = _Server(config, self.hash_seeds[i], offset)
         self._servers[i] = srv
         if self.isolate:
             missing = [name for name in REQUIRED if not srv.info["layers"].get(name)]
@@ -337,10 +361,10 @@ class Sandbox:
                 frames = servers[s].read() if s in ready else []
                 if frames:
                     last[s] = now
-                    for rid, data in frames:
+                    for rid, duration, data in frames:
                         if rid in waiting[s]:
                             waiting[s].discard(rid)
-                            out[s][rid] = _parse(data, self.max_output_chars)
+                            out[s][rid] = _parse(data, self.max_output_chars, duration)
                 elif frames is None or now - last[s] > stall:
                     why = "died" if frames is None else f"was silent for {stall:g} s"
                     log.warning("lorapop sandbox: a fork server %s; re-running its jobs", why)
