@@ -436,7 +436,7 @@ def run_protocol(args: argparse.Namespace) -> dict | None:
     from lorapop.engine.model import TINY_DIR
     from lorapop.report import read_metrics
     from lorapop.tiny.heldout import load_jsonl
-    from lorapop.tiny.world import rule_overrides, world_of
+    from lorapop.tiny.world import rule_overrides, training_record, world_of
 
     t0, out = time.time(), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -478,7 +478,8 @@ def run_protocol(args: argparse.Namespace) -> dict | None:
         horizon += args.extend
     result: dict = {"protocol": "experiments/regime/PROTOCOL.md", "config": str(config_path()),
                     "command": " ".join([Path(sys.executable).name, *sys.argv]),
-                    "base_overrides": base, "seeds": args.seeds, "horizon_checks": checks}
+                    "base_overrides": base, "seeds": args.seeds, "horizon_checks": checks,
+                    "base_weights_sha256": training_record(model).get("weights_sha256")}
     if not checks[-1]["passed"]:
         result["criterion"] = {"verdict": "not tested: the per-adapter agent did not collapse "
                                           f"within {horizon} steps"}
