@@ -115,8 +115,9 @@ def _score(sp: Any, job: dict, step: int, replaced: list[str] | None = None) -> 
 
 def train_to(job: dict) -> dict:
     """Train (or resume) one run to `job['steps']` or the deadline; score it at that step,
-    before the step's replacement where it has one, into RUN/scores_stepN.json (written before
-    the step's checkpoint, so a run cut after it is never scored on replaced members)."""
+    before the step's replacement where it has one, into RUN/scores_stepN.json. The scores
+    become that file once the step's checkpoint is written: a run cut before replays the step
+    (its row included), one cut after finds them complete."""
     import torch
 
     from lorapop.config import load_config
@@ -126,11 +127,16 @@ def train_to(job: dict) -> dict:
     run_dir, target = Path(job["run_dir"]), int(job["steps"])
     scores = run_dir / f"scores_step{target}.json"
     rec = {"name": job["name"], "arm": job["arm"], "seed": job["seed"]}
+    pending = scores.with_suffix(".pending")
+    last_ckpt = latest_checkpoint(run_dir)
+    if not scores.is_file() and pending.is_file() and last_ckpt is not None \
+            and last_ckpt.name == f"step_{target:06d}":
+        pending.replace(scores)  # cut between the checkpoint and the rename
     if scores.is_file():  # scored by an earlier call (the run may have gone on since)
         return {**rec, "steps": target, "done": True, "scores": json.loads(scores.read_text())}
     torch.set_num_threads(job.get("threads", 1))
     cfg = load_config(config_path(), job["overrides"])
-    resume = latest_checkpoint(run_dir) is not None
+    resume = last_ckpt is not None
     if not resume and run_dir.exists():
         shutil.rmtree(run_dir)  # stopped before its first checkpoint: start again
     sp = SelfPlay(cfg, run_dir, resume=resume)
@@ -145,7 +151,6 @@ def train_to(job: dict) -> dict:
 
             def score_now(step: int, held: dict = held) -> None:
                 held.update(_score(sp, job, step))
-                scores.write_text(json.dumps(held))
 
             row = sp.step(before_replacement=score_now if last else None)
             if last:
@@ -153,10 +158,12 @@ def train_to(job: dict) -> dict:
                     held["replaced_after_scoring"] = [r["replaced"] for r in row["replacements"]]
                 else:
                     held.update(_score(sp, job, sp.step_done), replaced_after_scoring=[])
-                scores.write_text(json.dumps(held))
+                pending.write_text(json.dumps(held))
             if sp.step_done % cfg.run.save_every == 0 or sp.step_done == target:
                 sp.save()
                 saved = sp.step_done
+            if last:
+                pending.replace(scores)
         if sp.step_done != saved:
             sp.save()
         rec.update(steps=sp.step_done, done=sp.step_done == target)
@@ -436,7 +443,7 @@ def run_protocol(args: argparse.Namespace) -> dict | None:
     from lorapop.engine.load import TINY_DIR
     from lorapop.run.report import read_metrics
     from lorapop.tiny.heldout import load_jsonl
-    from lorapop.tiny.world import rule_overrides, world_of
+    from lorapop.tiny.world import rule_overrides, training_record, world_of
 
     t0, out = time.time(), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -478,7 +485,8 @@ def run_protocol(args: argparse.Namespace) -> dict | None:
         horizon += args.extend
     result: dict = {"protocol": "experiments/regime/PROTOCOL.md", "config": str(config_path()),
                     "command": " ".join([Path(sys.executable).name, *sys.argv]),
-                    "base_overrides": base, "seeds": args.seeds, "horizon_checks": checks}
+                    "base_overrides": base, "seeds": args.seeds, "horizon_checks": checks,
+                    "base_weights_sha256": training_record(model).get("weights_sha256")}
     if not checks[-1]["passed"]:
         result["criterion"] = {"verdict": "not tested: the per-adapter agent did not collapse "
                                           f"within {horizon} steps"}

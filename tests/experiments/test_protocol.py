@@ -79,7 +79,10 @@ def test_the_protocol_end_to_end_on_the_tiny_world(tmp_path, monkeypatch):
     assert res["criterion"]["verdict"] in ("supported", "not supported", "inconclusive")
     # the same command again reads every run's scores: the same summary, nothing retrained
     mtime = (tmp_path / "runs" / "population_s0" / "metrics.jsonl").stat().st_mtime_ns
+    scored = tmp_path / "runs" / "population_s1" / "scores_step2.json"
+    scored.replace(scored.with_suffix(".pending"))  # as if cut after its last checkpoint
     again = pr.main(argv)
+    assert scored.is_file()
     assert {k: v for k, v in again.items() if k not in ("wall_s", "horizon_checks")} == {
         k: v for k, v in res.items() if k not in ("wall_s", "horizon_checks")}
     assert (tmp_path / "runs" / "population_s0" / "metrics.jsonl").stat().st_mtime_ns == mtime
