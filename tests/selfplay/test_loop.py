@@ -111,7 +111,7 @@ def test_single_agent_baseline_three_steps(tmp_path, monkeypatch):
 
     graphs, real = [], lorapop.selfplay.loop.generate
     monkeypatch.setattr(lorapop.selfplay.loop, "generate",
-                        lambda *a, **k: graphs.append(k["cuda_graph"]) or real(*a, **k))
+                        lambda *a, **k: graphs.append(a[5].cuda_graph) or real(*a, **k))
     rows = _run(_cfg("league.mode=single", "sampling.cuda_graph=false"), tmp_path, 3)
     assert graphs and not any(graphs)
     timing = [json.loads(x)["generation"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]

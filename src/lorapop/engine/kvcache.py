@@ -6,7 +6,7 @@ row's new key at that row's own position (held in a device tensor), so a step ha
 and addresses and can be captured in a CUDA graph, while rows of different lengths and ages
 share the batch (continuous batching). It lives in a registered attention function rather
 than in a transformers `Cache` so that (1) the cache API, which changes between transformers
-releases, stays out of the way, and (2) decode attention can fold the query heads of each KV
+versions, stays out of the way, and (2) decode attention can fold the query heads of each KV
 group into the query-length axis: grouped-query attention then reads every cached key once,
 where transformers' masked SDPA path would first copy K/V for every query head.
 
