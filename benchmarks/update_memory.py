@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import random
 import subprocess
@@ -55,7 +56,7 @@ def mixes(cap: int) -> dict:
     }
 
 
-def rollouts(sp, draw, name: str, scale: float, vocab: int, seed: int) -> list:
+def rollouts(sp, draw, name: str, scale: float, vocab: int, seed: int, cap: int) -> list:
     """Teacher and student rows as the paper's step makes them, `scale` of its counts."""
     from lorapop.selfplay.records import Rollout
 
@@ -72,7 +73,7 @@ def rollouts(sp, draw, name: str, scale: float, vocab: int, seed: int) -> list:
             out.append(Rollout(t, "teacher", type_, tokens(TEACHER_PROMPT), tokens(draw(rng)), []))
             prompt = tokens(STUDENT_PROMPT)
             for a in range(ANSWERS):
-                n = draw(rng) if not (name.startswith("one_at_cap") and a == 0) else sp.cap
+                n = cap if name.startswith("one_at_cap") and a == 0 else draw(rng)
                 out.append(Rollout(s, "student", type_, prompt, tokens(n), []))
     return out
 
@@ -87,15 +88,15 @@ def sweep(config: str, overrides: list[str], scale: float, seed_dir: Path, run_d
 
     cfg = load_config(ROOT / config, [*bench_overrides(seed_dir, 12), *overrides])
     sp = SelfPlay(cfg, run_dir)
-    sp.cap = cfg.sampling.student_max_new_tokens
+    cap = cfg.sampling.student_max_new_tokens
     model = sp.parts.model
     vocab = model.config.get_text_config().vocab_size
     rows = []
     try:
-        for name, draw in mixes(sp.cap).items():
+        for name, draw in mixes(cap).items():
             if only and name not in only:
                 continue
-            batch = rollouts(sp, draw, name, scale, vocab, cfg.seed)
+            batch = rollouts(sp, draw, name, scale, vocab, cfg.seed, cap)
             rewards = [random.Random(i).choice([1.0, -0.5]) for i in range(len(batch))]
             torch.cuda.synchronize()
             start = torch.cuda.memory_allocated()
@@ -146,9 +147,8 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp())
     rows = sweep(args.config, args.overrides, args.scale,
                  Path(args.seed_dir) if args.seed_dir else tmp / "seeds", tmp / "run", args.mix)
-    import os
-
     from lorapop.engine.memory import ALLOC_CONF
+
     record = {
         "benchmark": "update_memory",
         "command": " ".join(["python", *sys.argv]),

@@ -82,3 +82,28 @@ def test_op_table_says_which_code_ran_each_operator() -> None:
     assert any(op == "aten::cat" and "lorapop/engine/fused.py" in w and "_rotate" in w
                for op, w in where)
     assert ("aten::mul", "MulBackward0") in where  # the backward of `* 2`, on the autograd thread
+
+
+def test_decode_roofline_counts_weights_adapters_and_cache_per_phase(monkeypatch) -> None:
+    """Each phase's decode bound: the weights once a step, the adapters its rows use, every
+    cached position each row reads; the fraction is the bound's share of the measured time."""
+    from lorapop.engine.kvcache import kv_bytes_per_token
+    from lorapop.lora.bank import AdapterBank
+    from tiny_models import tiny_model
+
+    ls = _loop_step()
+    model = tiny_model()
+    bank = AdapterBank(model, n_slots=4, rank=2)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    calls = [{"phase": "proposal", "rows": 2, "steps": 10, "row_steps": 15, "decode_s": 1.0,
+              "kv_token_reads": 100, "slots": 2},
+             {"phase": "solving", "rows": 4, "steps": 5, "row_steps": 20, "decode_s": 2.0,
+              "kv_token_reads": 300, "slots": 1}]
+    out = ls.decode_roofline(model, bank, calls)
+    n, item = ls.flop_params(model), 4
+    want = 10 * (n * item + 2 * bank.slot_numel * item) + 100 * kv_bytes_per_token(model)
+    assert out["proposal"]["bytes"] == want
+    assert out["proposal"]["ms_per_step"] == 100.0 and out["solving"]["ms_per_step"] == 400.0
+    bound = max(want / 4.8e12, out["proposal"]["flops"] / 989e12)
+    assert out["proposal"]["fraction_of_bound"] == bound / 1.0
