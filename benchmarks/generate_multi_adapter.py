@@ -35,8 +35,8 @@ import transformers
 
 from lorapop.engine.decoder import Decoder, route
 from lorapop.engine.generate import GenerateSpec, generate
-from lorapop.engine.kvcache import static_kv
 from lorapop.engine.logprobs import sequence_logprobs
+from lorapop.engine.patches import static_kv
 from lorapop.engine.sampling import SamplingParams, row_uniforms
 from lorapop.lora.bank import DEFAULT_TARGETS, AdapterBank
 from qwen7b import build_qwen7b

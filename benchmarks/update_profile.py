@@ -61,7 +61,7 @@ def _rows(vocab: int, n: int, prompt: int, completion: int, share: int, slots: l
 
 def update_pass(parts, rows: tuple[list, list, list], share: bool, mode: bool | str,
                 max_tokens: int, profile: bool = False, held: bool = True) -> dict:
-    """The loop's update over `rows` (`SelfPlay._policy_step` minus advantages and the
+    """The loop's update over `rows` (`PolicyUpdate.step` minus advantages and the
     optimizer): timed, with its peak memory; `profile` tabulates the first micro-batch;
     `held=False` casts the bank in every forward instead of holding one copy."""
     from lorapop.engine.load import use_checkpointing
