@@ -131,7 +131,7 @@ def _fail(message: str, world: World | None = None) -> typer.Exit:
 
 
 def _run(cfg: Config, run_dir: Path, resume: bool, command: str, world: World,
-         from_step: int | None = None) -> int:
+         from_step: int | None = None, note: str = "") -> int:
     """Train one run with progress, run.json and the logging backends; return steps done.
     Ctrl-C stops it; `--resume` continues from the last checkpoint (`run.save_every`).
     Under torchrun every rank trains; rank 0 alone shows progress, logs and writes files."""
@@ -154,6 +154,8 @@ def _run(cfg: Config, run_dir: Path, resume: bool, command: str, world: World,
         raise _fail(f"{e.strerror or e}: {e.filename or run_dir}", world) from None
     if world.main:
         typer.echo(_banner(sp, run_dir, world), err=True)
+        if note:
+            typer.echo(note, err=True)
     if sp.no_deterministic_kernel and world.main:
         typer.echo(f"train.deterministic: an update op has no deterministic kernel "
                    f"({sp.no_deterministic_kernel}); the update goes on in warn-only mode, "
@@ -320,7 +322,15 @@ def train(
         if not (run_dir / "config.yaml").is_file() and not (run_dir / "checkpoints").is_dir():
             raise _fail(f"--resume {resume}: not a lorapop run directory (no config.yaml "
                         "or checkpoints/)")
-        config = config or str(run_dir / "config.yaml")
+        if config is None:  # the resumed checkpoint's config: a safe change made at an
+            # earlier resume (e.g. train.steps) holds until changed again
+            from lorapop.checkpoint import resume_point
+
+            try:
+                saved = resume_point(run_dir, from_step) / "config.yaml"
+            except FileNotFoundError as e:
+                raise _fail(str(e)) from None
+            config = str(saved if saved.is_file() else run_dir / "config.yaml")
     elif config is None:
         raise _fail("give a CONFIG file, or --resume RUN_DIR")
     else:
@@ -361,10 +371,9 @@ def train(
         raise _fail(f"cannot join the torchrun process group: {e}") from None
     if rules_note and world.main:
         typer.echo(rules_note)
-    if changed and world.main:
-        typer.echo(f"resuming with changed settings: {'; '.join(changed)}", err=True)
     try:
-        done = _run(cfg, run_dir, bool(resume), command, world, from_step)
+        done = _run(cfg, run_dir, bool(resume), command, world, from_step,
+                    f"resuming with changed settings: {'; '.join(changed)}" if changed else "")
         baseline_dir = run_dir / "baseline"
         if cfg.run.with_baseline and cfg.league.mode == "population":
             base = cfg.model_copy(deep=True)
