@@ -73,8 +73,8 @@ def test_population_run_three_steps_and_report(tmp_path):
     assert all(rows[0]["programs"]["code_f"][k] is None for k in ("loc", "coverage"))
     assert latest_checkpoint(tmp_path).name == "step_000003"
     page = write_report(tmp_path).read_text()
-    # individuals, arms, ratings, matchups, programs, phases; replacements and samples
-    assert page.count("<img") == 6 and "Replacement history" in page
+    # individuals, arms, ratings, matchups, task types, programs, phases; replacements, samples
+    assert page.count("<img") == 7 and "Replacement history" in page
     assert "rollouts/step_3.jsonl.gz" in page
 
 
