@@ -270,3 +270,11 @@ def test_report_leads_with_the_comparison_and_the_held_out_eval(trained, monkeyp
     assert len(set(styles.values())) == len(styles)  # every arm line looks different
     assert {"population teachers", "population students"} <= set(styles)
     assert math.isclose(report.wilson(1.0, 10)[1], 1.0)
+
+
+def test_license_is_the_apache_2_text_pyproject_names():
+    root = Path(__file__).parents[1]
+    text = (root / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text
+    assert "Apache-2.0" in (root / "pyproject.toml").read_text()
