@@ -135,7 +135,8 @@ def test_eval_run_dir_scores_members_and_baseline(run_dir):
         assert name in header
     assert (run_dir / "eval" / "eval.md").is_file()
     assert run("report", run_dir).exit_code == 0
-    assert "Benchmarks (lorapop eval)" in (run_dir / "report.html").read_text()
+    page = (run_dir / "report.html").read_text()
+    assert "Held-out evaluation (lorapop eval)" in page and "<a href='#eval'>" in page
 
 
 @pytest.mark.parametrize(
@@ -145,7 +146,7 @@ def test_eval_run_dir_scores_members_and_baseline(run_dir):
         (["train", TINY, "league.pfsp=best"], "bad value for 'league.pfsp'"),
         (["train", "missing.yaml"], "config file not found"),
         (["train", TINY, "model.name_or_path=./no/such/model"], "model path not found"),
-        (["train", "--resume", "/nonexistent-run"], "config file not found"),
+        (["train", "--resume", "/nonexistent-run"], "--resume /nonexistent-run: no such directory"),
         (["report", "/nonexistent-run"], "no metrics.jsonl"),
         (["train", TINY, "--out", "EXISTING"], "already holds a run"),
         (["train", TINY, "--steps", "-5"], "bad value for 'train.steps'"),

@@ -23,7 +23,8 @@ def test_yaml_and_overrides(tmp_path):
         ("lora.rnak=4", "unknown key 'lora.rnak'"),
         ("lora.rank=0", "bad value for 'lora.rank'"),
         ("league.pfsp=fancy", "bad value for 'league.pfsp'"),
-        ("tasks.types=[code_x]", "bad value for 'tasks.types.0'"),
+        ("tasks.types=[code_x]", "bad value for 'tasks.types': Value error, unknown task type "
+         "'code_x'"),
         ("norank", "not of the form key.path=value"),
         ("evolve.operators={spectrall: 1.0}", "bad value for 'evolve.operators': Value error, "
          "unknown operator 'spectrall'; known: spectral,"),

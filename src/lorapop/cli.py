@@ -19,9 +19,40 @@ app = typer.Typer(
 )
 
 
+def _version(value: bool) -> None:
+    if value:
+        import lorapop
+
+        typer.echo(f"lorapop {lorapop.__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def main() -> None:
+def main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                      help="Print the version and exit.")) -> None:
     """Population-based self-play RL on LoRA adapters that share one frozen base model."""
+
+
+def _write_problem(path: Path) -> str | None:
+    """Why files cannot be written at or under `path` (None: they can), found by creating and
+    removing a file in the nearest existing folder, so nothing is left behind."""
+    import tempfile
+
+    anc = path
+    while not anc.exists() and anc != anc.parent:
+        anc = anc.parent
+    if not anc.is_dir():
+        return f"{anc} is not a directory"
+    try:
+        with tempfile.TemporaryFile(dir=anc):
+            pass
+    except OSError as e:
+        return f"cannot write to {path}: {e.strerror or e}"
+    return None
+
+
+TRAIN_FLAGS = ("--steps", "--out", "--resume", "--from-step", "--report", "--no-report",
+               "--print-config", "--help")
 
 
 @app.command()
@@ -100,23 +131,31 @@ def _fail(message: str, world: World | None = None) -> typer.Exit:
 
 
 def _run(cfg: Config, run_dir: Path, resume: bool, command: str, world: World,
-         from_step: int | None = None) -> int:
+         from_step: int | None = None, note: str = "") -> int:
     """Train one run with progress, run.json and the logging backends; return steps done.
     Ctrl-C stops it; `--resume` continues from the last checkpoint (`run.save_every`).
     Under torchrun every rank trains; rank 0 alone shows progress, logs and writes files."""
+    import signal
+
     from lorapop.dist import DivergenceError
     from lorapop.engine.load import ModelLoadError
     from lorapop.engine.memory import GenerationMemoryError
     from lorapop.run.backends import TensorBoardLog, WandbLog
-    from lorapop.run.checkpoint import latest_checkpoint, step_of
+    from lorapop.run.checkpoint import CheckpointWriteError, latest_checkpoint, step_of
     from lorapop.run.progress import RunDisplay
     from lorapop.run.runinfo import RunInfo
-    from lorapop.selfplay.loop import SelfPlay
+    from lorapop.selfplay.loop import NonFiniteError, SelfPlay, Stopped
 
     try:
         sp = SelfPlay(cfg, run_dir, resume=resume, from_step=from_step, world=world)
     except (ModelLoadError, FileNotFoundError, ValueError, RuntimeError) as e:
         raise _fail(str(e), world) from None
+    except OSError as e:
+        raise _fail(f"{e.strerror or e}: {e.filename or run_dir}", world) from None
+    if world.main:
+        typer.echo(_banner(sp, run_dir, world), err=True)
+        if note:
+            typer.echo(note, err=True)
     if sp.no_deterministic_kernel and world.main:
         typer.echo(f"train.deterministic: an update op has no deterministic kernel "
                    f"({sp.no_deterministic_kernel}); the update goes on in warn-only mode, "
@@ -127,17 +166,38 @@ def _run(cfg: Config, run_dir: Path, resume: bool, command: str, world: World,
         if cfg.run.tensorboard and world.main:
             hooks.append(TensorBoardLog(run_dir / "tensorboard", config))
         if cfg.run.wandb and world.main:
-            hooks.append(WandbLog(run_dir, config, cfg.run.wandb_project))
+            rc = cfg.run
+            baseline = cfg.league.mode == "single" and run_dir.name == "baseline"
+            home = run_dir.parent if baseline else run_dir
+            hooks.append(WandbLog(
+                run_dir, config, rc.wandb_project, entity=rc.wandb_entity,
+                group=rc.wandb_group or home.name,
+                name=(rc.wandb_name or home.name) + ("-baseline" if baseline else ""),
+                job_type="baseline" if cfg.league.mode == "single" else "population"))
     except RuntimeError as e:  # a backend's package is missing
         sp.close()
         raise _fail(str(e)) from None
+    def on_term(signum: int, frame: object) -> None:  # a scheduler's preemption
+        sp.request_stop("SIGTERM")
+
+    previous = signal.signal(signal.SIGTERM, on_term)
     try:
         with RunDisplay(cfg.train.steps, sp.step_done,
                         enabled=cfg.run.progress and world.main) as display:
             hooks.append(display.update)
             sp.run(on_step=lambda row: [h(row) for h in hooks])
-    except (DivergenceError, GenerationMemoryError) as e:  # the latter before any decode
+    except (DivergenceError, GenerationMemoryError, NonFiniteError) as e:  # memory: before decode
         raise _fail(str(e), world) from None
+    except Stopped as e:
+        if world.main:
+            typer.echo(f"stopped by {e} after step {sp.step_done}, checkpointed; "
+                       f"`lorapop train --resume {run_dir}` continues", err=True)
+        raise typer.Exit(143) from None
+    except CheckpointWriteError as e:
+        raise _fail(f"{e}; {_kept(run_dir)}", world) from None
+    except OSError as e:  # metrics, rollouts, run.json: a full or read-only disk
+        raise _fail(f"cannot write in {run_dir}: {e.strerror or e}"
+                    f"{f': {e.filename}' if e.filename else ''}; {_kept(run_dir)}", world) from None
     except KeyboardInterrupt:
         if not world.main:
             raise typer.Exit(130) from None
@@ -148,6 +208,7 @@ def _run(cfg: Config, run_dir: Path, resume: bool, command: str, world: World,
                    f"continues from {where}", err=True)
         raise typer.Exit(130) from None
     finally:
+        signal.signal(signal.SIGTERM, previous)
         sp.close()
         for h in hooks:
             if hasattr(h, "close"):
@@ -156,6 +217,52 @@ def _run(cfg: Config, run_dir: Path, resume: bool, command: str, world: World,
         typer.echo(f"run: {run_dir} ({sp.step_done} steps, {cfg.league.mode}"
                    f"{f', {world.size} ranks' if world.distributed else ''})")
     return sp.step_done
+
+
+def _kept(run_dir: Path) -> str:
+    from lorapop.run.checkpoint import latest_checkpoint, step_of
+
+    last = latest_checkpoint(run_dir)
+    return (f"the checkpoint of step {step_of(last)} is intact: free space, then "
+            f"`lorapop train --resume {run_dir}`" if last else "no checkpoint was written")
+
+
+def _banner(sp: object, run_dir: Path, world: World) -> str:
+    """One line: what trains, where and on what."""
+    p = sp.parts  # type: ignore[attr-defined]
+    cfg = p.cfg
+    trainable = p.bank.weights.numel()
+    dev = next(p.model.parameters()).device
+    devices = f"{world.size} x {dev.type}" if world.distributed else str(dev)
+    return (f"lorapop: {cfg.model.name_or_path} | {cfg.league.mode}: {', '.join(p.members)} | "
+            f"{trainable:,} trainable parameters ({trainable // max(1, len(p.slot)):,} per "
+            f"member) | {devices} | out: {run_dir}")
+
+
+def _check_resume(run_dir: Path, from_step: int | None, cfg: Config) -> list[str]:
+    """Compare the resumed config with the checkpoint's: raise for an unsafe change, return
+    one line per safe one."""
+    from lorapop.config import ConfigError, config_diff, load_config, unsafe_on_resume
+    from lorapop.run.checkpoint import resume_point
+
+    try:
+        ckpt = resume_point(run_dir, from_step)
+    except FileNotFoundError as e:
+        raise _fail(str(e)) from None
+    saved_path = ckpt / "config.yaml"
+    try:
+        saved = load_config(saved_path if saved_path.is_file() else run_dir / "config.yaml")
+    except ConfigError as e:
+        raise _fail(f"the checkpoint's config: {e}") from None
+    diff = config_diff(saved, cfg)
+    shown = [f"{k} {a!r} -> {b!r}" for k, (a, b) in diff.items()]
+    bad = unsafe_on_resume(diff)
+    if bad:
+        raise _fail(f"cannot resume {run_dir}: these keys differ from its checkpoint "
+                    f"{ckpt.name}: {'; '.join(s for s, k in zip(shown, diff, strict=True) if k in bad)} "
+                    "(a resume may change only run.*, train.steps and speed knobs: "
+                    "lorapop.config.SAFE_ON_RESUME); start a new run with --out")
+    return shown
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -173,6 +280,8 @@ def train(
         None, "--from-step", help="With --resume: continue from the checkpoint of this step "
         "instead of the last (e.g. when the last is damaged)."),
     report: bool = typer.Option(True, help="Write report.html when training ends."),
+    print_config: bool = typer.Option(
+        False, "--print-config", help="Print the resolved config (YAML) and exit."),
 ) -> None:
     """Run population self-play (or the single-agent baseline) and checkpoint as it goes.
 
@@ -185,6 +294,7 @@ def train(
     `banned_calls`) where the config does not set them.
     """
 
+    import difflib
     import shlex
 
     from lorapop import dist
@@ -192,6 +302,12 @@ def train(
     from lorapop.run.report import write_report
 
     overrides = list(ctx.args)
+    for o in overrides:
+        if o.startswith("-"):
+            flag = o.split("=")[0]
+            close = difflib.get_close_matches(flag, TRAIN_FLAGS, n=1, cutoff=0.6)
+            raise _fail(f"no such option {flag}" + (f" (did you mean {close[0]}?)" if close
+                                                    else "; see `lorapop train --help`"))
     flags = {"--steps": steps, "--out": out, "--resume": resume, "--from-step": from_step}
     command = shlex.join(["lorapop", "train", *([config] if config else []),
                           *(x for k, v in flags.items() if v is not None for x in (k, str(v))),
@@ -201,7 +317,20 @@ def train(
         config = None
     if resume:
         run_dir = Path(resume)
-        config = config or str(run_dir / "config.yaml")
+        if not run_dir.is_dir():
+            raise _fail(f"--resume {resume}: no such directory")
+        if not (run_dir / "config.yaml").is_file() and not (run_dir / "checkpoints").is_dir():
+            raise _fail(f"--resume {resume}: not a lorapop run directory (no config.yaml "
+                        "or checkpoints/)")
+        if config is None:  # the resumed checkpoint's config: a safe change made at an
+            # earlier resume (e.g. train.steps) holds until changed again
+            from lorapop.run.checkpoint import resume_point
+
+            try:
+                saved = resume_point(run_dir, from_step) / "config.yaml"
+            except FileNotFoundError as e:
+                raise _fail(str(e)) from None
+            config = str(saved if saved.is_file() else run_dir / "config.yaml")
     elif config is None:
         raise _fail("give a CONFIG file, or --resume RUN_DIR")
     else:
@@ -214,6 +343,11 @@ def train(
         raise _fail(str(e)) from None
     if from_step is not None and not resume:
         raise _fail("--from-step goes with --resume RUN_DIR")
+    changed: list[str] = []
+    if resume and not print_config:
+        changed = _check_resume(run_dir, from_step, cfg)
+    if not print_config and (problem := _write_problem(run_dir)):
+        raise _fail(problem)
     rules_note = ""
     if not resume:  # a resumed run's config.yaml has them already
         from lorapop.tiny.world import base_rule_overrides
@@ -226,6 +360,11 @@ def train(
             cfg = load_config(config, [*overrides, *extra])
             rules_note = (f"the base was pretrained for level table {table!r}: its world rules "
                           f"apply (set these keys to change them): {' '.join(extra)}")
+    if print_config:
+        from lorapop.config import dump_config
+
+        typer.echo(dump_config(cfg), nl=False)
+        return
     try:
         world = dist.init(cfg.model.device)
     except (RuntimeError, ValueError) as e:
@@ -233,7 +372,8 @@ def train(
     if rules_note and world.main:
         typer.echo(rules_note)
     try:
-        done = _run(cfg, run_dir, bool(resume), command, world, from_step)
+        done = _run(cfg, run_dir, bool(resume), command, world, from_step,
+                    f"resuming with changed settings: {'; '.join(changed)}" if changed else "")
         baseline_dir = run_dir / "baseline"
         if cfg.run.with_baseline and cfg.league.mode == "population":
             base = cfg.model_copy(deep=True)
@@ -249,7 +389,10 @@ def train(
         from lorapop.run.report import summary_table
 
         typer.echo(summary_table(run_dir, baseline_dir if baseline_dir.is_dir() else None))
-        typer.echo(f"report: {write_report(run_dir)}")
+        try:
+            typer.echo(f"report: {write_report(run_dir)}")
+        except OSError as e:
+            raise _fail(f"cannot write {run_dir / 'report.html'}: {e.strerror or e}") from None
 
 
 @app.command()
@@ -262,6 +405,8 @@ def report(run_dir: str = typer.Argument(..., help="A run directory written by `
         typer.echo(str(write_report(run_dir)))
     except (FileNotFoundError, ValueError) as e:
         raise _fail(str(e)) from None
+    except OSError as e:  # a read-only run or a full disk: the old report (if any) is kept
+        raise _fail(f"cannot write {Path(run_dir) / 'report.html'}: {e.strerror or e}") from None
 
 
 @app.command()
@@ -288,7 +433,12 @@ def export(
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise _fail(f"{out_dir} exists and is not an empty directory")
-    _copy_adapter(ckpt / "adapters" / member, out)
+    if problem := _write_problem(out):
+        raise _fail(problem)
+    try:
+        _copy_adapter(ckpt / "adapters" / member, out)
+    except OSError as e:
+        raise _fail(f"cannot write {out_dir}: {e.strerror or e}") from None
     typer.echo(f"{member} -> {out_dir} (load with peft.PeftModel.from_pretrained)")
 
 
@@ -343,14 +493,28 @@ def evaluate(
     """Greedy pass@1 of every member on the paper's code and math benchmarks, in shared batches."""
 
     from lorapop.evals import EvalError, run_eval
+    from lorapop.evals.runner import EvalInterrupted
     from lorapop.run.checkpoint import latest_checkpoint
 
+    for flag, value in (("--workers", workers), ("--max-new-tokens", max_new_tokens),
+                        ("--batch-size", batch_size), ("--limit", limit)):
+        if value is not None and value < 1:
+            raise _fail(f"{flag} must be at least 1 (got {value})")
+    if workers > 999:
+        raise _fail("--workers must be in 1..999")
     if out is None and latest_checkpoint(Path(target)) is not None:
         out = str(Path(target) / "eval")  # `lorapop report` shows it with the run
+    if out is not None and (problem := _write_problem(Path(out))):
+        raise _fail(problem)  # before any evaluation, not after it
     benches = [b.strip() for b in bench.split(",") if b.strip()]
     if "tiny" in benches:
         if benches != ["tiny"]:
             raise _fail("--bench tiny (the tiny world's held-out set) runs on its own")
+        for flag, value, default in (("--limit", limit, None), ("--batch-size", batch_size, None),
+                                     ("--max-new-tokens", max_new_tokens, 2048)):
+            if value != default:
+                raise _fail(f"{flag} does not apply to --bench tiny (its held-out set and "
+                            "lengths are fixed)")
         _eval_tiny(target, out, device, workers, base_model)
         return
     sources = {}
@@ -366,8 +530,14 @@ def evaluate(
             max_new_tokens=max_new_tokens, batch_size=batch_size, limit=limit, device=device,
             workers=workers, log=lambda m: typer.echo(m, err=True),
         )
+    except EvalInterrupted as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(130) from None
     except EvalError as e:
         raise _fail(str(e)) from None
+    except OSError as e:
+        raise _fail(f"cannot write {out}: {e.strerror or e}; results scored so far are in "
+                    f"{out}/eval.partial.jsonl if it could be written") from None
     typer.echo(result["table"])
 
 

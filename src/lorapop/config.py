@@ -6,6 +6,7 @@ instead of silently training with a default.
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import Any, Literal
 
@@ -16,7 +17,9 @@ from lorapop.tasks.domain import InputDomain, WorldRules
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: `train.lr=.inf` or `sampling.temperature=.nan` is refused at load
+    # (an infinite rate trains NaN adapters; an infinite temperature samples uniform noise)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ModelConfig(Section):
@@ -113,7 +116,10 @@ class EvolveConfig(Section):
 
 
 class TasksConfig(Section):
-    types: list[Literal["code_o", "code_i", "code_f"]] = ["code_o", "code_i", "code_f"]
+    types: list[str] = ["code_o", "code_i", "code_f"]
+    """Task families played, by their names in `lorapop.tasks.registry.FAMILIES`: the three
+    code families, or any family a module registered (`register_family`) before the config
+    is loaded."""
     template: Literal["azr", "compact", "chat"] = "compact"
     """`compact` for the tiny model, `azr` (R1 text) for base models, `chat` wraps the azr prompts
     in the tokenizer's chat template (Instruct/chat models)."""
@@ -142,6 +148,19 @@ class TasksConfig(Section):
     """Function and method names a proposal's program may not call (`["count"]`: neither
     `s.count(c)` nor `count(x)`); one that does is invalid. A world's rule (the tiny world's
     `nocount` table)."""
+
+    @field_validator("types")
+    @classmethod
+    def _registered_types(cls, types: list[str]) -> list[str]:
+        from lorapop.tasks.registry import FAMILIES
+
+        for t in types:
+            if t not in FAMILIES:
+                raise ValueError(f"unknown task type {t!r}{_did_you_mean(t, FAMILIES)}; "
+                                 f"registered: {', '.join(FAMILIES)}")
+        if len(set(types)) != len(types) or not types:
+            raise ValueError("list each task type once, at least one")
+        return types
 
     def world_rules(self) -> WorldRules:
         return WorldRules(self.input_domain, self.output_domain, self.live_code,
@@ -220,15 +239,33 @@ class TrainConfig(Section):
     """AZR's composite reward: a valid proposal whose converted reward is not positive gets
     this instead (AZR: -0.5). None (PopuLoRA) keeps the 0."""
     deterministic: bool = False
-    """Run each update on deterministic kernels (`engine/determinism`), so that a GPU run
-    repeats bit for bit from its seed on one kind of GPU and number of ranks: for debugging and
-    for studying a run's dynamics. Without them runs part from the second step, as the
-    update's backward (attention, the bank's gathers and indexing) sums with atomics. Checked
-    on an H200 (`benchmarks/deterministic_runs.py`): two runs repeated bit for bit,
-    and the cost was within the spread between runs. Generation keeps its kernels: GPU runs
-    already agree at their first step (sampling is seeded per row), and sampling's float
-    cumsum has no deterministic CUDA kernel. CPU runs are deterministic anyway. `run.json`
-    records whether the kernels were deterministic and which op, if any, lacked one."""
+    """Run each update on deterministic kernels (`engine/determinism`).
+
+    On GPU it guarantees: two runs of one config and seed, on the same GPU model, number of
+    ranks, CUDA/cuDNN/torch/transformers versions and `sampling.batch_size`, give bit-identical
+    metrics, samples and adapters, whatever `run.save_every` is and across `--resume`; when
+    `run.json` records `deterministic_kernels: true` (if an op lacked such a kernel it names
+    the op, and the update ran warn-only: that op may round differently). It does not
+    guarantee equality across GPU models, driver or library versions, rank counts, or with a
+    CPU run, nor that generation's kernels are deterministic in general: generation keeps the
+    default kernels (sampling is seeded per row, and runs were observed to agree at their first
+    step; sampling's float cumsum has no deterministic CUDA kernel), so a difference in a
+    logit's last bit can still pick another token. Without it, GPU runs part from the second
+    step, as the update's backward (attention, the bank's gathers and indexing) sums with
+    atomics. Measured on an H200 (`benchmarks/deterministic_runs.py`): two runs repeated bit
+    for bit, at a cost within the spread between runs.
+
+    On CPU runs are deterministic with or without it: the same config, seed, torch version and
+    machine give bit-identical metrics and samples whatever `run.save_every` is and however
+    often the run is interrupted and resumed (tests/selfplay/test_repeat.py). The sandbox's wall-clock
+    limit (`verify.timeout_s`) is the exception on both: a program that runs near the limit
+    may time out on a loaded machine and not on an idle one."""
+    nonfinite: Literal["stop"] = "stop"
+    """What a non-finite loss, gradient or updated weight does: `stop` ends the run with a one-line
+    error naming the step and the member, before anything of that step is written (no metrics
+    row, rollouts or checkpoint), so the last checkpoint is the last good state. (The only
+    policy: skipping the update would leave the optimizer and league out of step with the
+    logged rewards.)"""
 
 
 class DifficultyConfig(Section):
@@ -267,6 +304,14 @@ class RunConfig(Section):
     wandb: bool = False
     """Log the same metrics to Weights & Biases (`WANDB_MODE=offline` works without a network)."""
     wandb_project: str = "lorapop"
+    wandb_entity: str | None = None
+    """W&B team or user (default: the logged-in user's)."""
+    wandb_group: str | None = None
+    """W&B group, which holds the population and its baseline together (default: the run
+    directory's name); the population logs with job_type `population`, the baseline with
+    `baseline`."""
+    wandb_name: str | None = None
+    """W&B run name (default: the run directory's name; the baseline's gets `-baseline`)."""
     progress: bool = True
     """A progress bar on a terminal; one plain line per step otherwise (batch logs)."""
     keep_last: int = Field(2, ge=1)
@@ -321,6 +366,52 @@ class Config(Section):
         return self
 
 
+SAFE_ON_RESUME = ("run.", "train.steps", "verify.workers", "model.device",
+                  "sampling.batch_size", "sampling.prefill_tokens", "sampling.compile",
+                  "sampling.cuda_graph", "sampling.keep_decoders", "train.kl_rows")
+"""Keys (or `prefix.`es) a `--resume` may change: where files go and how often, how long to
+train, and knobs that change speed or memory but not what is computed on CPU (a GPU run's
+batch size may change its rounding). Any other difference from the checkpoint's config is
+refused, naming each key: the checkpoint's state would not match it."""
+
+
+def config_diff(old: Config, new: Config) -> dict[str, tuple[Any, Any]]:
+    """Dotted key -> (old value, new value) for every leaf that differs."""
+    out: dict[str, tuple[Any, Any]] = {}
+
+    def walk(a: Any, b: Any, path: str) -> None:
+        if isinstance(a, dict) and isinstance(b, dict) and path.count(".") < 1:
+            for k in sorted(a.keys() | b.keys()):
+                walk(a.get(k), b.get(k), f"{path}.{k}" if path else k)
+        elif a != b:
+            out[path] = (a, b)
+
+    walk(old.model_dump(mode="json"), new.model_dump(mode="json"), "")
+    return out
+
+
+def unsafe_on_resume(diff: dict[str, Any]) -> list[str]:
+    """The keys of `diff` a resume may not change (see SAFE_ON_RESUME)."""
+    return [k for k in diff
+            if not any(k == s or (s.endswith(".") and k.startswith(s)) for s in SAFE_ON_RESUME)]
+
+
+def _did_you_mean(word: str, known: Any) -> str:
+    close = difflib.get_close_matches(word, list(known), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _known_keys(loc: tuple[Any, ...]) -> list[str]:
+    """The keys allowed where an unknown key sits (`loc` without its last part)."""
+    model: Any = Config
+    for part in loc[:-1]:
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        model = field.annotation
+    return list(getattr(model, "model_fields", {}))
+
+
 class ConfigError(ValueError):
     """A bad config file, key or value; the message is one line fit for the terminal."""
 
@@ -347,7 +438,8 @@ def _describe(error: ValidationError) -> str:
                 value = first["input"]
                 new = new.get(value if isinstance(value, str) else "", " or ".join(new.values()))
             return f"'{key}' was removed; use {new}"
-        return f"unknown key '{key}'"
+        hint = _did_you_mean(str(first["loc"][-1]), _known_keys(first["loc"]))
+        return f"unknown key '{key}'{hint}"
     return f"bad value for '{key}': {first['msg']}"
 
 

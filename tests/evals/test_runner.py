@@ -118,3 +118,36 @@ def test_prompt_templates(data_dir):
     assert chat.startswith("<|user|>" + p.question) and chat.endswith("\\boxed{}.<|assistant|>")
     code = data.load("humanevalplus", data_dir, limit=1)[0]
     assert "```python\n" + code.question.strip() + "\n```" in prompts.render(code, "azr", tok)
+
+
+def test_interrupted_eval_keeps_its_results_and_resumes(run_dir, data_dir, tmp_path, monkeypatch):
+    """Results are appended as each chunk is scored: Ctrl-C keeps them, and the same call
+    goes on from there to the results of an uninterrupted evaluation."""
+    from lorapop.evals import progress, runner
+
+    kw = dict(limit=3, max_new_tokens=4, device="cpu", template="azr", include_base=False)
+    monkeypatch.setattr(runner, "CHUNK_ROWS", 4)
+    want = run_eval(run_dir, ["gsm8k"], data_dir, tmp_path / "straight", **kw)
+    real, calls = progress.generate_logged, []
+
+    def interrupted(*a, **k):
+        calls.append(len(a[3]))
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(progress, "generate_logged", interrupted)
+    out = tmp_path / "resumed"
+    with pytest.raises(runner.EvalInterrupted, match="4 results are kept in .*eval.partial.jsonl"):
+        run_eval(run_dir, ["gsm8k"], data_dir, out, **kw)
+    assert not (out / "eval.json").exists()
+    got = run_eval(run_dir, ["gsm8k"], data_dir, out, **kw)
+    assert calls[2:] == [4, 1]  # only what was left: 3 members x 3 problems, 4 kept
+    assert not (out / runner.PARTIAL).exists()
+    strip = [{k: r[k] for k in ("member", "id", "passed", "completion")}
+             for r in want["benchmarks"]["gsm8k"]["problems"]]
+    assert [{k: r[k] for k in ("member", "id", "passed", "completion")}
+            for r in got["benchmarks"]["gsm8k"]["problems"]] == strip
+    with pytest.raises(EvalError, match="results of another evaluation"):
+        (out / runner.PARTIAL).write_text(json.dumps({"settings": {"seed": 9}}) + "\n")
+        run_eval(run_dir, ["gsm8k"], data_dir, out, **kw)

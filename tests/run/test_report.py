@@ -63,7 +63,7 @@ def svgs(page):
 def test_page_shows_individuals_replacements_and_curves(tmp_path):
     page = report.write_report(write_run(tmp_path / "run", rows())).read_text()
     figures = svgs(page)
-    assert len(figures) == 6  # individuals, arms, ratings, matchups, programs, phases
+    assert len(figures) == 7  # individuals, arms, ratings, matchups, task types, programs, phases
     curves = figures[0]
     for label in ("student solve rate", "valid proposals (teacher)", "gradient norm",
                   "entropy", "response length", "student reward", "teacher reward"):
@@ -162,7 +162,7 @@ def test_single_step_and_single_agent_run(tmp_path):
     r["matchups"] = [{"teacher": "A0", "student": "A0", "answers": 2, "solve_rate": 0.5}]
     page = report.write_report(write_run(tmp_path / "run", [r])).read_text()
     assert "id='ratings'" not in page.split("</nav>")[1]  # no ratings without opponents
-    assert len(svgs(page)) == 5
+    assert len(svgs(page)) == 6
 
 
 def test_importing_the_report_changes_no_global_matplotlib_state():

@@ -73,8 +73,8 @@ def test_population_run_three_steps_and_report(tmp_path):
     assert all(rows[0]["programs"]["code_f"][k] is None for k in ("loc", "coverage"))
     assert latest_checkpoint(tmp_path).name == "step_000003"
     page = write_report(tmp_path).read_text()
-    # individuals, arms, ratings, matchups, programs, phases; replacements and samples
-    assert page.count("<img") == 6 and "Replacement history" in page
+    # individuals, arms, ratings, matchups, task types, programs, phases; replacements, samples
+    assert page.count("<img") == 7 and "Replacement history" in page
     assert "rollouts/step_3.jsonl.gz" in page
 
 
@@ -355,7 +355,7 @@ def test_deterministic_runs_repeat_and_leave_the_settings_as_they_were(tmp_path,
             sp.close()
         assert not torch.are_deterministic_algorithms_enabled()
         assert deterministic.fill_uninitialized_memory
-    assert modes == [(True, False)] * 4 + [(False, False)] * 2
+    assert modes == [(True, False)] * 4 + [(True, True)] * 2  # off: on CPU warn-only
     (a, wa, ka), (b, wb, kb), (off, woff, koff) = runs
     assert ka == kb == {"deterministic_kernels": True, "no_deterministic_kernel": None}
     assert koff == {"deterministic_kernels": False, "no_deterministic_kernel": None}

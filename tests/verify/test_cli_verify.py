@@ -33,8 +33,9 @@ def test_verify_contract(tmp_path):
     rows = [json.loads(line) for line in result.output.splitlines()]
     assert [r["status"] for r in rows] == [
         "ok", "bad_request", "bad_request", "bad_request", "syntax_error",
-        "nondeterministic", "banned", "ok",
-    ]  # fmt: skip
+        "nondeterministic", "banned", "bad_request", "ok",
+    ]  # fmt: skip (the blank line too: output line n answers input line n)
+    assert rows[7]["error"] == "blank line"
     assert rows[0]["output"] == "42" and rows[-1]["output"] == "'cba'"
     assert all(r["output"] is None for r in rows[1:-1])
     assert all({"status", "output", "error", "duration"} <= r.keys() for r in rows)

@@ -6,7 +6,9 @@ index, among them) sum in whatever order threads finish: two 2-rank H100 builds 
 world-nocount-77m base ended at losses 0.410 and 0.403. Strict mode, since flash
 attention's backward runs its deterministic kernel only then; a probe (one forward and backward
 of the kernels to be made deterministic) first finds whether some op has none, and then the
-work goes on warning instead. On CPU every kernel used here is deterministic anyway.
+work goes on warning instead. On CPU the update runs in this mode too, always (`loop`'s
+`_update_kernels`): a multi-threaded CPU backward of an index with repeated entries adds with
+atomics unless it is on.
 """
 
 from __future__ import annotations

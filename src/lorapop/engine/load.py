@@ -6,6 +6,7 @@ code path on a laptop without downloading anything.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -169,10 +170,39 @@ def load_base_model(
 
 
 def _check_exists(name_or_path: str) -> None:
-    """A path-like name that does not exist gets a clear error instead of a hub lookup."""
+    """A path-like name that does not exist gets a clear error instead of a hub lookup; a hub
+    id neither local nor cached fails at once offline (HF_HUB_OFFLINE) and after one quick
+    look-up otherwise, instead of a minute of download retries."""
     looks_local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
     if looks_local and not Path(name_or_path).expanduser().is_dir():
         raise ModelLoadError(f"model path not found: {name_or_path}")
+    if not looks_local and not Path(name_or_path).is_dir():
+        _check_hub(name_or_path)
+
+
+@functools.cache
+def _check_hub(repo: str) -> None:
+    import os
+
+    import huggingface_hub as hub
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    if isinstance(hub.try_to_load_from_cache(repo, "config.json"), str):
+        return
+    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+    if offline or hub.constants.HF_HUB_OFFLINE:
+        raise ModelLoadError(f"model '{repo}' is not a local directory nor in the Hugging Face "
+                             "cache, and HF_HUB_OFFLINE is set: download it first or give a path")
+    try:
+        hub.model_info(repo, timeout=10)
+    except RepositoryNotFoundError:
+        raise ModelLoadError(f"no model '{repo}' on the Hugging Face hub (nor a local "
+                             "directory of that name)") from None
+    except hub.errors.HfHubHTTPError:
+        return  # gated or private: loading says what it needs
+    except Exception as e:  # noqa: BLE001 (network errors of several libraries)
+        raise ModelLoadError(f"cannot reach the Hugging Face hub for '{repo}' ({_first_line(e)}); "
+                             "download it first or give a local path") from None
 
 
 def _first_line(e: Exception) -> str:

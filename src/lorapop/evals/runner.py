@@ -10,8 +10,10 @@ Decoding is greedy (pass@1 as AZR reports it).
 from __future__ import annotations
 
 import json
+import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,66 @@ CONFIG_NAME = "adapter_config.json"
 
 class EvalError(RuntimeError):
     """The evaluation cannot start (bad target, data, options); the message is one line."""
+
+
+class EvalInterrupted(EvalError):
+    """Ctrl-C during an evaluation; the message says where the results so far are kept."""
+
+
+#: Results appended here as they are scored; removed when eval.json is written.
+PARTIAL = "eval.partial.jsonl"
+#: Completions generated and scored per chunk (more when --batch-size is larger).
+CHUNK_ROWS = 256
+
+
+def _read_partial(path: Path, settings: dict[str, Any]) -> dict[tuple[str, str, str], dict]:
+    """The results an interrupted evaluation of the same settings kept at `path`."""
+    if not path.is_file():
+        return {}
+    lines = path.read_text(errors="replace").splitlines()
+    try:
+        head = json.loads(lines[0]) if lines else {}
+    except json.JSONDecodeError:
+        head = {}
+    if head.get("settings") != settings:
+        raise EvalError(f"{path} holds results of another evaluation (target, base model, "
+                        "template, length or seed differ): remove it or pick another --out")
+    done = {}
+    for line in lines[1:]:
+        try:
+            rec = json.loads(line)
+            done[(rec.pop("bench"), rec["member"], rec["id"])] = rec
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue  # a line cut by the interruption
+    return done
+
+
+@contextmanager
+def _appender(path: Path | None, settings: dict[str, Any]) -> Iterator[Callable[[dict], None]]:
+    """A function appending one result line to `path` (flushed each time), or discarding it."""
+    if path is None:
+        yield lambda rec: None
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = not path.is_file()
+    with open(path, "a") as fh:
+        if new:
+            fh.write(json.dumps({"settings": settings}) + "\n")
+
+        def keep(rec: dict) -> None:
+            fh.write(json.dumps(rec, default=str) + "\n")
+            fh.flush()
+
+        yield keep
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 @dataclass(frozen=True)
@@ -169,6 +231,12 @@ def run_eval(
         problems = {b: data.load(b, data_dir, (sources or {}).get(b), limit) for b in benches}
     except data.DataError as e:
         raise EvalError(str(e)) from None
+    partial = Path(out_dir) / PARTIAL if out_dir is not None else None
+    settings = {"target": str(target), "base_model": base, "template": template,
+                "max_new_tokens": max_new_tokens, "seed": seed}
+    done = _read_partial(partial, settings) if partial is not None else {}
+    if done:
+        say(f"{len(done)} results kept from {partial} (an earlier, interrupted evaluation)")
     tok, model, bank = load_population(base, members, device, dtype, seed)
     tmpl = prompts.resolve(template, tok)
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
@@ -179,44 +247,59 @@ def run_eval(
     }  # fmt: skip
     roles = {m.name: m.role for m in members}
     scores: dict[str, dict[str, float]] = {}
-    rows = [(b, m_i, p) for b, probs in problems.items() for m_i in range(len(members))
-            for p in probs]  # fmt: skip
+    todo = [(b, m_i, p) for b, probs in problems.items() for m_i in range(len(members))
+            for p in probs if (b, members[m_i].name, p.id) not in done]  # fmt: skip
     t0 = time.perf_counter()
-    say(f"{len(rows)} completions to generate ({len(members)} members)")
-    gens = generate_logged(model, bank, tok, [prompts.render(p, tmpl, tok) for _, _, p in rows],
-                           [m_i if bank is not None else 0 for _, m_i, _ in rows], params,
-                           seed=seed, batch_size=batch_size, log=say)  # fmt: skip
+    result["generated_tokens"] = 0
+    say(f"{len(todo)} completions to generate ({len(members)} members)")
+    # in chunks whose results are appended to `partial` as they are scored: an interrupted or
+    # failed evaluation keeps them, and the same command goes on from there
+    step = max(CHUNK_ROWS, 4 * (batch_size or 0))
+    try:
+        with Pool(workers=workers) as pool, _appender(partial, settings) as keep:
+            for c in range(0, len(todo), step):
+                rows = todo[c: c + step]
+                gens = generate_logged(
+                    model, bank, tok, [prompts.render(p, tmpl, tok) for _, _, p in rows],
+                    [m_i if bank is not None else 0 for _, m_i, _ in rows], params,
+                    seed=seed, batch_size=batch_size, log=say)  # fmt: skip
+                result["generated_tokens"] += sum(len(g.token_ids) for g in gens)
+                for b in dict.fromkeys(b for b, _, _ in rows):
+                    idx = [k for k, r in enumerate(rows) if r[0] == b]
+                    items = [(rows[k][2], gens[k].text) for k in idx]
+                    if data.BENCHES[b].group == "math":
+                        graded = _score_math([p for p, _ in items], [x for _, x in items])
+                    else:
+                        graded = codecheck.score(items, pool)
+                    for k, r in zip(idx, graded, strict=True):
+                        _, m_i, p = rows[k]
+                        rec = {"member": members[m_i].name, "id": p.id, **r,
+                               "completion": gens[k].text, "finish": gens[k].finish}  # fmt: skip
+                        done[(b, rec["member"], p.id)] = rec
+                        keep({"bench": b, **rec})
+                say(f"{min(c + step, len(todo))}/{len(todo)} completions scored")
+    except KeyboardInterrupt:
+        where = f"; {len(done)} results are kept in {partial}: the same command goes on " \
+                "from there" if partial is not None else " (no --out: nothing kept)"
+        raise EvalInterrupted(f"interrupted{where}") from None
     result["generate_s"] = round(time.perf_counter() - t0, 3)
-    result["generated_tokens"] = sum(len(g.token_ids) for g in gens)
-    say(f"generated {len(rows)} completions in {result['generate_s']:.1f}s")
-    with Pool(workers=workers) as pool:
-        for b, probs in problems.items():
-            t1 = time.perf_counter()
-            idx = [k for k, r in enumerate(rows) if r[0] == b]
-            items = [(rows[k][2], gens[k].text) for k in idx]
-            if data.BENCHES[b].group == "math":
-                graded = _score_math([p for p, _ in items], [c for _, c in items])
-            else:
-                graded = codecheck.score(items, pool)
-            per: dict[str, list[bool]] = {m.name: [] for m in members}
-            records = []
-            for k, r in zip(idx, graded, strict=True):
-                _, m_i, p = rows[k]
-                per[members[m_i].name].append(bool(r["passed"]))
-                records.append({"member": members[m_i].name, "id": p.id, **r,
-                                "completion": gens[k].text, "finish": gens[k].finish})  # fmt: skip
-            scores[b] = {m: (sum(v) / len(v) if v else 0.0) for m, v in per.items()}
-            result["benchmarks"][b] = {
-                "n": len(probs), "pass@1": scores[b],
-                "score_s": round(time.perf_counter() - t1, 3), "problems": records,
-            }  # fmt: skip
-            say(f"{b}: {len(probs)} problems x {len(members)} members scored")
+    for b, probs in problems.items():
+        per: dict[str, list[bool]] = {m.name: [] for m in members}
+        records = []
+        for m in members:
+            for p in probs:
+                rec = done[(b, m.name, p.id)]
+                per[m.name].append(bool(rec["passed"]))
+                records.append(rec)
+        scores[b] = {m: (sum(v) / len(v) if v else 0.0) for m, v in per.items()}
+        result["benchmarks"][b] = {"n": len(probs), "pass@1": scores[b], "problems": records}
     summary = table.summarize(scores, roles)
     result["summary"] = summary
     result["table"] = table.markdown(summary, roles)
     if out_dir is not None:
         out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "eval.json").write_text(json.dumps(result, indent=1, default=str))
-        (out / "eval.md").write_text(result["table"])
+        _write_atomic(out / "eval.json", json.dumps(result, indent=1, default=str))
+        _write_atomic(out / "eval.md", result["table"])
+        if partial is not None:
+            partial.unlink(missing_ok=True)
     return result

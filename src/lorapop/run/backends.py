@@ -115,7 +115,11 @@ class WandbLog:
     `WANDB_MODE=offline` logs to RUN_DIR/wandb without a network (`wandb sync` uploads later).
     """
 
-    def __init__(self, run_dir: str | Path, config: Mapping[str, Any], project: str) -> None:
+    def __init__(self, run_dir: str | Path, config: Mapping[str, Any], project: str,
+                 entity: str | None = None, group: str | None = None, name: str | None = None,
+                 job_type: str | None = None) -> None:
+        """`group` holds a population and its baseline together (`job_type` tells them
+        apart); `name` defaults to the run directory's name."""
         try:
             import wandb
         except ImportError as e:
@@ -127,7 +131,8 @@ class WandbLog:
         run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4)
         id_file.write_text(run_id)
         self.wandb = wandb
-        self.run = wandb.init(project=project, name=run_dir.name, id=run_id, resume="allow",
+        self.run = wandb.init(project=project, entity=entity, group=group, job_type=job_type,
+                              name=name or run_dir.name, id=run_id, resume="allow",
                               dir=str(run_dir), config=dict(config))
 
     def __call__(self, row: Mapping[str, Any]) -> None:

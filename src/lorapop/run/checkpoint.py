@@ -25,6 +25,29 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be resumed from; the message is one line naming the file."""
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (nothing of it is left); the message is one line."""
+
+
+def _os_reason(e: BaseException, where: Path) -> str:
+    """One line for a write failure: the OS's reason, or the free space when a library hid
+    it (torch.save's "unexpected pos" on a full disk)."""
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror + (f": {e.filename}" if e.filename else "")
+    try:
+        free = shutil.disk_usage(where).free
+    except OSError:
+        free = -1
+    first = (str(e).splitlines() or [type(e).__name__])[0][:200]
+    return f"{first} ({free >> 20} MiB free)" if free >= 0 else first
+
+
+def _write_failure(e: RuntimeError) -> bool:
+    """torch.save's errors for a write that failed (a full disk shows as "unexpected pos")."""
+    text = str(e)
+    return any(k in text for k in ("unexpected pos", "PytorchStreamWriter", "file write failed"))
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -47,21 +70,34 @@ def step_of(folder: Path) -> int:
 
 def save_checkpoint(run_dir: Path, step: int, write: Callable[[Path], None], keep_last: int = 2,
                     keep_every: int = 0) -> Path:
-    """Call `write(folder)` on a fresh folder and publish it as the checkpoint of `step`."""
+    """Call `write(folder)` on a fresh folder and publish it as the checkpoint of `step`.
+
+    Any failure (a full disk, a read-only file system) removes the temporary folder and
+    raises CheckpointWriteError naming the checkpoint and the cause; earlier checkpoints and
+    `LATEST` are left as they were."""
     root = run_dir / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
     tmp = root / f".tmp_step_{step:06d}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    write(tmp)
-    files = {}
-    for f in sorted(tmp.rglob("*")):
-        if f.is_file():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-            files[f.relative_to(tmp).as_posix()] = {"bytes": f.stat().st_size, "crc32": _crc32(f)}
-    (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=0))
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        write(tmp)
+        files = {}
+        for f in sorted(tmp.rglob("*")):
+            if f.is_file():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+                files[f.relative_to(tmp).as_posix()] = {"bytes": f.stat().st_size,
+                                                        "crc32": _crc32(f)}
+        (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=0))
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) or (isinstance(e, RuntimeError) and _write_failure(e)):
+            # torch.save reports a full disk as RuntimeError ("unexpected pos ..."): say what
+            raise CheckpointWriteError(f"cannot write the checkpoint of step {step} in {root}: "
+                                       f"{_os_reason(e, root)}") from None
+        raise
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     latest_tmp = root / "LATEST.tmp"

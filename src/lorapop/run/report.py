@@ -19,6 +19,8 @@ import functools
 import html
 import io
 import json
+import math
+import os
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -242,14 +244,19 @@ def _arm_panels(runs: dict[str, list[dict]], labels: dict[str, str],
     if not labels:
         return None
     fig, axes = _panels(len(labels), size=size)
-    colors = dict(zip(runs, matplotlib.colormaps.get_cmap("Dark2").colors, strict=False))
+    palette = matplotlib.colormaps.get_cmap("Dark2").colors
+    line_style: dict[str, tuple[Any, str]] = {}  # each arm-and-role line its own colour and dash
     for ax, (key, ylabel) in zip(axes, labels.items(), strict=True):
         for label, rows in runs.items():
-            for i, (suffix, pts) in enumerate(series(rows, key).items()):
+            for suffix, pts in series(rows, key).items():
                 if pts:
+                    name = label + suffix
+                    if name not in line_style:
+                        n = len(line_style)
+                        line_style[name] = (palette[n % len(palette)], _STYLES[n % 4])
+                    color, ls = line_style[name]
                     steps, vals = map(list, zip(*pts, strict=True))
-                    _line(ax, steps, vals, color=colors[label], lw=1.6, ls="--" if i else "-",
-                          label=label + suffix)
+                    _line(ax, steps, vals, color=color, lw=1.6, ls=ls, label=name)
             _mark_replacements(ax, replacement_steps(rows))
         ax.set(xlabel="step", ylabel=ylabel)
     fig.legend(*_unique(axes), loc="outside right upper", fontsize=8, title="arm")
@@ -381,6 +388,24 @@ def _difficulty_series(rows: list[dict], teacher: str | None = None) -> list[tup
     return pts
 
 
+TYPE_CURVES = {"valid_rate": "valid proposals", "solve_rate": "student solve rate",
+               "coverage": "distinct structures (cumulative)"}
+
+
+def type_series(rows: list[dict], t: str, key: str) -> list[tuple[int, float]]:
+    """Per step, one task type's valid rate (valid / proposed), solve rate or coverage."""
+    pts = []
+    for r in rows:
+        m = r.get("programs", {}).get(t)
+        if not isinstance(m, dict):
+            continue
+        v = (m["valid"] / m["proposed"] if key == "valid_rate" and m.get("proposed")
+             else None if key == "valid_rate" else m.get(key))
+        if isinstance(v, (int, float)):
+            pts.append((r["step"], float(v)))
+    return pts
+
+
 @_styled
 def plot_difficulty(runs: dict[str, list[dict]]) -> str | None:
     """The fixed solver's solve rate of the teachers' tasks (`difficulty` in metrics.jsonl):
@@ -411,6 +436,18 @@ def plot_difficulty(runs: dict[str, list[dict]]) -> str | None:
     for ax in axes:
         ax.legend(fontsize=7)
     return _svg(fig)
+
+
+@_styled
+def plot_task_types(runs: dict[str, list[dict]]) -> str | None:
+    """Per task type: valid rate, solve rate and coverage, one line per arm and type."""
+    types = sorted({t for rows in runs.values() for r in rows for t in r.get("programs", {})})
+    keys = {k: v for k, v in TYPE_CURVES.items()
+            if any(type_series(rows, t, k) for rows in runs.values() for t in types)}
+    if not types or not keys:
+        return None
+    return _arm_panels(runs, keys, lambda rows, k: {f" {t}": type_series(rows, t, k)
+                                                     for t in types})
 
 
 @_styled
@@ -471,6 +508,103 @@ def summary_table(run_dir: str | Path, baseline_dir: str | Path | None = None) -
     for key in keys:
         lines.append(f"{key:14s}" + "".join(f"{_cell(key, stats[k][key]):>12s}" for k in stats))
     return "\n".join(lines)
+
+
+#: What the comparison table shows: key -> (label, higher is better).
+COMPARED = {"solve_rate": ("student solve rate", True), "valid_rate": ("valid proposals", True),
+            "coverage_per_task": ("distinct structures per proposed task", True),
+            "coverage": ("distinct structures (cumulative)", True),
+            "loc": ("lines of code", True), "cyclomatic": ("cyclomatic complexity", True)}
+
+
+def _step_values(rows: list[dict], key: str) -> list[float]:
+    """Per step of `rows`, the arm's value of a compared key."""
+    if key in ("solve_rate", "valid_rate"):
+        return [v for _, v in arm_series(rows, key)]
+    if key == "coverage_per_task":
+        out, proposed = [], 0
+        for r in rows:
+            progs = r.get("programs", {})
+            proposed += sum(m.get("proposed") or 0 for m in progs.values())
+            cov = [m["coverage"] for m in progs.values() if isinstance(m.get("coverage"), int)]
+            if cov and proposed:
+                out.append(sum(cov) / proposed)
+        return out
+    return [v for _, v in _program_series(rows, key)]
+
+
+def _spread(vals: list[float]) -> tuple[float, float]:
+    mean = fmean(vals)
+    sd = math.sqrt(sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)) if len(vals) > 1 else 0.0
+    return mean, sd
+
+
+def comparison_html(runs: dict[str, list[dict]], last: int = 5) -> str:
+    """Population vs baseline at equal compute: each arm's mean ± sd over its last `last`
+    steps (both arms train the same steps with the same per-adapter tokens; the generated
+    tokens per adapter show it), with the direction of better and the difference."""
+    names = list(runs)
+    head = ["metric (last steps)", "better", *names, f"{names[0]} − {names[-1]}"]
+    body = []
+    for key, (label, up) in COMPARED.items():
+        stats = {}
+        for n, rows in runs.items():
+            vals = _step_values(rows, key)
+            vals = vals[-1:] if key == "coverage" else vals[-last:]
+            if vals:
+                stats[n] = _spread(vals)
+        if not stats:
+            continue
+        cells = [f"{m:.3f} ± {sd:.3f}" if key != "coverage" else f"{m:.0f}"
+                 for m, sd in (stats.get(n, (math.nan, 0.0)) for n in names)]
+        diff = (stats[names[0]][0] - stats[names[-1]][0]
+                if names[0] in stats and names[-1] in stats else math.nan)
+        body.append([label, "↑ higher" if up else "↓ lower", *cells,
+                     "–" if math.isnan(diff) else f"{diff:+.3f}"])
+    tokens = []
+    for rows in runs.values():
+        adapters = max(1, len(rows[-1].get("members", {}))) if rows else 1
+        tokens.append(f"{sum(r.get('generated_tokens') or 0 for r in rows) / adapters:,.0f}")
+    body.append(["generated tokens per adapter (compute)", "equal", *tokens, ""])
+    return (_table(head, body) + f"<p class='note'>Mean ± standard deviation over each arm's "
+            f"last {last} steps of the per-step mean over its members (coverage: the last "
+            "value; per proposed task: divided by the tasks the arm proposed so far).</p>")
+
+
+def wilson(passed: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The 95% Wilson score interval of a pass rate over n problems."""
+    if n <= 0:
+        return 0.0, 1.0
+    centre = (passed + z * z / (2 * n)) / (1 + z * z / n)
+    half = z / (1 + z * z / n) * math.sqrt(passed * (1 - passed) / n + z * z / (4 * n * n))
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def eval_html(run_dir: Path) -> str | None:
+    """`lorapop eval` results: pass@1 per member and benchmark with 95% intervals."""
+    path = run_dir / "eval" / "eval.json"
+    if path.is_file():
+        try:
+            result = json.loads(path.read_text())
+            benches = result["benchmarks"]
+        except (OSError, ValueError, KeyError, TypeError):
+            benches = None
+        if isinstance(benches, dict) and benches:
+            members = list(result.get("members") or next(iter(benches.values()))["pass@1"])
+            body = []
+            for m in members:
+                cells = []
+                for b in benches.values():
+                    p, n = b.get("pass@1", {}).get(m), int(b.get("n") or 0)
+                    lo, hi = wilson(p, n) if p is not None else (0, 0)
+                    cells.append("–" if p is None else f"{p:.3f} [{lo:.3f}, {hi:.3f}]")
+                body.append([m, *cells])
+            return (_table(["member", *(f"{b} (n={v.get('n')})" for b, v in benches.items())],
+                           body)
+                    + "<p class='note'>Greedy pass@1 [95% Wilson interval over the problems]."
+                      "</p>")
+    md = run_dir / "eval" / "eval.md"
+    return markdown_table(md.read_text(errors="replace")) if md.is_file() else None
 
 
 def _table(head: list[str], body: Iterable[Iterable[object]]) -> str:
@@ -632,15 +766,16 @@ def write_report(run_dir: str | Path, extra_html: str = "") -> Path:
     single = not (rows[-1].get("members", {}).keys() - {"A0"})
     runs = {"baseline" if single else "population": rows}
     baseline = run_dir / "baseline"
-    comparison = ""
+    comparison, top_nav = "", []
     if (baseline / "metrics.jsonl").is_file() and (base_rows := read_metrics(baseline)):
         runs["baseline (single agent)"] = base_rows
-        comparison = (f"<h2 id='summary'>Population vs baseline</h2><pre>"
-                      f"{html.escape(summary_table(run_dir, baseline))}</pre>")
-    evaluation = run_dir / "eval" / "eval.md"
-    if evaluation.is_file():
-        extra_html += ("<h2 id='eval'>Benchmarks (lorapop eval)</h2>"
-                       + markdown_table(evaluation.read_text(errors="replace")))
+        comparison = ("<h2 id='summary'>Population vs baseline</h2>"
+                      + comparison_html(runs))
+        top_nav.append("<a href='#summary'>comparison</a>")
+    evaluation = eval_html(run_dir)
+    if evaluation:
+        comparison += "<h2 id='eval'>Held-out evaluation (lorapop eval)</h2>" + evaluation
+        top_nav.append("<a href='#eval'>held-out eval</a>")
     note = ("Thick line: smoothed (centred moving average); faint: raw per step. "
             "Dotted vertical lines: replacement events.")
     sections: list[tuple[str, str, Callable[[], str | None], str]] = [
@@ -652,6 +787,8 @@ def write_report(run_dir: str | Path, extra_html: str = "") -> Path:
          "TrueSkill μ per individual, band ±σ."),
         ("matchups", "Solve rate per matchup", lambda: plot_matchups(rows),
          "Mean over the steps each pair played; the colour scale spans the range present."),
+        ("types", "Per task type", lambda: plot_task_types(runs),
+         note + " Valid rate: valid / proposed proposals of the type."),
         ("programs", "Valid teacher programs: complexity and coverage",
          lambda: plot_programs(runs),
          "Mean over task types; coverage: distinct program structures seen so far."),
@@ -660,7 +797,7 @@ def write_report(run_dir: str | Path, extra_html: str = "") -> Path:
          "step's valid tasks: falling means the teachers' tasks got harder. " + note),
         ("phases", "Wall time per phase", lambda: plot_phases(rows), ""),
     ]
-    figs, nav = [], ["<a href='#facts'>run</a>"]
+    figs, nav = [], [*top_nav, "<a href='#facts'>run</a>"]
     for anchor, title, plot, caption in sections:
         svg = plot()
         if svg is not None:
@@ -672,9 +809,14 @@ def write_report(run_dir: str | Path, extra_html: str = "") -> Path:
 <title>lorapop report: {html.escape(run_dir.name)}</title><style>{CSS}</style></head>
 <body><h1>lorapop run: {html.escape(str(run_dir))}</h1>
 <nav>{" ".join(nav)}</nav>
-<h2 id='facts'>Run</h2>{_facts(run_dir, rows)}{comparison}{"".join(figs)}
+{comparison}<h2 id='facts'>Run</h2>{_facts(run_dir, rows)}{"".join(figs)}
 <h2 id='replacements'>Replacement history</h2>{_replacement_table(rows)}
 <h2 id='samples'>Sampled tasks and answers</h2>{_samples(run_dir)}{extra_html}</body></html>"""
     out = run_dir / "report.html"
-    out.write_text(page)
+    tmp = out.with_name(f".report.html.{os.getpid()}.tmp")
+    try:  # atomic: a full disk leaves the previous report, not an empty one
+        tmp.write_text(page)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
     return out

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import random
 import time
 import warnings
@@ -58,6 +59,16 @@ from lorapop.selfplay.update import PolicyUpdate
 from lorapop.tasks.task import Grade, Task, Validity
 
 
+class NonFiniteError(RuntimeError):
+    """A step's loss, gradient or updated adapter is not finite (`train.nonfinite`): the run
+    stops before anything of the step is written; the message is one line."""
+
+
+class Stopped(Exception):  # noqa: N818 (a request, not an error)
+    """`request_stop()` was honoured: the run checkpointed the step it finished and returned
+    control (raised out of `run`, so callers tell it from reaching `train.steps`)."""
+
+
 class SelfPlay:
     """A run: its parts (`lorapop.selfplay.parts`), `run()` trains and checkpoints, `step()` does one step.
 
@@ -82,11 +93,17 @@ class SelfPlay:
         if not resume and self.metrics_path.exists():
             raise ValueError(f"{self.run_dir} already holds a run: --resume it or pick another --out")
         ckpt = resume_point(self.run_dir, from_step) if resume else None
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.stop_requested = ""  # why a stop was asked for (a signal's name); "" none
         if cfg.train.deterministic:
             fix_cublas_workspace()  # before the model first touches CUDA
+        # built before the run directory exists: a model that cannot load leaves nothing behind
         self.parts = build(cfg)
         self.policy = PolicyUpdate(self.parts, cfg, world)
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            self.parts.close()
+            raise
         self.rewards = RewardScheme(teacher_conversion=cfg.train.teacher_conversion,
                                     teacher_format_penalty=cfg.train.teacher_format_penalty)
         self.step_done = 0
@@ -114,8 +131,16 @@ class SelfPlay:
             row = self.step()
             if on_step is not None:
                 on_step(row)
-            if self.step_done % self.cfg.run.save_every == 0 or self.step_done == total:
+            if self.step_done % self.cfg.run.save_every == 0 or self.step_done == total \
+                    or self.stop_requested:
                 self.save()
+            if self.stop_requested and self.step_done < total:
+                raise Stopped(self.stop_requested)
+
+    def request_stop(self, why: str) -> None:
+        """Ask `run` to stop at the end of the running step, after checkpointing it (safe to
+        call from a signal handler: it only sets a flag)."""
+        self.stop_requested = why
 
     def step(self, before_replacement: Callable[[int], None] | None = None) -> dict[str, Any]:
         """One step; `before_replacement(step)` runs after the update when the step ends with a
@@ -259,6 +284,7 @@ class SelfPlay:
         probe = self._kl_rows(rollouts)
         before = self.policy.token_logprobs(probe)
         losses, grad_norms, advs = self.policy.step(rollouts, teacher_rewards + student_rewards)
+        self._check_finite(losses, grad_norms)
         kl = self.policy.kl(probe, before)
         if self.parts.ratings is not None:
             lg = self.cfg.league
@@ -431,6 +457,22 @@ class SelfPlay:
         return dist.sharded([1.0] * len(items), lambda idx: fn([items[i] for i in idx]),
                             self.world)
 
+    def _check_finite(self, losses: dict[str, float], norms: dict[str, float]) -> None:
+        """Raise NonFiniteError naming the step and the first member whose loss, gradient norm
+        or updated adapter is not finite (`train.nonfinite`)."""
+        p, step = self.parts, self.step_done + 1
+        ok = torch.isfinite(p.bank.weights.detach().flatten(1)).all(dim=1).tolist()
+        for m, i in p.slot.items():
+            what = ("loss", losses.get(m, 0.0)), ("gradient norm", norms.get(m, 0.0))
+            bad = [f"{name} {v}" for name, v in what if not math.isfinite(v)]
+            if not ok[i]:
+                bad.append("adapter weights not finite after the update")
+            if bad:
+                raise NonFiniteError(
+                    f"step {step}: member {m}: {', '.join(bad)}; stopped before writing "
+                    f"anything of step {step} (the last checkpoint is intact): lower train.lr "
+                    "or train.max_grad_norm, or check the model's dtype")
+
     @property
     def kernels(self) -> dict[str, Any]:
         """What `run.json` records of the update's kernels: deterministic (strict), and the op
@@ -442,9 +484,14 @@ class SelfPlay:
     def _update_kernels(self) -> AbstractContextManager[None]:
         """The update's kernel mode: deterministic with `train.deterministic`, strictly unless
         the probe found an op without such a kernel (generation keeps the default kernels:
-        see the config's docstring)."""
+        see the config's docstring). On CPU always (warn-only without the option): with more
+        than one thread, torch's CPU backward of an index with repeated entries (a packed
+        prompt's keys gathered for each answer, `engine/pack_attention`) adds floats from
+        several threads atomically, in whatever order they come, unless deterministic
+        algorithms are on; its serial kernel costs little next to the update."""
         if not self.cfg.train.deterministic:
-            return nullcontext()
+            on_cpu = next(self.parts.model.parameters()).device.type == "cpu"
+            return deterministic_algorithms(warn_only=True) if on_cpu else nullcontext()
         return deterministic_algorithms(warn_only=self.no_deterministic_kernel is not None)
 
     def _base_program(self, type_: str, rng: random.Random) -> Task | None:

@@ -67,7 +67,8 @@ def read_lines(stream: BinaryIO, limit: int = MAX_LINE_BYTES) -> Iterator[bytes]
 def verify_lines(
     lines: Iterable[bytes | str], sandbox: Sandbox, chunk: int = 256
 ) -> Iterator[dict[str, object]]:
-    """One reply per non-blank line, in order; runs `chunk` tasks per sandbox call."""
+    """One reply per line, in order, so the n-th output line answers the n-th input line (a
+    blank line gets a `bad_request` reply); runs `chunk` tasks per sandbox call."""
     batch: list[Job | dict[str, object]] = []
 
     def flush() -> Iterator[dict[str, object]]:
@@ -78,9 +79,7 @@ def verify_lines(
         batch.clear()
 
     for line in lines:
-        if not line.strip():
-            continue
-        batch.append(parse_task(line))
+        batch.append(_reply(BAD_REQUEST, "blank line") if not line.strip() else parse_task(line))
         if len(batch) >= chunk:
             yield from flush()
     yield from flush()
