@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import sys as _sys
 import time
 import types
 from pathlib import Path
@@ -18,9 +17,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from lorapop.run import report
 from lorapop.cli import app
 from lorapop.config import ConfigError, load_config
+from lorapop.run import report
 
 TINY = str(Path(__file__).parents[1] / "configs" / "tiny.yaml")
 FAST = ["tasks.types=[code_o]", "tasks.proposals_per_type=1", "tasks.references=1",
@@ -69,15 +68,15 @@ def trained(tmp_path_factory):
     """One step of a population and its baseline, logged to a stand-in W&B."""
     out = tmp_path_factory.mktemp("run")
     fake = FakeWandb()
-    saved = _sys.modules.get("wandb")
-    _sys.modules["wandb"] = fake
+    saved = sys.modules.get("wandb")
+    sys.modules["wandb"] = fake
     try:
         result = run("train", TINY, "--steps", 1, "--out", out, *FAST, "run.with_baseline=true",
                      "run.wandb=true", "run.wandb_entity=lab", "run.save_every=1")
     finally:
-        _sys.modules.pop("wandb")
+        sys.modules.pop("wandb")
         if saved is not None:
-            _sys.modules["wandb"] = saved
+            sys.modules["wandb"] = saved
     assert result.exit_code == 0, result.output
     return out, result.output, fake.inits
 
