@@ -19,9 +19,11 @@ install: $(BIN)/.installed
 demo: install
 	$(BIN)/lorapop train configs/tiny.yaml --out runs/tiny run.with_baseline=true
 
+# one process per core (pytest-xdist), one torch thread each: two workers of two threads
+# on two cores ran slower than one
 test: install
 	$(BIN)/ruff check src tests benchmarks experiments scripts
-	$(BIN)/pytest
+	OMP_NUM_THREADS=1 $(BIN)/pytest -n auto --dist worksteal
 
 lint: install
 	$(BIN)/ruff check src tests benchmarks experiments scripts
