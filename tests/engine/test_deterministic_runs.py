@@ -31,12 +31,12 @@ def _bare(rows: list[dict]) -> list[dict]:
 def test_three_cpu_runs_repeat_and_are_compared_without_their_timings(tmp_path) -> None:
     out = tmp_path / "res.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "deterministic_runs.py"),
-                           "--config", str(ROOT / "configs" / "tiny.yaml"), "--steps", "1",
+                           "--config", str(ROOT / "configs" / "tiny.yaml"), "--steps", "2",
                            "--runs", str(tmp_path / "runs"), "--out", str(out), *SMALL],
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     res = json.loads(out.read_text())
-    assert res["steps"] == {"deterministic_a": 1, "deterministic_b": 1, "default": 1}
+    assert res["steps"] == {"deterministic_a": 2, "deterministic_b": 2, "default": 2}
     assert res["deterministic_repeat"] and res["adapters_equal"]
     assert res["deterministic_first_difference"] is None
     assert res["default_parts_at_step"] is None  # CPU kernels are deterministic anyway
@@ -58,6 +58,6 @@ def test_runs_that_part_are_found_at_their_first_different_step(tmp_path) -> Non
     (tmp_path / "checkpoints").mkdir()
     assert m.adapter_digests(tmp_path) == {}  # no checkpoint: nothing to compare
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "deterministic_runs.py"),
-                           "--steps", "1", "--out", str(tmp_path / "x.json")],
+                           "--steps", "2", "--out", str(tmp_path / "x.json")],
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 2 and "--steps must be >= 2" in proc.stderr

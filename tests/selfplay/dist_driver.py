@@ -1,6 +1,8 @@
 """Train a few steps and save what each step sampled and decided (run by the dist tests, under
-torchrun or alone): `python dist_driver.py OUT_DIR STEPS key=value...`."""
+torchrun or alone): `python dist_driver.py OUT_DIR STEPS key=value...`. With STOP_RANK1_AT=N
+in the environment, rank 1 alone asks for a stop after step N (as a signal to one rank does)."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -8,7 +10,7 @@ import torch
 
 from lorapop import dist
 from lorapop.config import load_config
-from lorapop.selfplay.loop import SelfPlay
+from lorapop.selfplay.loop import SelfPlay, Stopped
 
 CONFIG = Path(__file__).parents[2] / "configs" / "tiny.yaml"
 
@@ -36,10 +38,17 @@ def outcomes(sp: SelfPlay, steps: int) -> dict:
     def logged(row):
         seen[-1]["ratings"] = {m: (v.get("mu"), v.get("sigma")) for m, v in row["members"].items()}
         seen[-1]["replacements"] = row["replacements"]
+        if sp.world.rank == 1 and str(sp.step_done) == os.environ.get("STOP_RANK1_AT"):
+            sp.request_stop("a signal to rank 1")
 
     sp.update = spy
-    sp.run(steps, on_step=logged)  # checkpoints as `lorapop train` does
-    return {"steps": seen, "weights": sp.parts.bank.weights.detach().cpu().clone()}
+    stopped = None
+    try:
+        sp.run(steps, on_step=logged)  # checkpoints as `lorapop train` does
+    except Stopped:
+        stopped = sp.step_done
+    return {"steps": seen, "weights": sp.parts.bank.weights.detach().cpu().clone(),
+            "stopped_after": stopped}
 
 
 def main() -> None:

@@ -131,6 +131,10 @@ class SelfPlay:
             row = self.step()
             if on_step is not None:
                 on_step(row)
+            if self.world.distributed:  # a signal may reach some ranks a step before others:
+                # stop together, or the rest would wait for them in the next step's collectives
+                self.stop_requested = next((w for w in dist.all_gather(self.stop_requested,
+                                                                        self.world) if w), "")
             if self.step_done % self.cfg.run.save_every == 0 or self.step_done == total \
                     or self.stop_requested:
                 self.save()
