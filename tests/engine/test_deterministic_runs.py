@@ -58,6 +58,6 @@ def test_runs_that_part_are_found_at_their_first_different_step(tmp_path) -> Non
     (tmp_path / "checkpoints").mkdir()
     assert m.adapter_digests(tmp_path) == {}  # no checkpoint: nothing to compare
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "deterministic_runs.py"),
-                           "--steps", "2", "--out", str(tmp_path / "x.json")],
+                           "--steps", "1", "--out", str(tmp_path / "x.json")],
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 2 and "--steps must be >= 2" in proc.stderr
