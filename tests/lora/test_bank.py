@@ -412,3 +412,16 @@ def test_the_hook_names_the_path_each_forward_takes(monkeypatch):
     assert paths([1, 0], False, tokens=1) == {"decode_cache"}
     assert paths([1, 1], True, kernel="gather") == {"gather"}
     assert paths([1, 0], False, tokens=1, kernel="dense") == {"dense"}
+
+
+def test_a_swapped_slot_runs_other_weights_and_gets_its_own_back_bit_for_bit():
+    model = tiny_model()
+    bank = AdapterBank(model, n_slots=3, rank=4, alpha=8, seed=5)
+    randomize_b(bank, seed=1)
+    ids = torch.randint(0, VOCAB, (1, 6))
+    own, other = bank.weights[1].detach().clone(), bank.weights[2].detach().clone()
+    with torch.no_grad(), bank.route([2]):
+        want = model(ids).logits
+    with bank.swapped(1, other), torch.no_grad(), bank.route([1]):
+        assert torch.equal(model(ids).logits, want)
+    assert torch.equal(bank.weights[1], own)

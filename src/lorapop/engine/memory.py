@@ -38,6 +38,7 @@ import torch
 
 from lorapop.engine.fused import mlps_fused
 from lorapop.engine.kvcache import kv_bytes_per_token, kv_shape
+from lorapop.engine.pack_attention import PAD_SLACK
 
 log = logging.getLogger(__name__)
 GIB = 2**30
@@ -161,13 +162,11 @@ def pack_overhead(model: Any) -> tuple[float, float]:
     tokens' worth of `update_bytes_per_token`: per completion token, its padded query and
     output and its gathered key and value (up to `PAD_SLACK` x the real ones); per prompt
     token and completion, the prompt's key and value gathered for that completion's call."""
-    from lorapop.engine.pack_attention import PAD_SLACK
-
-    cfg = model.config.get_text_config()
+    _, _, heads, _, _ = _dims(model)
     layers, kv_heads, head_dim = kv_shape(model)
     item = next(model.parameters()).dtype.itemsize
     per_token = update_bytes_per_token(model)
-    q_width = cfg.num_attention_heads * head_dim
+    q_width = heads * head_dim
     kv = 2 * kv_heads * head_dim
     return (layers * item * PAD_SLACK * (2 * q_width + kv) / per_token,
             layers * item * kv / per_token)

@@ -534,6 +534,23 @@ class AdapterBank:
         self._check_slot(dst)
         self.weights[dst].copy_(self.weights[src])
 
+    @contextmanager
+    def swapped(self, i: int, weights: Tensor) -> Iterator[None]:
+        """Slot i holds `weights` (a `weights[i]`-shaped row) inside the block and its own,
+        bit for bit, after it; no optimizer or gradient state is touched."""
+        self._check_slot(i)
+        row = self.weights[i]
+        own = row.detach().clone()
+        with torch.no_grad():
+            row.copy_(weights.to(row.device))
+        self.invalidate_caches()
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                row.copy_(own)
+            self.invalidate_caches()
+
     @torch.no_grad()
     def reset_slot(self, i: int, seed: int = 0) -> None:
         """Fresh PEFT-style init of slot i (identity), reproducible on any device."""

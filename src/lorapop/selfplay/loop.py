@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import random
 import time
 import warnings
@@ -55,7 +54,7 @@ from lorapop.selfplay.records import (
     Verification,
     step_metrics,
 )
-from lorapop.selfplay.update import PolicyUpdate
+from lorapop.selfplay.update import PolicyUpdate, nonfinite
 from lorapop.tasks.task import Grade, Task, Validity
 
 
@@ -288,7 +287,12 @@ class SelfPlay:
         probe = self._kl_rows(rollouts)
         before = self.policy.token_logprobs(probe)
         losses, grad_norms, advs = self.policy.step(rollouts, teacher_rewards + student_rewards)
-        self._check_finite(losses, grad_norms)
+        if bad := nonfinite(self.parts, losses, grad_norms):
+            step = self.step_done + 1
+            raise NonFiniteError(
+                f"step {step}: {bad}; stopped before writing anything of step {step} (the last "
+                "checkpoint is intact): lower train.lr or train.max_grad_norm, or check the "
+                "model's dtype")
         kl = self.policy.kl(probe, before)
         if self.parts.ratings is not None:
             lg = self.cfg.league
@@ -337,7 +341,7 @@ class SelfPlay:
                                   self.cfg.sampling.student_max_new_tokens, seed, clock,
                                   adapters=False, training=False)
         else:
-            with self._frozen_in(dc.solver):
+            with self.parts.bank.swapped(self.parts.slot[dc.solver], self.parts.solver):
                 gens = self._generate(prompts, [dc.solver] * len(asks),
                                       self.cfg.sampling.student_max_new_tokens, seed, clock,
                                       training=False)
@@ -350,24 +354,6 @@ class SelfPlay:
                 grade.update(zip(mine, grades, strict=True))
         return Difficulty(dc.solver, [SolverAnswer(teacher, task, grade[i])
                                       for i, (teacher, task) in enumerate(asks)])
-
-    @contextmanager
-    def _frozen_in(self, member: str) -> Iterator[None]:
-        """The frozen solver's weights in `member`'s slot inside the block, the member's own
-        restored bit for bit after it (no optimizer or gradient state is touched)."""
-        bank, p = self.parts.bank, self.parts
-        assert p.solver is not None
-        row = bank.weights[p.slot[member]]
-        own = row.detach().clone()
-        with torch.no_grad():
-            row.copy_(p.solver.to(row.device))
-        bank.invalidate_caches()
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                row.copy_(own)
-            bank.invalidate_caches()
 
     def _kl_rows(self, rollouts: list[Rollout]) -> list[Rollout]:
         """`train.kl_rows` of the step's non-empty rollouts, drawn from the step's own seed
@@ -460,22 +446,6 @@ class SelfPlay:
         rank's results in the order of `items`."""
         return dist.sharded([1.0] * len(items), lambda idx: fn([items[i] for i in idx]),
                             self.world)
-
-    def _check_finite(self, losses: dict[str, float], norms: dict[str, float]) -> None:
-        """Raise NonFiniteError naming the step and the first member whose loss, gradient norm
-        or updated adapter is not finite (`train.nonfinite`)."""
-        p, step = self.parts, self.step_done + 1
-        ok = torch.isfinite(p.bank.weights.detach().flatten(1)).all(dim=1).tolist()
-        for m, i in p.slot.items():
-            what = ("loss", losses.get(m, 0.0)), ("gradient norm", norms.get(m, 0.0))
-            bad = [f"{name} {v}" for name, v in what if not math.isfinite(v)]
-            if not ok[i]:
-                bad.append("adapter weights not finite after the update")
-            if bad:
-                raise NonFiniteError(
-                    f"step {step}: member {m}: {', '.join(bad)}; stopped before writing "
-                    f"anything of step {step} (the last checkpoint is intact): lower train.lr "
-                    "or train.max_grad_norm, or check the model's dtype")
 
     @property
     def kernels(self) -> dict[str, Any]:

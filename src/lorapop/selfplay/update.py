@@ -16,6 +16,7 @@ mode (`kernel_probe`).
 
 from __future__ import annotations
 
+import math
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -103,12 +104,14 @@ def split_packs(packs: Sequence[Sequence[int]], prompt_ids: Sequence[Sequence[in
     for g in packs:
         prompt = len(prompt_ids[g[0]])
         part: list[int] = []
+        lengths: list[int] = []
         for i in g:
-            lengths = [len(completion_ids[j]) for j in (*part, i)]
-            if part and pack_width(prompt, lengths, overhead) > limit:
+            n = len(completion_ids[i])
+            if part and pack_width(prompt, [*lengths, n], overhead) > limit:
                 out.append(part)
-                part = []
+                part, lengths = [], []
             part.append(i)
+            lengths.append(n)
         out.append(part)
     return out
 
@@ -275,3 +278,17 @@ class PolicyUpdate:
                 loss.backward()
         p.opt.zero_grad()
         p.model.eval()
+
+
+def nonfinite(parts: Parts, losses: dict[str, float], norms: dict[str, float]) -> str | None:
+    """The first member whose loss, gradient norm or updated adapter is not finite, with
+    what is (`train.nonfinite`: the loop stops before anything of the step is written)."""
+    ok = torch.isfinite(parts.bank.weights.detach().flatten(1)).all(dim=1).tolist()
+    for m, i in parts.slot.items():
+        what = ("loss", losses.get(m, 0.0)), ("gradient norm", norms.get(m, 0.0))
+        bad = [f"{name} {v}" for name, v in what if not math.isfinite(v)]
+        if not ok[i]:
+            bad.append("adapter weights not finite after the update")
+        if bad:
+            return f"member {m}: {', '.join(bad)}"
+    return None
