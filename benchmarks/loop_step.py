@@ -642,6 +642,10 @@ def main() -> None:
     ap.add_argument("--and-static", action="store_true",
                     help="--paper: run again with static batches in the same process and "
                          "report continuous vs static generated tokens/s")
+    ap.add_argument("--and-reference", action="store_true",
+                    help="--paper: run again with the reference decode attention "
+                         "(sampling.attention=sdpa) in the same process, the same rows "
+                         "stopping at the same lengths")
     ap.add_argument("--skip-update", action="store_true",
                     help="generation phases only (no policy-gradient step)")
     ap.add_argument("--seed-dir", help="reuse (or create) the seed tasks and tokenizer here")
@@ -658,6 +662,8 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*", help="extra key.path=value for both runs")
     args = ap.parse_args()
     ballast = hold_all_but(args.card_gib) if args.card_gib and torch.cuda.is_available() else None
+    if args.and_reference and not args.paper:
+        ap.error("--and-reference needs --paper")
     if args.and_static and (args.static or not args.paper):
         ap.error("--and-static needs --paper and runs the static batches itself (no --static)")
     if not torch.cuda.is_available() and not args.smoke:
@@ -728,6 +734,16 @@ def main() -> None:
             result["uniform"]["lengths"] = f"uniform {args.uniform} (ignore_eos)"
             out.write_text(json.dumps(result, indent=1))
             print(json.dumps(result["uniform"], indent=1))
+        if args.and_reference:
+            if args.lengths:
+                lengths.active[0], lengths.calls[0] = True, 0  # the same rows, the same lengths
+            result["reference"] = ref = measure(args.config, [*common, "sampling.attention=sdpa"],
+                                                args.warmup, args.steps, tmp / "reference",
+                                                args.skip_update)
+            result["kernel_vs_reference"] = {
+                p: ref["phase_s"][p] / pop["phase_s"][p] for p in ("proposal", "solving")}
+            out.write_text(json.dumps(result, indent=1))
+            print(json.dumps(ref, indent=1))
         if args.and_static:
             if args.lengths:
                 lengths.calls[0] = 0  # the same rows stop at the same lengths

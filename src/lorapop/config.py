@@ -198,6 +198,10 @@ class SamplingConfig(Section):
     """On CUDA, replay the decode step from CUDA graphs (captured per batch rows and attention
     width at each generation). Off: eager steps, for small models whose generations are
     shorter than their captures take (`generation` in metrics.jsonl shows capture_s)."""
+    attention: Literal["auto", "sdpa"] = "auto"
+    """Decode attention. auto: on CUDA in bf16/fp16 a Triton kernel that reads only each row's
+    own cached positions (lorapop.engine.decode_attention); elsewhere, and with sdpa, SDPA over
+    the batch's attention width with a per-row mask (the reference, for comparison)."""
     keep_decoders: int = Field(0, ge=0)
     """Keep the decoders (KV caches and CUDA graphs) of this many generation shapes from one
     phase and step to the next, so each shape's graphs are captured once per run instead of at

@@ -11,8 +11,9 @@ listed in `engine/patches.py`) and samples the next one (`sampling.sample`):
                                    q/k/v share the A GEMM)
       rotary embedding             the model's own
       attention                    the new key/value written at the row's position in the
-                                   static cache, the query over the row's cached keys
-                                   (`kvcache`: grouped-query heads folded, no K/V copies)
+                                   static cache, the query over the row's own cached keys
+                                   (`kvcache`, `decode_attention`: a Triton kernel on GPU
+                                   reading each row's length only, each key once per group)
       o_proj                       GEMM + LoRA delta
       RMSNorm, gate/up             one GEMM for the two + LoRA deltas; silu(gate) * up
       down_proj                    GEMM + LoRA delta
@@ -46,7 +47,7 @@ captured step reads the current routing; the bank's decode cache (a compute-dtyp
 its weights, read by the graph) is brought up to date before every run. Compiled steps
 (below) keep the whole batch.
 
-With `compile=True` the model forward of the step (attention mask, model, LoRA hooks) goes
+With `compile=True` the model forward of the step (model, LoRA hooks, the reference attention) goes
 through torch.compile, which fuses the base model's small elementwise kernels (RMSNorm,
 rotary, SiLU, residual adds); the sampler stays eager (inductor's scan over a 150k-token
 vocabulary fails on CUDA, and the sampler is a handful of kernels). The whole step, compiled
@@ -68,6 +69,7 @@ from typing import Any
 
 import torch
 
+from lorapop.engine.decode_attention import Kernel
 from lorapop.engine.kvcache import Prefill, StaticKV, kv_shape
 from lorapop.engine.patches import static_kv
 from lorapop.engine.sampling import SamplingParams, sample
@@ -157,6 +159,7 @@ class Decoder:
         prefill_tokens: int = 8192,
         width_step: int = WIDTH_STEP,
         shrink_min: int = 8,
+        attention: Kernel = "auto",
     ) -> None:
         param = next(model.parameters())
         dev, steps = param.device, params.max_new_tokens
@@ -165,13 +168,13 @@ class Decoder:
         self.batch, self.length, self.prefill_tokens = batch, length, prefill_tokens
         # compiled steps are specialised to their width: one width, no recompilation
         self.width_step = length if compile else max(1, width_step)
-        self.kv = StaticKV(layers, batch, kv_heads, length, head_dim, param.dtype, dev)
+        self.kv = StaticKV(layers, batch, kv_heads, length, head_dim, param.dtype, dev,
+                           attention)
         self.width = length  # cache positions the decode step attends over
         self.rows = batch  # cache rows the decode step runs over (the first ones)
         self.shrink_min = shrink_min
         self.tok = torch.zeros(batch, dtype=torch.long, device=dev)
         self.slots = torch.zeros(batch, dtype=torch.long, device=dev)
-        self.arange = torch.arange(length, device=dev)
         self.u = torch.zeros(batch, steps, device=dev)
         # one spare column: rows that are done write there until they are refilled
         self.out_tok = torch.zeros(batch, steps + 1, dtype=torch.long, device=dev)
@@ -179,7 +182,6 @@ class Decoder:
         self.col = torch.zeros(batch, dtype=torch.long, device=dev)  # tokens written per row
         self.done = torch.ones(batch, dtype=torch.bool, device=dev)
         self.eos = torch.tensor(list(eos_ids), dtype=torch.long, device=dev)
-        self.bias = torch.tensor([0.0, float("-inf")], dtype=param.dtype, device=dev)
         self.use_graph = cuda_graph and dev.type == "cuda" and steps > 3
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # per (rows, width)
         self._pool: Any = None
@@ -479,14 +481,10 @@ class Decoder:
     def _logits(self) -> torch.Tensor:
         """Logits [rows, V] of each running row's next token (the part of a step that is
         compiled)."""
-        b, w = self.rows, self.width
-        pos = self.kv.pos[:b]
-        ok = (self.arange[:w] <= pos[:, None]).view(b, 1, 1, w)
-        mask = torch.where(ok, self.bias[0], self.bias[1])  # additive: SDPA needs no conversion
-        out = self.model(
+        b = self.rows
+        out = self.model(  # the attention masks by each row's position (`kvcache`)
             input_ids=self.tok[:b].view(b, 1),
-            attention_mask=mask,
-            position_ids=pos.view(b, 1),
+            position_ids=self.kv.pos[:b].view(b, 1),
             use_cache=False,
         )
         return out.logits[:, -1]

@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import torch
 
+from lorapop.engine.decode_attention import Kernel
 from lorapop.engine.decoder import Decoder, StopFn
 from lorapop.engine.memory import fit_batch, free_memory
 from lorapop.engine.sampling import SamplingParams, row_uniforms
@@ -114,6 +115,9 @@ class GenerateSpec:
     #: keep this call's; shapes are then bucketed as for `compile`. A row's output is the one
     #: a fresh decoder of that shape gives (tested bit for bit)
     decoders: KeptDecoders | None = None
+    #: decode attention: "auto" runs `decode_attention`'s Triton kernel where it applies (CUDA,
+    #: bf16/fp16), reading each row's own positions only; "sdpa" the masked SDPA reference
+    attention: Kernel = "auto"
 
 
 def generate(
@@ -168,7 +172,7 @@ def generate(
     if compile or decoders is not None:
         want, length = compile_buckets(want, batch_size, length)
     key = (id(model), id(bank), want, length, params.max_new_tokens, params.temperature,
-           params.top_p, tuple(eos), cuda_graph, compile, prefill_tokens)
+           params.top_p, tuple(eos), cuda_graph, compile, prefill_tokens, spec.attention)
     decoder = decoders.get(key) if decoders is not None else None
     if decoder is None:
         if decoders is not None:
@@ -178,7 +182,7 @@ def generate(
         if compile and batch < want:
             batch = 1 << (batch.bit_length() - 1)  # a bucket that still fits
         decoder = Decoder(model, bank, batch, length, params, eos, cuda_graph, compile,
-                          prefill_tokens)
+                          prefill_tokens, attention=spec.attention)
         if decoders is not None:
             decoders.add(key, decoder)
     before = Counter(decoder.timing)

@@ -8,7 +8,8 @@ share the batch (continuous batching). It lives in a registered attention functi
 than in a transformers `Cache` so that (1) the cache API, which changes between transformers
 versions, stays out of the way, and (2) decode attention can fold the query heads of each KV
 group into the query-length axis: grouped-query attention then reads every cached key once,
-where transformers' masked SDPA path would first copy K/V for every query head.
+where transformers' masked SDPA path would first copy K/V for every query head, and each row
+reads only its own positions (`decode_attention`).
 
 Prefill fills chosen cache rows with one chunk of their prompts at a time (`Prefill`): the
 chunk's keys are written at [start, start + chunk) and its queries attend causally to the
@@ -25,6 +26,8 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from lorapop.engine import decode_attention
 
 NAME = "lorapop_static_kv"
 
@@ -61,8 +64,8 @@ class StaticKV:
     `pos` [batch] is each row's cache index for the next decoded token; decode runs over the
     first `rows` rows (the decoder moves the last running rows there) and attends over
     the first `width` positions (every running row's must lie below it; keys are written at
-    `pos` whatever the width). While `prefill` is set, forwards fill those rows instead of
-    decoding.
+    `pos` whatever the width), of which `decode_attention` reads only each row's own. While
+    `prefill` is set, forwards fill those rows instead of decoding.
     """
 
     def __init__(
@@ -74,6 +77,7 @@ class StaticKV:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        kernel: decode_attention.Kernel = "auto",
     ) -> None:
         shape = (batch, kv_heads, length, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
@@ -83,6 +87,7 @@ class StaticKV:
         self.length = length
         self.width = length  # decode attends over positions [0, width)
         self.prefill: Prefill | None = None
+        self.kernel = kernel  # decode attention: "auto" (the kernel where it applies) or "sdpa"
 
     @property
     def nbytes(self) -> int:
@@ -140,18 +145,15 @@ def _attention(
     if kv.prefill is not None:  # the model's own mask is ignored: causality is all we need
         out = _prefill_attention(kv, i, query, key, value, scaling)
         return out.transpose(1, 2).contiguous(), None
-    # decode: one query token per row, written at the row's own position; mask [B, 1, 1, width]
-    k, v = kv.k[i][: kv.rows], kv.v[i][: kv.rows]
-    at = kv.pos[: kv.rows].view(-1, 1, 1, 1).expand(-1, k.shape[1], 1, k.shape[3])
+    # decode: one query token per row, written at the row's own position
+    k, v, pos = kv.k[i][: kv.rows], kv.v[i][: kv.rows], kv.pos[: kv.rows]
+    at = pos.view(-1, 1, 1, 1).expand(-1, k.shape[1], 1, k.shape[3])
     k.scatter_(2, at, key)
     v.scatter_(2, at, value)
-    if kv.width < kv.length:  # a view: the fused kernels need only the last dim contiguous
+    if kv.width < kv.length:  # a view: the kernels need only the last dim contiguous
         k, v = k[:, :, : kv.width], v[:, :, : kv.width]
-    b, heads, q_len, d = query.shape
-    groups = heads // k.shape[1]
-    q = query.reshape(b, k.shape[1], groups * q_len, d)  # heads are ordered kv-group-major
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, scale=scaling)
-    return out.reshape(b, heads, q_len, d).transpose(1, 2).contiguous(), None
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return decode_attention.attend(query, k, v, pos, scale, kv.kernel), None
 
 
 AttentionInterface.register(NAME, _attention)

@@ -426,6 +426,7 @@ class SelfPlay:
                                             compile=None if sp.compile else False,
                                             prefill_tokens=sp.prefill_tokens,
                                             cuda_graph=sp.cuda_graph,
+                                            attention=sp.attention,
                                             decoders=self.decoders if training else None),
                                row_keys=idx, timing=timing)
             if training:  # tokens_per_s is the training's; the solver's time is its phase's

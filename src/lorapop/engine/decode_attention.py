@@ -1,0 +1,179 @@
+"""Decode attention over each row's own cached positions: one query token a row.
+
+A decode step's rows have every length up to the cap. The reference path (`reference`,
+SDPA with a per-row mask) reads every row's cache up to the batch's attention width, the
+masked positions too, through SDPA's memory-efficient kernel (the additive mask rules out
+flash). The Triton kernel (`_split_kernel`) reads only positions [0, length) of each row:
+the cost of a step is the tokens its rows hold, not rows x width. One program per (row, KV
+head, split) holds that head's query group (grouped-query attention reads each key once) and
+runs an online softmax over its share of the row; when rows x KV heads are too few to fill
+the GPU (a phase's tail), each row is split along its length into parts combined after
+(flash-decoding). `attend` picks the kernel where it applies (CUDA, bf16/fp16, Triton
+importable, not under torch.compile) and the reference elsewhere;
+tests/engine/test_decode_attention.py compares the two.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+Kernel = Literal["auto", "sdpa"]
+BLOCK_N = 64  # cached positions per inner step
+MIN_SPLIT = 512  # a split reads at least this many positions
+
+
+def reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q [B, H, 1, D] against k, v [B, Hkv, W, D], row b over positions [0, pos[b]]:
+    out [B, H, 1, D]. The query heads of each KV group fold into the query axis, so SDPA
+    reads each cached key once."""
+    b, heads, q_len, d = q.shape
+    kv_heads, width = k.shape[1], k.shape[2]
+    ok = (torch.arange(width, device=q.device) <= pos.view(-1, 1)).view(b, 1, 1, width)
+    mask = torch.zeros(ok.shape, dtype=q.dtype, device=q.device).masked_fill_(~ok, -math.inf)
+    folded = q.reshape(b, kv_heads, heads // kv_heads * q_len, d)
+    out = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask, scale=scale)
+    return out.reshape(b, heads, q_len, d)
+
+
+def usable(q: torch.Tensor, kernel: Kernel = "auto") -> bool:
+    """Whether `attend` runs the Triton kernel for this query."""
+    return (kernel == "auto" and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+            and 16 <= q.shape[-1] <= 256 and _triton() is not None
+            and not torch.compiler.is_compiling())
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pos: torch.Tensor,
+    scale: float,
+    kernel: Kernel = "auto",
+) -> torch.Tensor:
+    """One decode step's attention: q [B, H, 1, D] (any strides), k, v [B, Hkv, W, D] with
+    the last dim contiguous, row b over positions [0, pos[b]] (its new key already written
+    at pos[b]). Returns out [B, 1, H, D] contiguous (the layout the output projection
+    reads). `kernel="sdpa"` forces the reference."""
+    if not usable(q, kernel):
+        return reference(q, k, v, pos, scale).transpose(1, 2).contiguous()
+    return _triton_attend(q, k, v, pos, scale)
+
+
+def splits_for(rows: int, kv_heads: int, width: int, processors: int) -> int:
+    """Parts each row's length is split into: enough programs for about two waves over the
+    GPU's multiprocessors, each part at least `MIN_SPLIT` positions of the width."""
+    want = -(-2 * processors // max(1, rows * kv_heads))
+    return max(1, min(want, width // MIN_SPLIT))
+
+
+@functools.cache
+def _triton():  # the module, or None where Triton is not installed (CPU builds of torch)
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except ImportError:
+        return None
+    return _build()
+
+
+def _triton_attend(q, k, v, pos, scale):
+    kern = _triton()
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    b, heads, _, d = q.shape
+    kv_heads, width = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    props = torch.cuda.get_device_properties(q.device)
+    splits = splits_for(b, kv_heads, width, props.multi_processor_count)
+    split_len = -(-width // splits)
+    split_len = -(-split_len // BLOCK_N) * BLOCK_N
+    out = torch.empty(b, 1, heads, d, dtype=q.dtype, device=q.device)
+    if splits == 1:
+        acc = mx = total = out  # unused: the kernel normalises and writes `out`
+    else:  # each part's unnormalised output, running max and sum of exponentials
+        acc = torch.empty(b, heads, splits, d, dtype=torch.float32, device=q.device)
+        mx = torch.empty(b, heads, splits, dtype=torch.float32, device=q.device)
+        total = torch.empty(b, heads, splits, dtype=torch.float32, device=q.device)
+    kern[(b, kv_heads, splits)](
+        q, k, v, pos, out, acc, mx, total,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(2),
+        split_len, scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
+        GROUP=group, BLOCK_G=max(16, triton_next_pow2(group)), D=d,
+        BLOCK_D=triton_next_pow2(d), BLOCK_N=BLOCK_N, SPLITS=splits,
+        num_warps=4, num_stages=2,
+    )
+    if splits == 1:
+        return out
+    w = torch.exp2(mx - mx.amax(dim=-1, keepdim=True))  # parts past a row's end: max -inf, w 0
+    num = (acc * w.unsqueeze(-1)).sum(dim=2)
+    den = (total * w).sum(dim=-1, keepdim=True)
+    return (num / den).to(q.dtype).view(b, 1, heads, d)
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def _build():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _split_kernel(Q, K, V, Pos, Out, Acc, M, L,
+                      sqb, sqh, skb, skh, skn, svb, svh, svn, sob, soh,
+                      split_len, qk_scale,
+                      GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+                      BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr):
+        row = tl.program_id(0)
+        kvh = tl.program_id(1)
+        part = tl.program_id(2)
+        length = tl.load(Pos + row).to(tl.int32) + 1
+        start = part * split_len
+        end = tl.minimum(start + split_len, length)
+        g = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, BLOCK_D)
+        heads = kvh * GROUP + g
+        gmask = g < GROUP
+        dmask = d < D
+        q = tl.load(Q + row * sqb + heads[:, None] * sqh + d[None, :],
+                    mask=gmask[:, None] & dmask[None, :], other=0.0)
+        m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        total = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        kbase = K + row.to(tl.int64) * skb + kvh * skh
+        vbase = V + row.to(tl.int64) * svb + kvh * svh
+        for n0 in range(start, end, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            nmask = n < end
+            kt = tl.load(kbase + n[:, None] * skn + d[None, :],
+                         mask=nmask[:, None] & dmask[None, :], other=0.0)
+            s = tl.dot(q, tl.trans(kt)) * qk_scale  # [BLOCK_G, BLOCK_N], log2 units
+            s = tl.where(nmask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            total = total * alpha + tl.sum(p, 1)
+            vt = tl.load(vbase + n[:, None] * svn + d[None, :],
+                         mask=nmask[:, None] & dmask[None, :], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+            m = m_new
+        omask = gmask[:, None] & dmask[None, :]
+        if SPLITS == 1:
+            o = acc / total[:, None]
+            tl.store(Out + row * sob + heads[:, None] * soh + d[None, :],
+                     o.to(Out.dtype.element_ty), mask=omask)
+        else:
+            at = (row * (GROUP * tl.num_programs(1)) + heads) * SPLITS + part
+            tl.store(Acc + at[:, None] * D + d[None, :], acc, mask=omask)
+            tl.store(M + at, m, mask=gmask)
+            tl.store(L + at, total, mask=gmask)
+
+    return _split_kernel
