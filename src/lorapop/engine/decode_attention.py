@@ -42,10 +42,16 @@ def reference(
     return out.reshape(b, heads, q_len, d)
 
 
+def applies(device: torch.device, dtype: torch.dtype, head_dim: int,
+            kernel: Kernel = "auto") -> bool:
+    """Whether `attend` runs the Triton kernel on such queries (outside torch.compile)."""
+    return (kernel == "auto" and device.type == "cuda" and 16 <= head_dim <= 256
+            and dtype in (torch.bfloat16, torch.float16) and _triton() is not None)
+
+
 def usable(q: torch.Tensor, kernel: Kernel = "auto") -> bool:
     """Whether `attend` runs the Triton kernel for this query."""
-    return (kernel == "auto" and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
-            and 16 <= q.shape[-1] <= 256 and _triton() is not None
+    return (applies(q.device, q.dtype, q.shape[-1], kernel)
             and not torch.compiler.is_compiling())
 
 
@@ -105,9 +111,9 @@ def _triton_attend(q, k, v, pos, scale):
         q, k, v, pos, out, acc, mx, total,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(2),
-        split_len, scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
+        split_len, splits, scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
         GROUP=group, BLOCK_G=max(16, triton_next_pow2(group)), D=d,
-        BLOCK_D=triton_next_pow2(d), BLOCK_N=BLOCK_N, SPLITS=splits,
+        BLOCK_D=triton_next_pow2(d), BLOCK_N=BLOCK_N, ONE_PART=splits == 1,
         num_warps=4, num_stages=2,
     )
     if splits == 1:
@@ -129,9 +135,9 @@ def _build():
     @triton.jit
     def _split_kernel(Q, K, V, Pos, Out, Acc, M, L,
                       sqb, sqh, skb, skh, skn, svb, svh, svn, sob, soh,
-                      split_len, qk_scale,
+                      split_len, splits, qk_scale,
                       GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
-                      BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr):
+                      BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PART: tl.constexpr):
         row = tl.program_id(0)
         kvh = tl.program_id(1)
         part = tl.program_id(2)
@@ -166,12 +172,12 @@ def _build():
             acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
             m = m_new
         omask = gmask[:, None] & dmask[None, :]
-        if SPLITS == 1:
+        if ONE_PART:
             o = acc / total[:, None]
             tl.store(Out + row * sob + heads[:, None] * soh + d[None, :],
                      o.to(Out.dtype.element_ty), mask=omask)
         else:
-            at = (row * (GROUP * tl.num_programs(1)) + heads) * SPLITS + part
+            at = (row * (GROUP * tl.num_programs(1)) + heads) * splits + part
             tl.store(Acc + at[:, None] * D + d[None, :], acc, mask=omask)
             tl.store(M + at, m, mask=gmask)
             tl.store(L + at, total, mask=gmask)

@@ -69,6 +69,7 @@ from typing import Any
 
 import torch
 
+from lorapop.engine import decode_attention
 from lorapop.engine.decode_attention import Kernel
 from lorapop.engine.kvcache import Prefill, StaticKV, kv_shape
 from lorapop.engine.patches import static_kv
@@ -166,8 +167,11 @@ class Decoder:
         layers, kv_heads, head_dim = kv_shape(model)
         self.model, self.bank, self.params = model, bank, params
         self.batch, self.length, self.prefill_tokens = batch, length, prefill_tokens
-        # compiled steps are specialised to their width: one width, no recompilation
-        self.width_step = length if compile else max(1, width_step)
+        # compiled steps are specialised to their width: one width, no recompilation; the
+        # Triton attention reads each row's own positions, so a width saves nothing: one
+        # graph per row count
+        own_rows = decode_attention.applies(dev, param.dtype, head_dim, attention)
+        self.width_step = length if compile or own_rows else max(1, width_step)
         self.kv = StaticKV(layers, batch, kv_heads, length, head_dim, param.dtype, dev,
                            attention)
         self.width = length  # cache positions the decode step attends over
