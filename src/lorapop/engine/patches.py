@@ -19,8 +19,9 @@ several times), and each has a test that compares it with the original:
 | (`use_pack_attention`)             | prompt-shared packs attend piecewise; other  | forwards             |                                                                       |
 |                                    | forwards run transformers' SDPA              |                      |                                                                       |
 | static KV cache (`static_kv`)      | the attention function (`kvcache`): keys and | generation (prefill  | tests/engine/test_kvcache.py::test_chunked_prefill_equals_causal_attention, |
-|                                    | values in a preallocated cache, per-row      | and decode steps)    | tests/engine/test_generate.py::test_logprobs_equal_teacher_forced_forward |
-|                                    | positions                                    |                      |                                                                       |
+|                                    | values in a preallocated cache, per-row      | and decode steps)    | tests/engine/test_generate.py::test_logprobs_equal_teacher_forced_forward, |
+|                                    | positions; decode attention over each row's  |                      | tests/engine/test_decode_attention.py (the Triton kernel against its   |
+|                                    | own positions (`decode_attention`)           |                      | SDPA reference, per call and in whole generations; GPU)               |
 | LoRA hooks (`attach_lora`)         | nothing: a forward hook on each target       | every forward        | tests/lora/test_peft_io.py::test_mixed_batch_rows_equal_peft_with_that_adapter |
 |                                    | Linear adds its row's slot's B @ A @ x       |                      |                                                                       |
 
