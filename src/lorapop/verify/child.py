@@ -93,21 +93,15 @@ _dumps, _loads, _contextmanager = pickle.dumps, marshal.loads, contextlib.contex
 CLONE_INIT: Any = None  # () -> pid: an init (pid 1 of a new pid namespace, the server's child)
 FORK_JOB: Any = None  # () -> pid: a plain child
 CLONE_JOB: Any = None  # () -> pid: a job, as pid 2 where the init is pid 1
-UMOUNT: Any = None  # umount2
-MOUNT: Any = None  # mount
-SLOT_PATHS: Any = None  # SLOTS as bytes
-SLOT_FLAGS: Any = None  # a slot's tmpfs: mount flags
-SLOT_OPTIONS: Any = None  # and options
+RENEW: Any = None  # (path, options): a new tmpfs at path, the old one discarded
+SLOT_OPTIONS: Any = None  # a slot's tmpfs options
 PRCTL: Any = None
-SETRLIMIT: Any = None
-RLIMIT_PAIR: Any = None  # a ctypes struct rlimit
-RLIMITS: Any = None  # the job's limits (but RLIMIT_CPU) as (which, RLIMIT_PAIR)
+SETRLIMIT: Any = None  # (which, soft, hard)
+RLIMITS: Any = None  # the job's limits (but RLIMIT_CPU) as (which, soft, hard)
 CPU_HARD: Any = None  # RLIMIT_CPU's hard limit where the server started
-CAPSET: Any = None
-CAP_HDR: Any = None
-CAP_DATA: Any = None  # no capabilities
-DROP_CAPS: Any = None
-JOB_FILTER: Any = None  # the job's seccomp program (struct sock_fprog), or None
+DROP_CAPS: Any = None  # (): no capabilities; None where the server has none to drop
+SECCOMP: Any = None  # (program): load a seccomp filter
+JOB_FILTER: Any = None  # the job's seccomp program (BPF bytes), or None
 SLOTS: Any = None  # each slot's tmpfs, or None without a private filesystem
 DEVNULL: Any = None  # the zygote's fd of /dev/null, for when there is no private tmpfs
 STREAMS: Any = None  # the job's sys.stdin, stdout, stderr
@@ -190,19 +184,18 @@ def _confine() -> None:
     """In the job (pid 2), while it waits for its bytes: limits, no capabilities (the jobs'
     seccomp filter is its init's, but without a private tmpfs)."""
     os.setpgid(0, 0)
-    for which, value in RLIMITS:
-        if SETRLIMIT(which, value) != 0:
-            raise OSError("setrlimit")
-    if DROP_CAPS and CAPSET(CAP_HDR, CAP_DATA) != 0:
-        raise OSError("capset")
+    for which, soft, hard in RLIMITS:
+        SETRLIMIT(which, soft, hard)
+    if DROP_CAPS is not None:
+        DROP_CAPS()
     if SLOTS is None:
         _load_filter()
 
 
 def _load_filter() -> None:
     """The jobs' seccomp filter, on top of the server's."""
-    if JOB_FILTER is not None and PRCTL(22, 2, JOB_FILTER, 0, 0) != 0:  # PR_SET_SECCOMP
-        raise OSError("the jobs' seccomp filter")
+    if JOB_FILTER is not None:
+        SECCOMP(JOB_FILTER)
 
 
 def _read_job(fd: int) -> bytes | None:
@@ -228,8 +221,7 @@ def _read_job(fd: int) -> bytes | None:
 def _job(program: object, expr: object, cpu: int) -> Any:
     """The job's CPU limit and standard streams, then its context manager."""
     hard = CPU_HARD
-    if SETRLIMIT(_RLIMIT_CPU, RLIMIT_PAIR(min(cpu, hard), min(cpu + 1, hard))) != 0:
-        raise OSError("setrlimit cpu")
+    SETRLIMIT(_RLIMIT_CPU, min(cpu, hard), min(cpu + 1, hard))
     sys.stdin, sys.stdout, sys.stderr = STREAMS
     sys.__stdin__, sys.__stdout__, sys.__stderr__ = STREAMS
     SIGNAL(2, DEFAULT_INT)  # SIGINT: KeyboardInterrupt, as in any script (the server ignores it)
@@ -261,7 +253,7 @@ def _init(slot: int) -> Any:
     Returns only in a job process: its context manager."""
     job_r, job_w, res_r, res_w = PIPE_FDS
     try:
-        PRCTL(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL: die with the server
+        PRCTL(1, 9)  # PR_SET_PDEATHSIG, SIGKILL: die with the server
         try:
             if os.read(ZYGOTE_FDS[2], 1) == b"":  # the server died before the line above
                 os._exit(0)
@@ -279,8 +271,6 @@ def _init(slot: int) -> Any:
         try:
             _files(slot, devnull)
             pid = CLONE_JOB()  # pid 2, ahead of its bytes: starting it is one pipe write
-            if pid < 0:
-                raise OSError("the job could not be forked")
         except BaseException:
             os._exit(70)
         if pid == 0:
@@ -313,12 +303,8 @@ def _init(slot: int) -> Any:
             if left > 0:
                 raise OSError("the result file shrank")
             os.closerange(0, 4)
-            renew = SLOTS is not None  # what the job left is discarded whole
-            if renew and (
-                UMOUNT(SLOT_PATHS[slot], 2) != 0
-                or MOUNT(b"tmpfs", SLOT_PATHS[slot], b"tmpfs", SLOT_FLAGS, SLOT_OPTIONS) != 0
-            ):
-                raise OSError("the slot's tmpfs could not be renewed")
+            if SLOTS is not None:  # what the job left is discarded whole
+                RENEW(SLOTS[slot], SLOT_OPTIONS)
         except BaseException:
             os._exit(70)
 
@@ -352,8 +338,6 @@ def _zygote() -> Any:
                     os.close(fd)
                 fds = list(PIPE_FDS)
                 pid = CLONE_INIT()
-                if pid < 0:
-                    raise OSError("clone")
             except OSError:
                 for fd in fds:
                     os.close(fd)

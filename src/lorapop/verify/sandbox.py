@@ -26,7 +26,14 @@ from pathlib import Path
 
 from lorapop.verify import static
 from lorapop.verify.child import BOOT, cpu_limit
-from lorapop.verify.kernel import CLOCK_RANDOM_S, CLOCK_SKEW_S, LAYERS, REQUIRED
+from lorapop.verify.kernel import (
+    CLOCK_RANDOM_S,
+    CLOCK_SKEW_S,
+    LAYERS,
+    REQUIRED,
+    filters,
+    syscall_numbers,
+)
 from lorapop.verify.policy import Policy, resolve
 from lorapop.verify.verdict import Job, Status, Verdict, check_timeout
 from lorapop.verify.wire import decode_result, encode_frame, encode_job, split_frames
@@ -38,6 +45,11 @@ _RESOURCE = (Status.TIMEOUT, Status.MEMORY, Status.CRASHED)
 MAX_ERROR_CHARS = 4000
 #: The error of a job left without a verdict (its server died on the job and on the re-run).
 NO_VERDICT = "no verdict: the sandbox server died twice running it"
+
+
+#: Make the servers' kernel calls through `lorapop.verify._kernel` where it is built (the tests
+#: turn it off to check the ctypes fallback).
+_NATIVE_CALLS = True
 
 
 class SandboxError(RuntimeError):
@@ -121,6 +133,24 @@ class _Server:
         except (OSError, subprocess.TimeoutExpired):
             self.kill()
         self.proc.stdout.close()  # type: ignore[union-attr]
+
+
+def server_config(
+    workers: int, limits: dict, modules: Sequence[str], hidden: Sequence[str]
+) -> dict:
+    """A fork server's configuration (`lorapop.verify.server.ServerConfig`), with the seccomp
+    programs built here (`kernel.filters`): the server never loads libseccomp."""
+    progs, why = filters() if limits.get("isolate", True) else (None, None)
+    return {
+        "workers": workers,
+        "limits": limits,
+        "modules": list(modules),
+        "hidden": list(hidden),
+        "seccomp": None if progs is None else {k: v.hex() for k, v in progs.items()},
+        "notes": [why] if why else [],
+        "sysno": syscall_numbers(),
+        "native": _NATIVE_CALLS,
+    }
 
 
 def _write_offsets(pid: int, seconds: float) -> str | None:
@@ -250,12 +280,9 @@ class Sandbox:
             return srv
         if srv is not None:
             srv.kill()
-        config = {
-            "workers": self.workers,
-            "limits": self._limits,
-            "modules": list(self.policy.modules),
-            "hidden": list(self.policy.hidden),
-        }
+        config = server_config(
+            self.workers, self._limits, self.policy.modules, self.policy.hidden
+        )
         # Random for each server, never sent to it; the second's ~31 years further.
         offset = secrets.randbelow(int(CLOCK_RANDOM_S * 1e6)) / 1e6 + CLOCK_SKEW_S * i
         srv = _Server(config, self.hash_seeds[i], offset)
