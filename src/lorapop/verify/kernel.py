@@ -42,7 +42,6 @@ import errno
 import functools
 import os
 import signal
-import tempfile
 import types
 from typing import Any
 
@@ -329,6 +328,8 @@ INIT_FLAGS = (CLONE_PARENT | signal.SIGCHLD | CLONE_NEWPID, CLONE_PARENT | signa
 
 
 def _bpf(f) -> bytes:  # noqa: ANN001 - a pyseccomp filter
+    import tempfile  # the caller's only: the server never imports it (nor what it imports)
+
     with tempfile.TemporaryFile() as out:
         f.export_bpf(out)
         out.seek(0)

@@ -150,9 +150,10 @@ class Server:
 
     def _start(self, job_id: bytes, limit: float, data: bytes) -> bool:
         """Hand a job to an idle init; False when none is idle (the job waits). An init that
-        died idle is replaced."""
+        died idle is replaced. The init idle longest goes first: it has renewed its tmpfs and
+        forked its next job by now, while one that just answered may still be at it."""
         while self.idle:
-            run = self.idle.pop()
+            run = self.idle.pop(0)
             try:
                 view = memoryview(b"%d\n" % len(data) + data)
                 while view:  # blocking: the job is reading
