@@ -13,6 +13,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <malloc.h>
 #include <signal.h>
 #include <stdint.h>
 #include <string.h>
@@ -316,7 +317,15 @@ k_landlock_deny_files(PyObject *self, PyObject *unused)
     return PyLong_FromLong(abi);
 }
 
+PyDoc_STRVAR(trim_doc, "trim(): give the C heap's free memory back to the kernel (malloc_trim).");
+static PyObject *
+k_trim(PyObject *self, PyObject *unused)
+{
+    return PyLong_FromLong(malloc_trim(0));
+}
+
 static PyMethodDef methods[] = {
+    {"trim", k_trim, METH_NOARGS, trim_doc},
     {"unshare", k_unshare, METH_VARARGS, unshare_doc},
     {"mount", k_mount, METH_VARARGS, mount_doc},
     {"umount2", k_umount2, METH_VARARGS, umount2_doc},

@@ -25,6 +25,7 @@ pickle) that the caller parses as hostile bytes (`lorapop.verify.wire`).
 
 from __future__ import annotations
 
+import _signal
 import builtins
 import contextlib
 import gc
@@ -102,6 +103,7 @@ CPU_HARD: Any = None  # RLIMIT_CPU's hard limit where the server started
 DROP_CAPS: Any = None  # (): no capabilities; None where the server has none to drop
 SECCOMP: Any = None  # (program): load a seccomp filter
 JOB_FILTER: Any = None  # the job's seccomp program (BPF bytes), or None
+TRIM: Any = None  # (): malloc_trim, or None
 SLOTS: Any = None  # each slot's tmpfs, or None without a private filesystem
 DEVNULL: Any = None  # the zygote's fd of /dev/null, for when there is no private tmpfs
 STREAMS: Any = None  # the job's sys.stdin, stdout, stderr
@@ -111,9 +113,11 @@ RESULT_CAP: Any = None  # result bytes an init forwards at most
 HIDE: Any = None  # top-level names of the modules the zygote drops
 RECURSION: Any = None  # the job's sys.getrecursionlimit, setrecursionlimit (`_recursion`)
 RECURSION_GET: Any = None  # the real sys.getrecursionlimit
-SIGNAL: Any = None  # signal.signal
+SIGNAL: Any = None  # _signal.signal (signal.signal's enum conversions cost every job)
 DEFAULT_INT: Any = None  # signal.default_int_handler
 RECURSION_SET: Any = None  # the real sys.setrecursionlimit
+RUNNER: Any = None  # _contextmanager(_runner), wrapped once in the zygote
+NOOP: Any = None  # _contextmanager(_noop), likewise
 _get: Any = None  # the real sys.getrecursionlimit, in `_recursion`'s functions
 _set: Any = None  # the real sys.setrecursionlimit, in `_recursion`'s functions
 
@@ -199,8 +203,9 @@ def _load_filter() -> None:
 
 
 def _read_job(fd: int) -> bytes | None:
-    """`<length>\\n` + the job's bytes, from the server; None when it closed the pipe."""
-    buf = b""
+    """`<length>\\n` + the job's bytes, from the server; None when it closed the pipe. (The
+    server writes an init's next job only once this one has answered: nothing follows.)"""
+    buf = os.read(fd, 1 << 16)
     while b"\n" not in buf:
         chunk = os.read(fd, 64)
         if not chunk:
@@ -215,7 +220,7 @@ def _read_job(fd: int) -> bytes | None:
         parts.append(chunk)
         left -= len(chunk)
     os.close(fd)
-    return b"".join(parts)
+    return rest if len(parts) == 1 else b"".join(parts)
 
 
 def _job(program: object, expr: object, cpu: int) -> Any:
@@ -227,7 +232,7 @@ def _job(program: object, expr: object, cpu: int) -> Any:
     SIGNAL(2, DEFAULT_INT)  # SIGINT: KeyboardInterrupt, as in any script (the server ignores it)
     sys.getrecursionlimit, sys.setrecursionlimit = RECURSION
     RECURSION_SET(RECURSION_GET() + FRAMES_BELOW)
-    return _contextmanager(_runner)(program, expr)
+    return RUNNER(program, expr)
 
 
 def _files(slot: int, devnull: int) -> None:
@@ -275,8 +280,7 @@ def _init(slot: int) -> Any:
             os._exit(70)
         if pid == 0:
             try:
-                for fd in (job_w, res_r, res_w, devnull):
-                    os.close(fd)
+                os.closerange(job_w, devnull + 1)  # job_w, res_r, res_w, devnull
                 if SLOTS is not None:
                     os.chroot(SLOTS[slot])
                     os.chdir("/")
@@ -316,9 +320,12 @@ def _zygote() -> Any:
     collector, hide = _forget()
     collector.collect()  # here: _forget's frame no longer holds what its loops last saw
     _sever(collector, hide)
+    _warm()
     collector.collect()
     collector.freeze()  # kept objects out of the collector: fewer copy-on-write faults per job
     del collector, hide
+    if TRIM is not None:
+        TRIM()  # what the dropped modules held goes back: fewer pages for each clone to map
     ctl, report, _ = ZYGOTE_FDS
     buf = b""
     while True:
@@ -408,11 +415,36 @@ def _sever(collector: Any, hide: frozenset[str]) -> None:
             d.clear()
 
 
+def _noop() -> Any:
+    yield None
+
+
+def _warm() -> None:
+    """Once, in the zygote: run the per-job path that needs no job (unmarshal a sample job of
+    the server's own, judge and encode results of the usual types, a generator context
+    manager) until CPython has specialized it, so that each job, which runs it once, writes
+    fewer shared pages (its warm-up counters, type and method caches): fewer copy-on-write
+    faults per job. Nothing of any job is involved."""
+    for _ in range(WARM_ROUNDS):
+        program, expr = _loads(WARM_JOB)
+        for value in (0, 1.5, "s", b"b", None, True, [1, "a"], (1, 2.0), {"k": [1]}, {1, 2}):
+            _encode(*_verdict([program, None, expr, value]))
+        with NOOP():
+            pass
+
+
+#: Rounds of `_warm`: CPython 3.11 specializes a function's code after 8 calls.
+WARM_ROUNDS = 16
+#: `_warm`'s sample job (marshalled code objects, as a job's bytes carry them).
+WARM_JOB = marshal.dumps(
+    (compile("def f():\n    return 1", "<warm>", "exec"), compile("f()", "<warm>", "eval"))
+)
+
 #: Rebound into the zygote's namespace, in this order.
 _FUNCTIONS = (
     _describe, _encode, _write_all, _verdict, _runner, _confine, _load_filter, _read_job, _job,
     _files, _init,
-    _zygote, _forget, _sever,
+    _zygote, _forget, _sever, _noop, _warm,
 )  # fmt: skip
 
 
@@ -468,17 +500,21 @@ def zygote_namespace(values: dict[str, object]) -> types.FunctionType:
         "_RLIMIT_CPU": _RLIMIT_CPU,
         "RECURSION": _recursion(),
         "RECURSION_GET": sys.getrecursionlimit,
-        "SIGNAL": signal.signal,
+        "SIGNAL": _signal.signal,
         "DEFAULT_INT": signal.default_int_handler,
         "RECURSION_SET": sys.setrecursionlimit,
         "FRAMES_BELOW": FRAMES_BELOW,
         "_O_TMPFILE": _O_TMPFILE,
+        "WARM_ROUNDS": WARM_ROUNDS,
+        "WARM_JOB": WARM_JOB,
         **values,
     }
     for fn in _FUNCTIONS:
         ns[fn.__name__] = types.FunctionType(
             fn.__code__, ns, fn.__name__, fn.__defaults__, fn.__closure__
         )
+    ns["RUNNER"] = _contextmanager(ns["_runner"])
+    ns["NOOP"] = _contextmanager(ns["_noop"])
     return ns["_zygote"]  # type: ignore[return-value]
 
 

@@ -181,6 +181,7 @@ class JobKernel:
             "DROP_CAPS": api.drop_caps if self.drop_caps else None,
             "SECCOMP": api.seccomp_load,
             "JOB_FILTER": self.job_filter,
+            "TRIM": getattr(api, "trim", None),
         }
 
     def getfd(self, pidfd: int, fd: int) -> int:

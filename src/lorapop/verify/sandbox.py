@@ -66,6 +66,9 @@ class _Server:
             "PYTHONHASHSEED": str(hash_seed),
             "PYTHONPATH": os.pathsep.join(_server_path()),
             "PYTHONDONTWRITEBYTECODE": "1",
+            # every library's symbols bound at start: a job's first call of a function never
+            # writes the shared binding tables (a copy-on-write fault and a lookup per job)
+            "LD_BIND_NOW": "1",
             "PATH": os.defpath,
             "LC_ALL": "C.UTF-8",
         }
