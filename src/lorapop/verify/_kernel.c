@@ -19,8 +19,11 @@
 #include <string.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
+#include <stdio.h>
 #include <sys/resource.h>
+#include <sys/sendfile.h>
 #include <sys/syscall.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #ifndef SYS_clone3
@@ -28,6 +31,12 @@
 #endif
 #ifndef SYS_pidfd_getfd
 #define SYS_pidfd_getfd 438
+#endif
+#ifndef SYS_close_range
+#define SYS_close_range 436
+#endif
+#ifndef O_TMPFILE
+#define O_TMPFILE (020000000 | O_DIRECTORY)
 #endif
 #ifndef SYS_landlock_create_ruleset
 #define SYS_landlock_create_ruleset 444
@@ -324,7 +333,144 @@ k_trim(PyObject *self, PyObject *unused)
     return PyLong_FromLong(malloc_trim(0));
 }
 
+/* One job's limits for serve_slot (RLIMIT_CPU is set later, from the job's own limit). */
+#define MAX_LIMITS 8
+struct limits_ {
+    int n;
+    int which[MAX_LIMITS];
+    struct rlimit value[MAX_LIMITS];
+};
+
+static int
+write_all(int fd, const char *buf, size_t n)
+{
+    while (n > 0) {
+        ssize_t w = write(fd, buf, n);
+        if (w < 0 && errno == EINTR)
+            continue;
+        if (w <= 0)
+            return -1;
+        buf += w;
+        n -= (size_t)w;
+    }
+    return 0;
+}
+
+/* The init's side of one job, after it: forward `<exit code> <length>\n` and the result file
+ * (fd 3, copied by the kernel), close 0-3 and renew the slot; -1 on any failure. */
+static int
+finish_job(pid_t pid, int res_w, long cap, const char *slot, const char *options)
+{
+    int status;
+    while (waitpid(pid, &status, 0) < 0)
+        if (errno != EINTR)
+            return -1;
+    int code = WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status);
+    if (!WIFSIGNALED(status) && code > 127)
+        code = 127;
+    off_t end = lseek(3, 0, SEEK_CUR);
+    if (end < 0)
+        return -1;
+    long left = end < cap ? (long)end : cap;
+    char head[64];
+    int n = snprintf(head, sizeof(head), "%d %ld\n", code, left);
+    if (write_all(res_w, head, (size_t)n) != 0)
+        return -1;
+    off_t offset = 0;
+    while (left > 0) {
+        ssize_t m = sendfile(res_w, 3, &offset, (size_t)left);
+        if (m < 0 && errno == EINTR)
+            continue;
+        if (m <= 0)
+            return -1; /* the result file shrank */
+        left -= m;
+    }
+    if (syscall(SYS_close_range, 0, 3, 0) != 0)
+        return -1;
+    if (umount2(slot, MNT_DETACH) != 0 || mount("tmpfs", slot, "tmpfs", SLOT_FLAGS, options) != 0)
+        return -1;
+    return 0;
+}
+
+PyDoc_STRVAR(
+    serve_slot_doc,
+    "serve_slot(slot, options, cap, limits, drop_caps, job_w, last_fd) -> 0, in a job only.\n\n"
+    "An init's loop over its slot's jobs, in C (no Python runs in the init between jobs, so it "
+    "writes almost none of the pages it shares with its jobs): make fds 0-3 new nameless files "
+    "in the slot's tmpfs (3 with 64 KiB reserved for the result), clone the job as pid 2, wait "
+    "for it, forward `<exit code> <length>\\n` and at most `cap` bytes of its result to `job_w + "
+    "2`, close 0-3, renew the tmpfs, and again. The init exits (70) on any failure. In the "
+    "job: close fds job_w..last_fd, chroot into the slot, a process group of its own, "
+    "`limits` ((resource, soft, hard), ...) and no capabilities if `drop_caps`; then return 0 "
+    "(OSError when one of those fails).");
+static PyObject *
+k_serve_slot(PyObject *self, PyObject *args)
+{
+    const char *slot, *options;
+    long cap;
+    PyObject *limits_obj;
+    int drop_caps, job_w, last_fd;
+    if (!PyArg_ParseTuple(args, "sslO!pii:serve_slot", &slot, &options, &cap, &PyTuple_Type,
+                          &limits_obj, &drop_caps, &job_w, &last_fd))
+        return NULL;
+    struct limits_ lim = {0};
+    Py_ssize_t nl = PyTuple_GET_SIZE(limits_obj);
+    if (nl > MAX_LIMITS) {
+        PyErr_SetString(PyExc_ValueError, "serve_slot: too many limits");
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < nl; i++) {
+        unsigned long long soft, hard;
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(limits_obj, i), "iKK", &lim.which[i], &soft,
+                              &hard))
+            return NULL;
+        lim.value[i].rlim_cur = (rlim_t)soft;
+        lim.value[i].rlim_max = (rlim_t)hard;
+    }
+    lim.n = (int)nl;
+    int res_w = job_w + 2;
+    for (;;) {
+        for (int want = 0; want < 4; want++)
+            if (open(slot, O_TMPFILE | O_RDWR, 0600) != want)
+                _exit(70);
+        if (posix_fallocate(3, 0, 1 << 16) != 0)
+            _exit(70);
+        pid_t tid[1] = {2};
+        struct clone_args_ ca;
+        memset(&ca, 0, sizeof(ca));
+        ca.exit_signal = SIGCHLD;
+        ca.set_tid = (uint64_t)(uintptr_t)tid;
+        ca.set_tid_size = 1;
+        long pid = syscall(SYS_clone3, &ca, sizeof(ca));
+        if (pid < 0)
+            _exit(70);
+        if (pid == 0)
+            break;
+        if (finish_job((pid_t)pid, res_w, cap, slot, options) != 0)
+            _exit(70);
+    }
+    /* the job */
+    if (syscall(SYS_close_range, job_w, last_fd, 0) != 0)
+        return fail("close_range");
+    if (chroot(slot) != 0 || chdir("/") != 0)
+        return fail("chroot");
+    if (setpgid(0, 0) != 0)
+        return fail("setpgid");
+    for (int i = 0; i < lim.n; i++)
+        if (setrlimit(lim.which[i], &lim.value[i]) != 0)
+            return fail("setrlimit");
+    if (drop_caps) {
+        struct cap_header_ hdr = {CAP_VERSION_3, 0};
+        struct cap_data_ data[2];
+        memset(data, 0, sizeof(data));
+        if (syscall(SYS_capset, &hdr, data) != 0)
+            return fail("capset");
+    }
+    return PyLong_FromLong(0);
+}
+
 static PyMethodDef methods[] = {
+    {"serve_slot", k_serve_slot, METH_VARARGS, serve_slot_doc},
     {"trim", k_trim, METH_NOARGS, trim_doc},
     {"unshare", k_unshare, METH_VARARGS, unshare_doc},
     {"mount", k_mount, METH_VARARGS, mount_doc},

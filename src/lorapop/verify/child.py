@@ -104,6 +104,7 @@ DROP_CAPS: Any = None  # (): no capabilities; None where the server has none to 
 SECCOMP: Any = None  # (program): load a seccomp filter
 JOB_FILTER: Any = None  # the job's seccomp program (BPF bytes), or None
 TRIM: Any = None  # (): malloc_trim, or None
+SERVE: Any = None  # the extension's init loop (`lorapop.verify._kernel.serve_slot`), or None
 SLOTS: Any = None  # each slot's tmpfs, or None without a private filesystem
 DEVNULL: Any = None  # the zygote's fd of /dev/null, for when there is no private tmpfs
 STREAMS: Any = None  # the job's sys.stdin, stdout, stderr
@@ -272,6 +273,13 @@ def _init(slot: int) -> Any:
             _load_filter()
     except BaseException:
         os._exit(70)
+    if SERVE is not None and SLOTS is not None:
+        try:  # the extension's loop: returns only in a job, confined but for its filter's...
+            SERVE(SLOTS[slot], SLOT_OPTIONS, RESULT_CAP, RLIMITS, DROP_CAPS is not None, job_w,
+                  devnull)  # fmt: skip
+        except BaseException as e:
+            _crashed(e)
+        return _begin(job_r)  # ...which it inherits from this init
     while True:
         try:
             _files(slot, devnull)
@@ -285,17 +293,9 @@ def _init(slot: int) -> Any:
                     os.chroot(SLOTS[slot])
                     os.chdir("/")
                 _confine()
-                data = _read_job(job_r)
-                if data is None:  # the server is shutting down
-                    os._exit(0)
-                head, _, body = data.partition(b"\n")
-                program, expr = _loads(body)
-                return _job(program, expr, int(head))
             except BaseException as e:
-                try:
-                    _write_all(RESULT_FD, _encode("crashed", None, "confinement: " + _describe(e)))
-                finally:
-                    os._exit(0)
+                _crashed(e)
+            return _begin(job_r)
         try:
             _, status = os.waitpid(pid, 0)
             code = os.waitstatus_to_exitcode(status)
@@ -311,6 +311,27 @@ def _init(slot: int) -> Any:
                 RENEW(SLOTS[slot], SLOT_OPTIONS)
         except BaseException:
             os._exit(70)
+
+
+def _crashed(e: BaseException) -> None:
+    """A job that could not be confined or started: its verdict, and its end."""
+    try:
+        _write_all(RESULT_FD, _encode("crashed", None, "confinement: " + _describe(e)))
+    finally:
+        os._exit(0)
+
+
+def _begin(job_r: int) -> Any:
+    """In a confined job: read its bytes; its context manager."""
+    try:
+        data = _read_job(job_r)
+        if data is None:  # the server is shutting down
+            os._exit(0)
+        head, _, body = data.partition(b"\n")
+        program, expr = _loads(body)
+        return _job(program, expr, int(head))
+    except BaseException as e:
+        _crashed(e)
 
 
 def _zygote() -> Any:
@@ -443,7 +464,7 @@ WARM_JOB = marshal.dumps(
 #: Rebound into the zygote's namespace, in this order.
 _FUNCTIONS = (
     _describe, _encode, _write_all, _verdict, _runner, _confine, _load_filter, _read_job, _job,
-    _files, _init,
+    _files, _init, _crashed, _begin,
     _zygote, _forget, _sever, _noop, _warm,
 )  # fmt: skip
 

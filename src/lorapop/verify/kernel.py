@@ -182,6 +182,7 @@ class JobKernel:
             "SECCOMP": api.seccomp_load,
             "JOB_FILTER": self.job_filter,
             "TRIM": getattr(api, "trim", None),
+            "SERVE": getattr(api, "serve_slot", None),
         }
 
     def getfd(self, pidfd: int, fd: int) -> int:
