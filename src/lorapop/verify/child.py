@@ -88,6 +88,8 @@ def cpu_limit(timeout_s: float) -> int:
 
 # Bound at import, so a program that rebinds builtins.repr or pickle.dumps cannot fake a result.
 _repr, _str, _type, _len = repr, str, type, len
+#: Result types that always pickle (str and bytes when short): `_verdict` skips the check.
+_PLAIN = frozenset((int, float, complex, bool, type(None), str, bytes))
 _dumps, _loads, _contextmanager = pickle.dumps, marshal.loads, contextlib.contextmanager
 # The rest of the zygote's namespace, bound by `zygote_namespace` from the server's values
 # (`lorapop.verify.kernel.JobKernel.values`, `lorapop.verify.server.main`); None here.
@@ -150,7 +152,8 @@ def _write_all(fd: int, data: bytes) -> None:
 def _verdict(box: list) -> tuple[str, str | None, str | None]:
     value = box[3]
     try:
-        _dumps(value)
+        if _type(value) not in _PLAIN or (_type(value) in (str, bytes) and _len(value) > 4096):
+            _dumps(value)  # what always pickles (short) needs no pickler
     except MemoryError:
         return "memory", None, "MemoryError while pickling"
     except BaseException as e:
@@ -225,15 +228,21 @@ def _read_job(fd: int) -> bytes | None:
 
 
 def _job(program: object, expr: object, cpu: int) -> Any:
-    """The job's CPU limit and standard streams, then its context manager."""
+    """The job's CPU limit and SIGINT, then its context manager (its standard streams and
+    recursion limit are the zygote's: `_job_image`)."""
     hard = CPU_HARD
     SETRLIMIT(_RLIMIT_CPU, min(cpu, hard), min(cpu + 1, hard))
+    SIGNAL(2, DEFAULT_INT)  # SIGINT: KeyboardInterrupt, as in any script (the server ignores it)
+    return RUNNER(program, expr)
+
+
+def _job_image() -> None:
+    """Once, in the zygote: what every job starts with, set before any is forked (each job
+    changes only its own copy): its standard streams, and a script's recursion limit."""
     sys.stdin, sys.stdout, sys.stderr = STREAMS
     sys.__stdin__, sys.__stdout__, sys.__stderr__ = STREAMS
-    SIGNAL(2, DEFAULT_INT)  # SIGINT: KeyboardInterrupt, as in any script (the server ignores it)
     sys.getrecursionlimit, sys.setrecursionlimit = RECURSION
     RECURSION_SET(RECURSION_GET() + FRAMES_BELOW)
-    return RUNNER(program, expr)
 
 
 def _files(slot: int, devnull: int) -> None:
@@ -341,6 +350,7 @@ def _zygote() -> Any:
     collector, hide = _forget()
     collector.collect()  # here: _forget's frame no longer holds what its loops last saw
     _sever(collector, hide)
+    _job_image()
     _warm()
     collector.collect()
     collector.freeze()  # kept objects out of the collector: fewer copy-on-write faults per job
@@ -465,7 +475,7 @@ WARM_JOB = marshal.dumps(
 _FUNCTIONS = (
     _describe, _encode, _write_all, _verdict, _runner, _confine, _load_filter, _read_job, _job,
     _files, _init, _crashed, _begin,
-    _zygote, _forget, _sever, _noop, _warm,
+    _zygote, _forget, _sever, _noop, _warm, _job_image,
 )  # fmt: skip
 
 
@@ -514,6 +524,7 @@ def zygote_namespace(values: dict[str, object]) -> types.FunctionType:
         "_str": _str,
         "_type": _type,
         "_len": _len,
+        "_PLAIN": _PLAIN,
         "RESULT_FD": RESULT_FD,
         "RESERVED": RESERVED,
         "ZYGOTE_FDS": ZYGOTE_FDS,
