@@ -16,6 +16,12 @@ another: for each it makes fds 0-3 new files in the slot's tmpfs, forks the job 
 waits for it, forwards its result (fd 3) with the kernel's sendfile, and gives the slot a new
 tmpfs. The job reads its own bytes, chroots into the tmpfs and drops its capabilities; it
 never holds a pipe, nor any file outside its tmpfs, and the init never holds a job's bytes.
+With the kernel-call extension that loop is C (`lorapop.verify._kernel.serve_slot`): no
+Python runs in an init between jobs, so it dirties almost none of the pages its jobs share.
+
+Each job changes pages it shares with its init, and each change costs a copy-on-write fault:
+so what every job would do alike is done once in the zygote (`_job_image`, `_warm`: the
+streams, the recursion limit, a specialized per-job path) and the per-job path is short.
 
 The job's code runs from the interpreter's bottom frame: every function here returns into the
 server's `-c` script before the job's code starts (`BOOT`), so frames, tracebacks and the
@@ -430,10 +436,11 @@ def _forget() -> tuple[Any, frozenset[str]]:
 
 
 def _sever(collector: Any, hide: frozenset[str]) -> None:
-    """Empty the globals of the dropped modules something still keeps alive (ctypes, whose
-    objects the zygote calls; random and threading, whose at-fork hooks the interpreter
-    holds): their functions and classes, should a job reach them, fail as a missing import
-    would. The zygote's own ctypes calls need no module globals."""
+    """Empty the globals of the dropped modules something still keeps alive (random and
+    threading, whose at-fork hooks the interpreter holds; ctypes where the kernel calls fall
+    back to it): their functions and classes, should a job reach them, fail as a missing
+    import would. The zygote's own kernel calls need no module globals (the extension's
+    functions, or `kernel_ctypes`' in a namespace of their own)."""
     for obj in collector.get_objects():
         if isinstance(obj, types.ModuleType) and obj is not collector:
             d = obj.__dict__
