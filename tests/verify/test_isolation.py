@@ -207,6 +207,26 @@ def test_12_to_15_each_case(run):
     assert not wrong
 
 
+def test_12_what_a_job_does_to_its_interpreter_is_its_own(sandbox):
+    """Streams, the recursion limit, signal handlers and sys are set up once, in the zygote:
+    each job changes only its own copy. Every job below undoes them after reading them."""
+    job = Job(
+        "import sys, signal\ndef f():\n"
+        "    seen = (sys.stdout.closed, sys.stdin.closed, sys.stderr.closed, sys.getrecursionlimit(),"
+        " signal.getsignal(signal.SIGINT) is signal.default_int_handler, hasattr(sys, 'mark'))\n"
+        "    print('x', end='')\n"
+        "    sys.stdout.close(); sys.stdin.close(); sys.stderr = None; sys.mark = 1\n"
+        "    sys.setrecursionlimit(50); signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        "    return seen",
+        "f()",
+    )
+    n = 3 * (sandbox.workers + 8)  # more than the live children: every slot runs several
+    verdicts = sandbox.run([job] * n)
+    assert {(v.status, v.output) for v in verdicts} == {
+        (S.OK, "(False, False, False, 1000, True, False)")
+    }
+
+
 def test_host_checks(run, canaries, ffi):
     sandbox = ffi
     assert {v.output for v in run["neighbours"]} == {NEIGHBOUR_OUT}
