@@ -169,3 +169,19 @@ def test_the_ctypes_fallback_runs_and_is_reported_weaker(ctypes_fallback):
 def test_strict_refuses_the_ctypes_fallback(ctypes_fallback):
     with pytest.raises(SandboxError, match="native_calls"):
         Sandbox(workers=1, isolate="strict")
+
+
+#: Modules whose C types would give a job more than computation (a foreign-function interface,
+#: sockets, polling, process spawning, memory maps, rlimits, fd control): none is loaded in a
+#: job's image under the shipped policies, so none of their types is in reach.
+POWERFUL = ("_ctypes", "ctypes", "_socket", "socket", "select", "selectors", "_posixsubprocess",
+            "subprocess", "mmap", "resource", "fcntl", "_multiprocessing", "termios", "pyseccomp",
+            "landlock", "lorapop")  # fmt: skip
+
+
+@pytest.mark.parametrize("policy", ["azr", "benchmark"])
+def test_no_powerful_c_type_is_in_reach(policy):
+    expr = f"sorted({{(str(t.__module__), t.__name__) for get in ROUTES.values() for t in get() if isinstance(t, type) and str(t.__module__).split('.')[0] in {POWERFUL!r}}})"
+    with Sandbox(workers=1, timeout_s=30.0, policy=policy) as sb:
+        (v,) = sb.run([Job(PROBE, expr, entry=None, timeout_s=30.0)])
+    assert (v.status, v.output) == (S.OK, "[]"), v.error or v.output
