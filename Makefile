@@ -7,7 +7,8 @@ TORCH_SPEC ?= torch==2.13.0
 
 .PHONY: install demo test lint clean wheels
 
-$(BIN)/.installed: pyproject.toml Makefile
+# setup.py builds the sandbox's C extension in place (src/lorapop/verify/_kernel*.so)
+$(BIN)/.installed: pyproject.toml setup.py src/lorapop/verify/_kernel.c Makefile
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH_SPEC)"
@@ -46,4 +47,4 @@ wheels: install
 		-d .whl $(call pinned,pydantic_core)
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info
+	rm -rf $(VENV) build src/*.egg-info src/lorapop/verify/_kernel*.so

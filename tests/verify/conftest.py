@@ -5,14 +5,35 @@ from pathlib import Path
 import pytest
 
 from lorapop.verify import Sandbox
+from lorapop.verify.policy import AZR, BENCHMARK, Policy
 
 ROOT = os.geteuid() == 0
+#: AZR's policy with ctypes granted (pre-imported, importable): the kernel layers are probed by
+#: jobs that hold libc, as a job could where the sandbox's kernel calls fall back to ctypes.
+FFI = Policy(
+    "ffi", AZR.banned, AZR.ban_input, (*AZR.modules, "ctypes"),
+    tuple(h for h in AZR.hidden if h not in ("ctypes", "_ctypes")),
+)  # fmt: skip
+#: The benchmark policy with ctypes granted, likewise.
+BENCHMARK_FFI = Policy(
+    "benchmark-ffi", BENCHMARK.banned, BENCHMARK.ban_input, (*BENCHMARK.modules, "ctypes"),
+    BENCHMARK.hidden,
+)  # fmt: skip
 
 
 @pytest.fixture(scope="session")
 def sandbox():
     """One sandbox for the whole verify suite (starting fork servers costs ~0.2 s each)."""
     with Sandbox(workers=2, timeout_s=1.0, memory_mb=512, max_output_chars=20_000) as sb:
+        yield sb
+
+
+@pytest.fixture(scope="session")
+def ffi():
+    """A sandbox like `sandbox` whose jobs may use ctypes (`FFI`): for the kernel probes."""
+    with Sandbox(
+        workers=2, timeout_s=1.0, memory_mb=512, max_output_chars=20_000, policy=FFI
+    ) as sb:
         yield sb
 
 

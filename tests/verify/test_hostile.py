@@ -1,10 +1,12 @@
 """Hostile programs: each gets a clear verdict, none reaches the host, the pool keeps serving.
 
 Cases are grouped by the class of attack they try (ten classes, 0: the earlier ones; the
-newer classes are in test_isolation.py). Model text is assumed to reach any Python object, so
-the kernel probes take ctypes from object's subclasses (`REACH`). Every case runs in one
-concurrent batch, interleaved with honest jobs; then the host is checked: no file changed or
-left behind, no process left, the same server alive, the honest neighbours exact.
+newer classes are in test_isolation.py). The kernel layers must hold against a job that can
+call libc, so the batch runs under `FFI` (AZR's policy with ctypes granted) and the kernel
+probes take ctypes' C types from object's subclasses (`REACH`); under the shipped policies
+no job can reach them (test_ffi.py). Every case runs in one concurrent batch, interleaved
+with honest jobs; then the host is checked: no file changed or left behind, no process left,
+the same server alive, the honest neighbours exact.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pathlib import Path
 import pyseccomp
 import pytest
 
-from conftest import ROOT, left_behind, processes_of
+from conftest import FFI, ROOT, left_behind, processes_of
 from lorapop.verify import Job, Sandbox, Status
 from lorapop.verify.kernel import REQUIRED
 from lorapop.verify.sandbox import MAX_ERROR_CHARS
@@ -26,9 +28,9 @@ S = Status
 TOKEN = f"lorapop-escape-{uuid.uuid4().hex[:8]}"
 
 #: Defines find(name), the first class of that name among object's subclasses, and libc() and
-#: clock(id) built from the C types of ctypes found that way: model text is assumed to reach
-#: any object, and `_ctypes` stays in a job's image (the zygote's own kernel calls use it), so
-#: the kernel layers are probed with a foreign-function interface in hand.
+#: clock(id) built from the C types of ctypes found that way (where a policy grants ctypes, or
+#: the kernel calls fall back to it): the kernel layers are probed with a foreign-function
+#: interface in hand.
 REACH = """
 def find(name):
     seen, stack = set(), [object]
@@ -207,9 +209,10 @@ HONEST = Job("def f(x):\n    return x * 2", "f(21)")
 
 
 @pytest.fixture(scope="module")
-def outcomes(sandbox, canaries):
+def outcomes(ffi, canaries):
     """All hostile cases in one concurrent batch (siblings must not disturb each other), then
     a snapshot of the host: the server's pid before and after, the processes of the jobs' uid."""
+    sandbox = ffi
     cases = hostile_cases(canaries)
     server = sandbox._servers[0].proc.pid  # private: the test checks it is never replaced
     jobs = [c.job for c in cases] + [HUGE_ERROR]
@@ -276,7 +279,8 @@ def test_host_untouched(outcomes, canaries):
     assert os.getpid()  # we are alive (the kill cases did not reach us)
 
 
-def test_server_survived_and_no_process_left(outcomes, sandbox):
+def test_server_survived_and_no_process_left(outcomes, ffi):
+    sandbox = ffi
     _, _, _, (before, after, procs) = outcomes
     assert before == after and sandbox._servers[0].alive()
     # Every process of the jobs' uid is the server, its zygote, an idle init it keeps (made
@@ -317,7 +321,10 @@ def test_two_sandboxes_cannot_affect_each_other(canaries):
 
     attack = [c.job for c in hostile_cases(canaries) if c.cls in (1, 4)]
     honest = [Job("def f(x):\n    return sorted(str(x * 7))", f"f({i})") for i in range(300)]
-    with Sandbox(workers=2, timeout_s=2.0) as a, Sandbox(workers=2, timeout_s=2.0) as b:
+    with (
+        Sandbox(workers=2, timeout_s=2.0, policy=FFI) as a,
+        Sandbox(workers=2, timeout_s=2.0) as b,
+    ):
         if ROOT:
             assert a.isolation["outer_uid"] != b.isolation["outer_uid"]
         b_server = b._servers[0].proc.pid

@@ -7,7 +7,7 @@ OS confines (uid, namespaces, rlimits, timeouts) must hold exactly as under the 
 import pytest
 from test_hostile import TOKEN, hostile_cases
 
-from conftest import left_behind
+from conftest import BENCHMARK_FFI, left_behind
 from lorapop.verify import POLICIES, Job, Policy, Sandbox, Status
 from lorapop.verify.policy import BASE_MODULES
 
@@ -147,11 +147,15 @@ EXTRA = [
 
 
 @pytest.fixture(scope="module")
-def hostile(bench, canaries):
-    """Every kernel-level case of test_hostile (classes 1-6, 8, 9), and EXTRA."""
+def hostile(canaries):
+    """Every kernel-level case of test_hostile (classes 1-6, 8, 9), and EXTRA, under the
+    benchmark policy with ctypes granted (the kernel probes hold libc)."""
     cases = [(c.name, c.job, c.want) for c in hostile_cases(canaries) if c.cls not in (0, 7)]
     cases += EXTRA
-    return cases, bench.run([job for _, job, _ in cases])
+    with Sandbox(
+        workers=2, timeout_s=1.0, memory_mb=512, max_output_chars=20_000, policy=BENCHMARK_FFI
+    ) as sb:
+        return cases, sb.run([job for _, job, _ in cases])
 
 
 def test_benchmark_hostile_statuses(hostile):

@@ -12,17 +12,16 @@ from lorapop.verify import Job, Sandbox, Status
 from lorapop.verify.child import cpu_limit
 from lorapop.verify.kernel import LAYERS
 from lorapop.verify.policy import BASE_MODULES
-from lorapop.verify.sandbox import NO_VERDICT, _Server
+from lorapop.verify.sandbox import NO_VERDICT, _Server, server_config
 from lorapop.verify.static import compile_job
 from lorapop.verify.wire import decode_result, encode_frame, encode_job
 
-CONFIG = {
-    "workers": 2,
-    "limits": {"timeout_s": 1.0, "memory_mb": 256, "max_output_chars": 1000, "isolate": True},
-    "clock_skew_s": 0.0,
-    "modules": list(BASE_MODULES),
-    "hidden": ["lorapop"],
-}
+CONFIG = server_config(
+    2,
+    {"timeout_s": 1.0, "memory_mb": 256, "max_output_chars": 1000, "isolate": True},
+    BASE_MODULES,
+    ["lorapop"],
+)
 SLEEP = "def f(n):\n    x = 0\n    for i in range(n):\n        x += i\n    return n"
 
 
@@ -157,5 +156,6 @@ def test_layers_are_reported_once(caplog):
     lines = [r.getMessage() for r in caplog.records if "sandbox layers" in r.getMessage()]
     assert len(lines) == 1, lines
     assert lines[0].startswith(
-        "lorapop sandbox layers: active seccomp, user_ns, pid_ns, net_ns, fs_view, job_tmpfs, time_ns"
+        "lorapop sandbox layers: active seccomp, user_ns, pid_ns, net_ns, fs_view, job_tmpfs,"
+        " native_calls, time_ns"
     )

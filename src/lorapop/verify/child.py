@@ -16,6 +16,12 @@ another: for each it makes fds 0-3 new files in the slot's tmpfs, forks the job 
 waits for it, forwards its result (fd 3) with the kernel's sendfile, and gives the slot a new
 tmpfs. The job reads its own bytes, chroots into the tmpfs and drops its capabilities; it
 never holds a pipe, nor any file outside its tmpfs, and the init never holds a job's bytes.
+With the kernel-call extension that loop is C (`lorapop.verify._kernel.serve_slot`): no
+Python runs in an init between jobs, so it dirties almost none of the pages its jobs share.
+
+Each job changes pages it shares with its init, and each change costs a copy-on-write fault:
+so what every job would do alike is done once in the zygote (`_job_image`, `_warm`: the
+streams, the recursion limit, a specialized per-job path) and the per-job path is short.
 
 The job's code runs from the interpreter's bottom frame: every function here returns into the
 server's `-c` script before the job's code starts (`BOOT`), so frames, tracebacks and the
@@ -25,6 +31,7 @@ pickle) that the caller parses as hostile bytes (`lorapop.verify.wire`).
 
 from __future__ import annotations
 
+import _signal
 import builtins
 import contextlib
 import gc
@@ -87,27 +94,25 @@ def cpu_limit(timeout_s: float) -> int:
 
 # Bound at import, so a program that rebinds builtins.repr or pickle.dumps cannot fake a result.
 _repr, _str, _type, _len = repr, str, type, len
+#: Result types that always pickle (str and bytes when short): `_verdict` skips the check.
+_PLAIN = frozenset((int, float, complex, bool, type(None), str, bytes))
 _dumps, _loads, _contextmanager = pickle.dumps, marshal.loads, contextlib.contextmanager
 # The rest of the zygote's namespace, bound by `zygote_namespace` from the server's values
 # (`lorapop.verify.kernel.JobKernel.values`, `lorapop.verify.server.main`); None here.
 CLONE_INIT: Any = None  # () -> pid: an init (pid 1 of a new pid namespace, the server's child)
 FORK_JOB: Any = None  # () -> pid: a plain child
 CLONE_JOB: Any = None  # () -> pid: a job, as pid 2 where the init is pid 1
-UMOUNT: Any = None  # umount2
-MOUNT: Any = None  # mount
-SLOT_PATHS: Any = None  # SLOTS as bytes
-SLOT_FLAGS: Any = None  # a slot's tmpfs: mount flags
-SLOT_OPTIONS: Any = None  # and options
+RENEW: Any = None  # (path, options): a new tmpfs at path, the old one discarded
+SLOT_OPTIONS: Any = None  # a slot's tmpfs options
 PRCTL: Any = None
-SETRLIMIT: Any = None
-RLIMIT_PAIR: Any = None  # a ctypes struct rlimit
-RLIMITS: Any = None  # the job's limits (but RLIMIT_CPU) as (which, RLIMIT_PAIR)
+SETRLIMIT: Any = None  # (which, soft, hard)
+RLIMITS: Any = None  # the job's limits (but RLIMIT_CPU) as (which, soft, hard)
 CPU_HARD: Any = None  # RLIMIT_CPU's hard limit where the server started
-CAPSET: Any = None
-CAP_HDR: Any = None
-CAP_DATA: Any = None  # no capabilities
-DROP_CAPS: Any = None
-JOB_FILTER: Any = None  # the job's seccomp program (struct sock_fprog), or None
+DROP_CAPS: Any = None  # (): no capabilities; None where the server has none to drop
+SECCOMP: Any = None  # (program): load a seccomp filter
+JOB_FILTER: Any = None  # the job's seccomp program (BPF bytes), or None
+TRIM: Any = None  # (): malloc_trim, or None
+SERVE: Any = None  # the extension's init loop (`lorapop.verify._kernel.serve_slot`), or None
 SLOTS: Any = None  # each slot's tmpfs, or None without a private filesystem
 DEVNULL: Any = None  # the zygote's fd of /dev/null, for when there is no private tmpfs
 STREAMS: Any = None  # the job's sys.stdin, stdout, stderr
@@ -117,9 +122,11 @@ RESULT_CAP: Any = None  # result bytes an init forwards at most
 HIDE: Any = None  # top-level names of the modules the zygote drops
 RECURSION: Any = None  # the job's sys.getrecursionlimit, setrecursionlimit (`_recursion`)
 RECURSION_GET: Any = None  # the real sys.getrecursionlimit
-SIGNAL: Any = None  # signal.signal
+SIGNAL: Any = None  # _signal.signal (signal.signal's enum conversions cost every job)
 DEFAULT_INT: Any = None  # signal.default_int_handler
 RECURSION_SET: Any = None  # the real sys.setrecursionlimit
+RUNNER: Any = None  # _contextmanager(_runner), wrapped once in the zygote
+NOOP: Any = None  # _contextmanager(_noop), likewise
 _get: Any = None  # the real sys.getrecursionlimit, in `_recursion`'s functions
 _set: Any = None  # the real sys.setrecursionlimit, in `_recursion`'s functions
 
@@ -151,7 +158,8 @@ def _write_all(fd: int, data: bytes) -> None:
 def _verdict(box: list) -> tuple[str, str | None, str | None]:
     value = box[3]
     try:
-        _dumps(value)
+        if _type(value) not in _PLAIN or (_type(value) in (str, bytes) and _len(value) > 4096):
+            _dumps(value)  # what always pickles (short) needs no pickler
     except MemoryError:
         return "memory", None, "MemoryError while pickling"
     except BaseException as e:
@@ -190,24 +198,24 @@ def _confine() -> None:
     """In the job (pid 2), while it waits for its bytes: limits, no capabilities (the jobs'
     seccomp filter is its init's, but without a private tmpfs)."""
     os.setpgid(0, 0)
-    for which, value in RLIMITS:
-        if SETRLIMIT(which, value) != 0:
-            raise OSError("setrlimit")
-    if DROP_CAPS and CAPSET(CAP_HDR, CAP_DATA) != 0:
-        raise OSError("capset")
+    for which, soft, hard in RLIMITS:
+        SETRLIMIT(which, soft, hard)
+    if DROP_CAPS is not None:
+        DROP_CAPS()
     if SLOTS is None:
         _load_filter()
 
 
 def _load_filter() -> None:
     """The jobs' seccomp filter, on top of the server's."""
-    if JOB_FILTER is not None and PRCTL(22, 2, JOB_FILTER, 0, 0) != 0:  # PR_SET_SECCOMP
-        raise OSError("the jobs' seccomp filter")
+    if JOB_FILTER is not None:
+        SECCOMP(JOB_FILTER)
 
 
 def _read_job(fd: int) -> bytes | None:
-    """`<length>\\n` + the job's bytes, from the server; None when it closed the pipe."""
-    buf = b""
+    """`<length>\\n` + the job's bytes, from the server; None when it closed the pipe. (The
+    server writes an init's next job only once this one has answered: nothing follows.)"""
+    buf = os.read(fd, 1 << 16)
     while b"\n" not in buf:
         chunk = os.read(fd, 64)
         if not chunk:
@@ -222,20 +230,25 @@ def _read_job(fd: int) -> bytes | None:
         parts.append(chunk)
         left -= len(chunk)
     os.close(fd)
-    return b"".join(parts)
+    return rest if len(parts) == 1 else b"".join(parts)
 
 
 def _job(program: object, expr: object, cpu: int) -> Any:
-    """The job's CPU limit and standard streams, then its context manager."""
+    """The job's CPU limit and SIGINT, then its context manager (its standard streams and
+    recursion limit are the zygote's: `_job_image`)."""
     hard = CPU_HARD
-    if SETRLIMIT(_RLIMIT_CPU, RLIMIT_PAIR(min(cpu, hard), min(cpu + 1, hard))) != 0:
-        raise OSError("setrlimit cpu")
+    SETRLIMIT(_RLIMIT_CPU, min(cpu, hard), min(cpu + 1, hard))
+    SIGNAL(2, DEFAULT_INT)  # SIGINT: KeyboardInterrupt, as in any script (the server ignores it)
+    return RUNNER(program, expr)
+
+
+def _job_image() -> None:
+    """Once, in the zygote: what every job starts with, set before any is forked (each job
+    changes only its own copy): its standard streams, and a script's recursion limit."""
     sys.stdin, sys.stdout, sys.stderr = STREAMS
     sys.__stdin__, sys.__stdout__, sys.__stderr__ = STREAMS
-    SIGNAL(2, DEFAULT_INT)  # SIGINT: KeyboardInterrupt, as in any script (the server ignores it)
     sys.getrecursionlimit, sys.setrecursionlimit = RECURSION
     RECURSION_SET(RECURSION_GET() + FRAMES_BELOW)
-    return _contextmanager(_runner)(program, expr)
 
 
 def _files(slot: int, devnull: int) -> None:
@@ -261,7 +274,7 @@ def _init(slot: int) -> Any:
     Returns only in a job process: its context manager."""
     job_r, job_w, res_r, res_w = PIPE_FDS
     try:
-        PRCTL(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL: die with the server
+        PRCTL(1, 9)  # PR_SET_PDEATHSIG, SIGKILL: die with the server
         try:
             if os.read(ZYGOTE_FDS[2], 1) == b"":  # the server died before the line above
                 os._exit(0)
@@ -275,33 +288,29 @@ def _init(slot: int) -> Any:
             _load_filter()
     except BaseException:
         os._exit(70)
+    if SERVE is not None and SLOTS is not None:
+        try:  # the extension's loop: returns only in a job, confined but for its filter's...
+            SERVE(SLOTS[slot], SLOT_OPTIONS, RESULT_CAP, RLIMITS, DROP_CAPS is not None, job_w,
+                  devnull)  # fmt: skip
+        except BaseException as e:
+            _crashed(e)
+        return _begin(job_r)  # ...which it inherits from this init
     while True:
         try:
             _files(slot, devnull)
             pid = CLONE_JOB()  # pid 2, ahead of its bytes: starting it is one pipe write
-            if pid < 0:
-                raise OSError("the job could not be forked")
         except BaseException:
             os._exit(70)
         if pid == 0:
             try:
-                for fd in (job_w, res_r, res_w, devnull):
-                    os.close(fd)
+                os.closerange(job_w, devnull + 1)  # job_w, res_r, res_w, devnull
                 if SLOTS is not None:
                     os.chroot(SLOTS[slot])
                     os.chdir("/")
                 _confine()
-                data = _read_job(job_r)
-                if data is None:  # the server is shutting down
-                    os._exit(0)
-                head, _, body = data.partition(b"\n")
-                program, expr = _loads(body)
-                return _job(program, expr, int(head))
             except BaseException as e:
-                try:
-                    _write_all(RESULT_FD, _encode("crashed", None, "confinement: " + _describe(e)))
-                finally:
-                    os._exit(0)
+                _crashed(e)
+            return _begin(job_r)
         try:
             _, status = os.waitpid(pid, 0)
             code = os.waitstatus_to_exitcode(status)
@@ -313,14 +322,31 @@ def _init(slot: int) -> Any:
             if left > 0:
                 raise OSError("the result file shrank")
             os.closerange(0, 4)
-            renew = SLOTS is not None  # what the job left is discarded whole
-            if renew and (
-                UMOUNT(SLOT_PATHS[slot], 2) != 0
-                or MOUNT(b"tmpfs", SLOT_PATHS[slot], b"tmpfs", SLOT_FLAGS, SLOT_OPTIONS) != 0
-            ):
-                raise OSError("the slot's tmpfs could not be renewed")
+            if SLOTS is not None:  # what the job left is discarded whole
+                RENEW(SLOTS[slot], SLOT_OPTIONS)
         except BaseException:
             os._exit(70)
+
+
+def _crashed(e: BaseException) -> None:
+    """A job that could not be confined or started: its verdict, and its end."""
+    try:
+        _write_all(RESULT_FD, _encode("crashed", None, "confinement: " + _describe(e)))
+    finally:
+        os._exit(0)
+
+
+def _begin(job_r: int) -> Any:
+    """In a confined job: read its bytes; its context manager."""
+    try:
+        data = _read_job(job_r)
+        if data is None:  # the server is shutting down
+            os._exit(0)
+        head, _, body = data.partition(b"\n")
+        program, expr = _loads(body)
+        return _job(program, expr, int(head))
+    except BaseException as e:
+        _crashed(e)
 
 
 def _zygote() -> Any:
@@ -330,9 +356,13 @@ def _zygote() -> Any:
     collector, hide = _forget()
     collector.collect()  # here: _forget's frame no longer holds what its loops last saw
     _sever(collector, hide)
+    _job_image()
+    _warm()
     collector.collect()
     collector.freeze()  # kept objects out of the collector: fewer copy-on-write faults per job
     del collector, hide
+    if TRIM is not None:
+        TRIM()  # what the dropped modules held goes back: fewer pages for each clone to map
     ctl, report, _ = ZYGOTE_FDS
     buf = b""
     while True:
@@ -352,8 +382,6 @@ def _zygote() -> Any:
                     os.close(fd)
                 fds = list(PIPE_FDS)
                 pid = CLONE_INIT()
-                if pid < 0:
-                    raise OSError("clone")
             except OSError:
                 for fd in fds:
                     os.close(fd)
@@ -408,10 +436,11 @@ def _forget() -> tuple[Any, frozenset[str]]:
 
 
 def _sever(collector: Any, hide: frozenset[str]) -> None:
-    """Empty the globals of the dropped modules something still keeps alive (ctypes, whose
-    objects the zygote calls; random and threading, whose at-fork hooks the interpreter
-    holds): their functions and classes, should a job reach them, fail as a missing import
-    would. The zygote's own ctypes calls need no module globals."""
+    """Empty the globals of the dropped modules something still keeps alive (random and
+    threading, whose at-fork hooks the interpreter holds; ctypes where the kernel calls fall
+    back to it): their functions and classes, should a job reach them, fail as a missing
+    import would. The zygote's own kernel calls need no module globals (the extension's
+    functions, or `kernel_ctypes`' in a namespace of their own)."""
     for obj in collector.get_objects():
         if isinstance(obj, types.ModuleType) and obj is not collector:
             d = obj.__dict__
@@ -424,11 +453,36 @@ def _sever(collector: Any, hide: frozenset[str]) -> None:
             d.clear()
 
 
+def _noop() -> Any:
+    yield None
+
+
+def _warm() -> None:
+    """Once, in the zygote: run the per-job path that needs no job (unmarshal a sample job of
+    the server's own, judge and encode results of the usual types, a generator context
+    manager) until CPython has specialized it, so that each job, which runs it once, writes
+    fewer shared pages (its warm-up counters, type and method caches): fewer copy-on-write
+    faults per job. Nothing of any job is involved."""
+    for _ in range(WARM_ROUNDS):
+        program, expr = _loads(WARM_JOB)
+        for value in (0, 1.5, "s", b"b", None, True, [1, "a"], (1, 2.0), {"k": [1]}, {1, 2}):
+            _encode(*_verdict([program, None, expr, value]))
+        with NOOP():
+            pass
+
+
+#: Rounds of `_warm`: CPython 3.11 specializes a function's code after 8 calls.
+WARM_ROUNDS = 16
+#: `_warm`'s sample job (marshalled code objects, as a job's bytes carry them).
+WARM_JOB = marshal.dumps(
+    (compile("def f():\n    return 1", "<warm>", "exec"), compile("f()", "<warm>", "eval"))
+)
+
 #: Rebound into the zygote's namespace, in this order.
 _FUNCTIONS = (
     _describe, _encode, _write_all, _verdict, _runner, _confine, _load_filter, _read_job, _job,
-    _files, _init,
-    _zygote, _forget, _sever,
+    _files, _init, _crashed, _begin,
+    _zygote, _forget, _sever, _noop, _warm, _job_image,
 )  # fmt: skip
 
 
@@ -477,6 +531,7 @@ def zygote_namespace(values: dict[str, object]) -> types.FunctionType:
         "_str": _str,
         "_type": _type,
         "_len": _len,
+        "_PLAIN": _PLAIN,
         "RESULT_FD": RESULT_FD,
         "RESERVED": RESERVED,
         "ZYGOTE_FDS": ZYGOTE_FDS,
@@ -484,17 +539,21 @@ def zygote_namespace(values: dict[str, object]) -> types.FunctionType:
         "_RLIMIT_CPU": _RLIMIT_CPU,
         "RECURSION": _recursion(),
         "RECURSION_GET": sys.getrecursionlimit,
-        "SIGNAL": signal.signal,
+        "SIGNAL": _signal.signal,
         "DEFAULT_INT": signal.default_int_handler,
         "RECURSION_SET": sys.setrecursionlimit,
         "FRAMES_BELOW": FRAMES_BELOW,
         "_O_TMPFILE": _O_TMPFILE,
+        "WARM_ROUNDS": WARM_ROUNDS,
+        "WARM_JOB": WARM_JOB,
         **values,
     }
     for fn in _FUNCTIONS:
         ns[fn.__name__] = types.FunctionType(
             fn.__code__, ns, fn.__name__, fn.__defaults__, fn.__closure__
         )
+    ns["RUNNER"] = _contextmanager(ns["_runner"])
+    ns["NOOP"] = _contextmanager(ns["_noop"])
     return ns["_zygote"]  # type: ignore[return-value]
 
 

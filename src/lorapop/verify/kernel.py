@@ -27,18 +27,23 @@ layer is enforced by the kernel, never by hiding names:
 - where no user namespace can be made (the kernel forbids unprivileged ones): Landlock
   forbids all file access instead, and the report says which layers are missing.
 
-ctypes stays in a job's image (the zygote's own calls use it) with emptied module globals; its
-C types can still call into libc, within the jobs' seccomp filter.
+The calls themselves are `lorapop.verify._kernel`'s, a C extension that defines no type, so no
+foreign-function interface is loaded in the server or in any job's image. Where it is not
+built, `lorapop.verify.kernel_ctypes` makes the same calls through ctypes, which leaves
+`_ctypes`'s C types within a job's reach: the report's "native_calls" layer is then off. The
+seccomp programs are built by the caller (libseccomp through pyseccomp, itself ctypes: the
+caller is trusted) and handed to the server as BPF bytes (`filters`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import functools
 import os
 import signal
+import types
+from typing import Any
 
 CLONE_NEWTIME = 0x80
 CLONE_PARENT = 0x00008000
@@ -52,9 +57,7 @@ _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
 _MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = 32, 4096, 1 << 14, 1 << 18
 _MNT_DETACH = 2
 _SLOT_FLAGS = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC
-_PR_SET_PDEATHSIG, _PR_SET_DUMPABLE, _PR_SET_SECCOMP = 1, 4, 22
-_SECCOMP_MODE_FILTER = 2
-_CAP_VERSION_3 = 0x20080522
+_PR_SET_PDEATHSIG, _PR_SET_DUMPABLE, _PR_SET_SECCOMP, _PR_SET_NO_NEW_PRIVS = 1, 4, 22, 38
 
 #: First outer uid of a root caller's servers (unassigned ids far above real users).
 UID_BASE = 0x7F000000
@@ -71,22 +74,14 @@ HOSTNAME = b"sandbox"
 #: Each job's private tmpfs (its root and working directory).
 JOB_TMPFS = "size=16m,nr_inodes=1024,mode=755"
 #: Layers without which `isolate="strict"` refuses to run.
-REQUIRED = ("seccomp", "user_ns", "pid_ns", "net_ns", "fs_view", "job_tmpfs")
+REQUIRED = ("seccomp", "user_ns", "pid_ns", "net_ns", "fs_view", "job_tmpfs", "native_calls")
 LAYERS = (*REQUIRED, "time_ns", "landlock")
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_pylibc = ctypes.PyDLL(None, use_errno=True)  # keeps the GIL across clone (as fork does)
-
-
-def _check(result: int, what: str) -> int:
-    if result < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"{what}: {os.strerror(err)}")
-    return result
-
-
-#: Syscall numbers without libseccomp (it knows every architecture; these are the common two).
-_SYSNO = {"x86_64": {"clone": 56, "pivot_root": 155}, "aarch64": {"clone": 220, "pivot_root": 41}}
+#: Syscall numbers where libseccomp is missing (it knows every architecture; these the common two).
+_SYSNO = {
+    "x86_64": {"clone": 56, "clone3": 435, "pivot_root": 155, "pidfd_getfd": 438},
+    "aarch64": {"clone": 220, "clone3": 435, "pivot_root": 41, "pidfd_getfd": 438},
+}
 
 
 @functools.cache
@@ -98,20 +93,43 @@ def _seccomp():  # noqa: ANN202 - the pyseccomp module, or None without libsecco
     return pyseccomp
 
 
-def _sysno(name: str) -> int | None:
+@functools.cache
+def syscall_numbers() -> dict[str, int]:
+    """This machine's numbers of the calls the ctypes fallback makes by number (the caller
+    resolves them: the server never loads libseccomp)."""
     sc = _seccomp()
-    if sc is not None:
-        return sc.resolve_syscall(sc.Arch.NATIVE, name)
-    return _SYSNO.get(os.uname().machine, {}).get(name)
+    if sc is None:
+        return dict(_SYSNO.get(os.uname().machine, {}))
+    return {n: sc.resolve_syscall(sc.Arch.NATIVE, n) for n in _SYSNO["x86_64"]}
+
+
+def calls(native: bool = True, sysno: dict[str, int] | None = None) -> tuple[Any, str | None]:
+    """The kernel-call API (`lorapop.verify._kernel`'s functions) and None; or, where that
+    extension is not built (or `native` is False), the same through ctypes and why."""
+    if native:
+        try:
+            from lorapop.verify import _kernel
+
+            return _kernel, None
+        except ImportError:
+            why = "lorapop.verify._kernel is not built"
+    else:
+        why = "asked for"
+    from lorapop.verify import kernel_ctypes
+
+    note = (
+        f"kernel calls through ctypes ({why}; `pip install -e .` builds it): ctypes' C types"
+        " stay within a job's reach"
+    )
+    return kernel_ctypes.api(syscall_numbers() if sysno is None else sysno), note
 
 
 def unshare(flags: int) -> None:
-    _check(_libc.unshare(ctypes.c_int(flags)), "unshare")
+    calls()[0].unshare(flags)
 
 
 def mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None):
-    enc = [None if s is None else s.encode() for s in (source, target, fstype, data)]
-    _check(_libc.mount(enc[0], enc[1], enc[2], ctypes.c_ulong(flags), enc[3]), f"mount {target}")
+    calls()[0].mount(source, target, fstype, flags, data)
 
 
 def _write(path: str, text: str) -> None:
@@ -123,99 +141,61 @@ def _write(path: str, text: str) -> None:
 
 
 class JobKernel:
-    """The kernel calls of the zygote, its inits and jobs: built in the server, handed to the
-    zygote as plain ctypes objects (`values`), so no class of this package reaches a job.
+    """The kernel calls of the zygote, its inits and jobs, chosen in the server and handed to
+    the zygote as plain callables (`values`): no class or module of this package reaches a job.
 
-    clone_flags: how the zygote makes an init (a new pid namespace where the server can make
-    one, and always the server as its parent); drop_caps: jobs drop the capabilities the
-    server holds in its user namespace; job_filter: the jobs' own seccomp program (BPF), loaded
-    on top of the server's."""
+    api: `calls()`'s; clone_flags: how the zygote makes an init (a new pid namespace where the
+    server can make one, and always the server as its parent); drop_caps: jobs drop the
+    capabilities the server holds in its user namespace; job_filter: the jobs' own seccomp
+    program (BPF), loaded on top of the server's."""
 
-    def __init__(self, clone_flags: int, drop_caps: bool, job_filter: bytes | None = None) -> None:
+    def __init__(
+        self, api: Any, clone_flags: int, drop_caps: bool, job_filter: bytes | None = None
+    ) -> None:
+        self.api = api
         self.drop_caps = drop_caps
         self.clone_flags = clone_flags
         self.job_filter = job_filter
-        self._umount2 = _libc.umount2
-        number = _sysno("pidfd_getfd")
-        self._getfd = None if number is None else (_libc.syscall, ctypes.c_long(number))
 
     def values(self, rlimits: list[tuple[int, int, int]], cpu_hard: int) -> dict[str, object]:
         """What `lorapop.verify.child` calls, by name: raw clones (no libc or CPython at-fork
         work: no thread can hold a lock here, the server starts none), prctl, setrlimit,
-        capset and the job filter's `struct sock_fprog`."""
-        syscall = _pylibc.syscall  # keeps the GIL across clone (as fork does)
-        syscall.restype = ctypes.c_long
-        number = _sysno("clone")
-        z = ctypes.c_long(0)
-        if number is None:
-            clone_init = fork_job = os.fork
-        else:
-            nr = ctypes.c_long(number)
-            flags = ctypes.c_ulong(self.clone_flags)
-            clone_init = functools.partial(syscall, nr, flags, z, z, z, z)
-            fork_job = functools.partial(syscall, nr, ctypes.c_ulong(signal.SIGCHLD), z, z, z, z)
+        capset, the slot renewal and the job filter."""
+        api = self.api
+        fork_job = functools.partial(api.clone, signal.SIGCHLD)
         clone_job = fork_job
-        number3 = _sysno("clone3")
-        if self.clone_flags & CLONE_NEWPID and number3 is not None:
+        if self.clone_flags & CLONE_NEWPID:
             # clone3 with set_tid: each job of an init is pid 2 (the init holds
             # CAP_CHECKPOINT_RESTORE in its user namespace), so pids never count jobs.
-            tid = (ctypes.c_int * 1)(2)
-            args = (ctypes.c_uint64 * 11)()
-            args[4] = signal.SIGCHLD  # exit_signal
-            args[8], args[9] = ctypes.addressof(tid), 1  # set_tid, set_tid_size
-            clone_job = functools.partial(
-                syscall, ctypes.c_long(number3), args, ctypes.c_size_t(ctypes.sizeof(args))
-            )
-            clone_job.keep = tid  # type: ignore[attr-defined]
-        pair = ctypes.c_ulong * 2
-        job_filter = None
-        if self.job_filter:
-            code = ctypes.create_string_buffer(self.job_filter, len(self.job_filter))
-            # struct sock_fprog {unsigned short len; struct sock_filter *filter;}
-            prog = ctypes.create_string_buffer(16)
-            ctypes.memmove(prog, ctypes.byref(ctypes.c_ushort(len(self.job_filter) // 8)), 2)
-            ctypes.c_void_p.from_buffer(prog, 8).value = ctypes.addressof(code)
-            job_filter = (prog, code)
+            clone_job = functools.partial(api.clone_pid, 2)
         return {
-            "CLONE_INIT": clone_init,
+            "CLONE_INIT": functools.partial(api.clone, self.clone_flags),
             "FORK_JOB": fork_job,
             "CLONE_JOB": clone_job,
-            "UMOUNT": _libc.umount2,
-            "MOUNT": _libc.mount,
-            "SLOT_FLAGS": ctypes.c_ulong(_SLOT_FLAGS),
-            "SLOT_OPTIONS": JOB_TMPFS.encode(),
-            "PRCTL": _libc.prctl,
-            "SETRLIMIT": _libc.setrlimit,
-            "RLIMIT_PAIR": pair,
-            "RLIMITS": tuple((which, pair(soft, hard)) for which, soft, hard in rlimits),
+            "RENEW": api.renew,
+            "SLOT_OPTIONS": JOB_TMPFS,
+            "PRCTL": api.prctl,
+            "SETRLIMIT": api.setrlimit,
+            "RLIMITS": tuple(rlimits),
             "CPU_HARD": cpu_hard,
-            "CAPSET": _libc.capset,
-            "CAP_HDR": (ctypes.c_uint32 * 2)(_CAP_VERSION_3, 0),
-            "CAP_DATA": (ctypes.c_uint32 * 6)(),  # effective, permitted, inheritable x 2: none
-            "DROP_CAPS": self.drop_caps,
-            "JOB_FILTER": None if job_filter is None else job_filter[0],
-            "JOB_FILTER_CODE": None if job_filter is None else job_filter[1],
+            "DROP_CAPS": api.drop_caps if self.drop_caps else None,
+            "SECCOMP": api.seccomp_load,
+            "JOB_FILTER": self.job_filter,
+            "TRIM": getattr(api, "trim", None),
+            "SERVE": getattr(api, "serve_slot", None),
         }
 
     def getfd(self, pidfd: int, fd: int) -> int:
         """A copy of another process's fd (pidfd_getfd): the server takes its ends of an init's
         pipes, which the zygote made."""
-        if self._getfd is None:
-            raise OSError(errno.ENOSYS, "pidfd_getfd: unknown syscall number")
-        call, nr = self._getfd
-        return _check(call(nr, pidfd, fd, 0), "pidfd_getfd")
+        return self.api.pidfd_getfd(pidfd, fd)
 
     def new_slot(self, slot_dir: str) -> None:
         """Give a slot a new empty tmpfs (in the server): the old one is discarded whole."""
-        _check(self._umount2(slot_dir.encode(), _MNT_DETACH), "umount slot")
-        _mount_slot(slot_dir)
+        self.api.renew(slot_dir, JOB_TMPFS)
 
 
-def _mount_slot(slot_dir: str) -> None:
-    mount("tmpfs", slot_dir, "tmpfs", _SLOT_FLAGS, JOB_TMPFS)
-
-
-def _enter_user_ns(info: dict) -> bool:
+def _enter_user_ns(api: Any, info: dict) -> bool:
     """A user namespace mapping JOB_ID to the server's outer uid (a fresh one if root)."""
     try:
         if os.geteuid() == 0:
@@ -223,10 +203,10 @@ def _enter_user_ns(info: dict) -> bool:
             os.setgroups([])
             os.setresgid(uid, uid, uid)
             os.setresuid(uid, uid, uid)
-            _libc.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)  # else /proc/self is root's
+            api.prctl(_PR_SET_DUMPABLE, 1)  # else /proc/self is root's
         uid, gid = os.geteuid(), os.getegid()
         info["outer_uid"] = uid
-        unshare(CLONE_NEWUSER)
+        api.unshare(CLONE_NEWUSER)
         _write("/proc/self/setgroups", "deny")
         _write("/proc/self/uid_map", f"{JOB_ID} {uid} 1")
         _write("/proc/self/gid_map", f"{JOB_ID} {gid} 1")
@@ -236,40 +216,37 @@ def _enter_user_ns(info: dict) -> bool:
         return False
 
 
-def _build_view(n_slots: int, info: dict) -> list[str] | None:
+def _build_view(api: Any, n_slots: int, info: dict) -> list[str] | None:
     """pivot_root into an empty read-only tmpfs with one tmpfs per slot; the slots' paths."""
     try:
-        mount(None, "/", None, _MS_REC | _MS_PRIVATE, None)
+        api.mount(None, "/", None, _MS_REC | _MS_PRIVATE, None)
         new = "/tmp" if os.path.isdir("/tmp") and not os.path.islink("/tmp") else "/mnt"
-        mount("lorapop", new, "tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, "size=64k,mode=755")
+        api.mount("lorapop", new, "tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, "size=64k,mode=755")
         os.mkdir(f"{new}/old")
         os.mkdir(f"{new}/slots")
         for i in range(n_slots):
             os.mkdir(f"{new}/slots/{i}")
         os.chdir(new)
-        number = _sysno("pivot_root")
-        if number is None:
-            raise OSError(errno.ENOSYS, "pivot_root: unknown syscall number")
-        _check(_libc.syscall(ctypes.c_long(number), b".", b"old"), "pivot_root")
+        api.pivot_root(".", "old")
         os.chdir("/")
-        _check(_libc.umount2(b"/old", _MNT_DETACH), "umount old root")
+        api.umount2("/old", _MNT_DETACH)
         os.rmdir("/old")
         ro = _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC
-        mount(None, "/", None, ro, None)
+        api.mount(None, "/", None, ro, None)
         slots = [f"/slots/{i}" for i in range(n_slots)]
         for d in slots:
-            _mount_slot(d)
+            api.mount("tmpfs", d, "tmpfs", _SLOT_FLAGS, JOB_TMPFS)
         return slots
     except OSError as e:
         info["notes"].append(f"no private filesystem view ({e.strerror or e})")
         return None
 
 
-def _enter_time_ns(info: dict) -> bool:
+def _enter_time_ns(api: Any, info: dict) -> bool:
     """A time namespace for the children; its offsets are the caller's to write (through
     /proc/PID/timens_offsets) before the zygote enters it: this process never knows them."""
     try:
-        unshare(CLONE_NEWTIME)
+        api.unshare(CLONE_NEWTIME)
         return True
     except OSError as e:
         info["notes"].append(f"no time namespace ({e.strerror or e})")
@@ -347,85 +324,85 @@ INIT_SYSCALLS: tuple[str, ...] = (
 )  # fmt: skip
 
 
-def _job_filter(sc) -> bytes:  # noqa: ANN001 - pyseccomp
-    """The jobs' allow-list as a BPF program, which each init loads before its first job."""
-    f = _filter(sc, JOB_SYSCALLS + INIT_SYSCALLS)
-    r, w = os.pipe()
+#: The two ways the zygote clones an init: with a pid namespace of its own, or without (no
+#: private filesystem view).
+INIT_FLAGS = (CLONE_PARENT | signal.SIGCHLD | CLONE_NEWPID, CLONE_PARENT | signal.SIGCHLD)
+
+
+def _bpf(f) -> bytes:  # noqa: ANN001 - a pyseccomp filter
+    import tempfile  # the caller's only: the server never imports it (nor what it imports)
+
+    with tempfile.TemporaryFile() as out:
+        f.export_bpf(out)
+        out.seek(0)
+        return out.read()
+
+
+@functools.cache
+def filters() -> tuple[dict[str, bytes] | None, str | None]:
+    """The seccomp programs, built here in the caller (libseccomp through pyseccomp): the
+    jobs' ("job") and the server's for each of `INIT_FLAGS` (str(flags)); or None and why
+    not."""
+    sc = _seccomp()
+    if sc is None:
+        return None, "no seccomp filter (libseccomp.so.2 not found: apt install libseccomp2)"
     try:
-        with os.fdopen(w, "wb", closefd=False) as out:
-            f.export_bpf(out)
-        os.close(w)
-        w = -1
-        parts = []
-        while chunk := os.read(r, 1 << 16):
-            parts.append(chunk)
-        return b"".join(parts)
-    finally:
-        os.close(r)
-        if w >= 0:
-            os.close(w)
+        out = {"job": _bpf(_filter(sc, JOB_SYSCALLS + INIT_SYSCALLS))}
+        for flags in INIT_FLAGS:
+            out[str(flags)] = _bpf(_seccomp_filter(sc, flags))
+    except (OSError, RuntimeError, ValueError) as e:
+        return None, f"no seccomp filter ({e})"
+    return out, None
 
 
-def _landlock(info: dict) -> bool:
-    """Forbid every file access (for when there is no private filesystem view)."""
-    try:
-        import landlock
-    except ImportError:
-        info["notes"].append("no Landlock (the landlock package is not installed)")
-        return False
-    try:
-        # landlock checks ctypes' saved errno rather than each call's result: clear what an
-        # earlier refused call (the user namespace) left there.
-        ctypes.set_errno(0)
-        landlock.Ruleset().apply()
-        return True
-    except (OSError, landlock.LandlockError) as e:
-        info["notes"].append(f"no Landlock ({str(e).splitlines()[0]})")
-        return False
-
-
-def confine_server(n_slots: int) -> tuple[dict, JobKernel, list[str] | None]:
+def confine_server(
+    n_slots: int, api: Any, progs: dict[str, bytes] | None, notes: list[str]
+) -> tuple[dict, JobKernel, list[str] | None]:
     """Enter every layer this kernel allows; (report, per-child calls, slot dirs or None).
 
-    The report maps each of LAYERS to whether it is active, plus "notes" (why not) and
-    "outer_uid". Call after all imports: the host's filesystem is gone afterwards."""
-    info: dict = {"notes": [], "layers": dict.fromkeys(LAYERS, False)}
+    api: `calls()`'s; progs: `filters()`'s seccomp programs (None: no seccomp); notes: why
+    layers are missing already (the API's, the filters'). The report maps each of LAYERS to
+    whether it is active, plus "notes" (why not) and "outer_uid". Call after all imports: the
+    host's filesystem is gone afterwards."""
+    info: dict = {"notes": list(notes), "layers": dict.fromkeys(LAYERS, False)}
     layers = info["layers"]
-    sc = _seccomp()  # before the host's filesystem goes: it looks libseccomp up
-    if _enter_user_ns(info):
+    layers["native_calls"] = isinstance(api, types.ModuleType)
+    if _enter_user_ns(api, info):
         layers["user_ns"] = True
         try:
-            unshare(CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS)
+            api.unshare(CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS)
             layers["net_ns"] = True
-            _check(_libc.sethostname(HOSTNAME, len(HOSTNAME)), "sethostname")
-            _check(_libc.setdomainname(b"(none)", 6), "setdomainname")
+            api.sethostname(HOSTNAME)
+            api.setdomainname(b"(none)")
         except OSError as e:
             info["notes"].append(f"no network namespace ({e.strerror or e})")
-        layers["time_ns"] = _enter_time_ns(info)
+        layers["time_ns"] = _enter_time_ns(api, info)
         try:
-            unshare(CLONE_NEWNS)
-            slots = _build_view(n_slots, info)
+            api.unshare(CLONE_NEWNS)
+            slots = _build_view(api, n_slots, info)
         except OSError as e:
             info["notes"].append(f"no mount namespace ({e.strerror or e})")
             slots = None
     else:
         slots = None
     layers["fs_view"] = layers["job_tmpfs"] = layers["pid_ns"] = slots is not None
-    flags = CLONE_PARENT | signal.SIGCHLD | (CLONE_NEWPID if slots else 0)
-    kernel = JobKernel(flags, drop_caps=layers["user_ns"])
+    flags = INIT_FLAGS[0] if slots else INIT_FLAGS[1]
+    kernel = JobKernel(api, flags, drop_caps=layers["user_ns"])
     if slots is None:
-        layers["landlock"] = _landlock(info)
+        try:
+            api.landlock_deny_files()
+            layers["landlock"] = True
+        except (OSError, ImportError) as e:
+            info["notes"].append(f"no Landlock ({e.strerror or e})")
     else:
         info["notes"].append("landlock unused: the private filesystem view replaces it")
-    if sc is None:
-        info["notes"].append(
-            "no seccomp filter (libseccomp.so.2 not found: apt install libseccomp2)"
-        )
-    else:
+    if progs is not None:
         try:
-            kernel.job_filter = _job_filter(sc)
-            _seccomp_filter(sc, flags).load()  # sets no_new_privs too
+            with contextlib.suppress(OSError):  # set already (Landlock)
+                api.prctl(_PR_SET_NO_NEW_PRIVS, 1)
+            api.seccomp_load(progs[str(flags)])
+            kernel.job_filter = progs["job"]
             layers["seccomp"] = True
         except OSError as e:
-            info["notes"].append(f"no seccomp filter ({e})")
+            info["notes"].append(f"no seccomp filter ({e.strerror or e})")
     return info, kernel, slots

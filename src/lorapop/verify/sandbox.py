@@ -10,10 +10,12 @@ only a second server can show that a result depends on them.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
 import os
+import queue
 import secrets
 import selectors
 import subprocess
@@ -26,7 +28,14 @@ from pathlib import Path
 
 from lorapop.verify import static
 from lorapop.verify.child import BOOT, cpu_limit
-from lorapop.verify.kernel import CLOCK_RANDOM_S, CLOCK_SKEW_S, LAYERS, REQUIRED
+from lorapop.verify.kernel import (
+    CLOCK_RANDOM_S,
+    CLOCK_SKEW_S,
+    LAYERS,
+    REQUIRED,
+    filters,
+    syscall_numbers,
+)
 from lorapop.verify.policy import Policy, resolve
 from lorapop.verify.verdict import Job, Status, Verdict, check_timeout
 from lorapop.verify.wire import decode_result, encode_frame, encode_job, split_frames
@@ -38,6 +47,11 @@ _RESOURCE = (Status.TIMEOUT, Status.MEMORY, Status.CRASHED)
 MAX_ERROR_CHARS = 4000
 #: The error of a job left without a verdict (its server died on the job and on the re-run).
 NO_VERDICT = "no verdict: the sandbox server died twice running it"
+
+
+#: Make the servers' kernel calls through `lorapop.verify._kernel` where it is built (the tests
+#: turn it off to check the ctypes fallback).
+_NATIVE_CALLS = True
 
 
 class SandboxError(RuntimeError):
@@ -52,6 +66,9 @@ class _Server:
             "PYTHONHASHSEED": str(hash_seed),
             "PYTHONPATH": os.pathsep.join(_server_path()),
             "PYTHONDONTWRITEBYTECODE": "1",
+            # every library's symbols bound at start: a job's first call of a function never
+            # writes the shared binding tables (a copy-on-write fault and a lookup per job)
+            "LD_BIND_NOW": "1",
             "PATH": os.defpath,
             "LC_ALL": "C.UTF-8",
         }
@@ -121,6 +138,24 @@ class _Server:
         except (OSError, subprocess.TimeoutExpired):
             self.kill()
         self.proc.stdout.close()  # type: ignore[union-attr]
+
+
+def server_config(
+    workers: int, limits: dict, modules: Sequence[str], hidden: Sequence[str]
+) -> dict:
+    """A fork server's configuration (`lorapop.verify.server.ServerConfig`), with the seccomp
+    programs built here (`kernel.filters`): the server never loads libseccomp."""
+    progs, why = filters() if limits.get("isolate", True) else (None, None)
+    return {
+        "workers": workers,
+        "limits": limits,
+        "modules": list(modules),
+        "hidden": list(hidden),
+        "seccomp": None if progs is None else {k: v.hex() for k, v in progs.items()},
+        "notes": [why] if why else [],
+        "sysno": syscall_numbers(),
+        "native": _NATIVE_CALLS,
+    }
 
 
 def _write_offsets(pid: int, seconds: float) -> str | None:
@@ -250,12 +285,9 @@ class Sandbox:
             return srv
         if srv is not None:
             srv.kill()
-        config = {
-            "workers": self.workers,
-            "limits": self._limits,
-            "modules": list(self.policy.modules),
-            "hidden": list(self.policy.hidden),
-        }
+        config = server_config(
+            self.workers, self._limits, self.policy.modules, self.policy.hidden
+        )
         # Random for each server, never sent to it; the second's ~31 years further.
         offset = secrets.randbelow(int(CLOCK_RANDOM_S * 1e6)) / 1e6 + CLOCK_SKEW_S * i
         srv = _Server(config, self.hash_seeds[i], offset)
@@ -298,6 +330,7 @@ class Sandbox:
             payloads: dict[int, list[tuple[int, bytes]]] = {0: [], 1: []}  # (id, frame)
             stall = 0.0
             pol = self.policy
+            feeds: dict[int, _Feed] = {}  # frames go out while later jobs compile
             for i, job in enumerate(jobs):
                 code = static.compile_job(
                     job.program, job.expr, job.entry, pol.banned, pol.ban_input
@@ -313,10 +346,16 @@ class Sandbox:
                     batches[s][self._next_id] = i
                     head = b"%d %s" % (self._next_id, repr(limit).encode())
                     payloads[s].append((self._next_id, encode_frame(head, data)))
+                    if s not in feeds:
+                        feeds[s] = _Feed(self._server(s))
+                    feeds[s].put(payloads[s][-1][1])
+            for feed in feeds.values():
+                feed.close()
             results: dict[int, dict[int, Verdict]] = {0: {}, 1: {}}
             for _ in range(2):  # the first try, and a re-run of what a dead server lost
-                lost = self._exchange(payloads, stall + 15.0, results)
+                lost = self._exchange(payloads, stall + 15.0, results, feeds)
                 payloads = {s: [p for p in payloads[s] if p[0] in lost[s]] for s in (0, 1)}
+                feeds = {}
             for s in (0, 1):
                 for rid, _ in payloads[s]:
                     results[s][rid] = Verdict(Status.CRASHED, None, NO_VERDICT, 0.0)
@@ -334,16 +373,20 @@ class Sandbox:
         payloads: dict[int, list[tuple[int, bytes]]],
         stall: float,
         out: dict[int, dict[int, Verdict]],
+        feeds: dict[int, _Feed],
     ) -> dict[int, set[int]]:
-        """Send each server its request frames (from a thread) and collect the answers into
-        `out`; a server that dies, or is silent for `stall` seconds (then killed), loses its
-        unanswered requests: their ids are returned."""
+        """Send each server its request frames (from a thread; `feeds`: those already being
+        sent, each to its server) and collect the answers into `out`; a server that dies, or is
+        silent for `stall` seconds (then killed), loses its unanswered requests: their ids are
+        returned."""
         lost: dict[int, set[int]] = {0: set(), 1: set()}
         active = [s for s in (0, 1) if payloads[s]]
-        servers = {s: self._server(s) for s in active}
+        servers = {s: feeds[s].server if s in feeds else self._server(s) for s in active}
         waiting = {s: {rid for rid, _ in payloads[s]} for s in active}
-        writers = []
+        writers = [feed.thread for feed in feeds.values()]
         for s in active:
+            if s in feeds:
+                continue
             data = b"".join(frame for _, frame in payloads[s])
             t = threading.Thread(target=_write, args=(servers[s].stdin, data), daemon=True)
             t.start()
@@ -400,6 +443,37 @@ def _report(info: dict) -> None:
     _reported.add(line)
     missing_required = any(name in off for name in REQUIRED)
     log.log(logging.WARNING if missing_required else logging.INFO, line)
+
+
+class _Feed:
+    """Frames written to one server from a thread as the caller puts them, so that the servers
+    run the first jobs while the caller still compiles the rest (what is queued by the time a
+    write ends goes out in one write)."""
+
+    def __init__(self, server: _Server) -> None:
+        self.server = server
+        self.queue: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._send, daemon=True)
+        self.thread.start()
+
+    def put(self, frame: bytes) -> None:
+        self.queue.put(frame)
+
+    def close(self) -> None:
+        self.queue.put(None)
+
+    def _send(self) -> None:
+        done = False
+        while not done:
+            parts = [self.queue.get()]
+            with contextlib.suppress(queue.Empty):
+                while parts[-1] is not None:
+                    parts.append(self.queue.get_nowait())
+            if parts[-1] is None:
+                parts.pop()
+                done = True
+            if parts:
+                _write(self.server.stdin, b"".join(parts))  # type: ignore[arg-type]
 
 
 def _write(stream, data: bytes) -> None:  # noqa: ANN001 - a binary pipe

@@ -48,11 +48,12 @@ _SLACK = 1 << 16
 #: Idle children a refill makes at least (a refill starts when fewer than `workers` are idle).
 SPARE = 8
 #: Modules the server itself loads that no job may import (its own tools into the kernel).
-INTERNAL = ("lorapop", "ctypes", "_ctypes", "pyseccomp", "landlock")
-#: Further modules only the server uses: dropped from the jobs' image as well.
+INTERNAL = ("lorapop", "pyseccomp", "landlock")
+#: Further modules only the server uses: dropped from the jobs' image as well, unless the
+#: policy grants them (ctypes: only where the kernel calls fall back to it).
 SERVER_ONLY = (
     "selectors", "select", "resource", "gc", "zipimport", "threading",
-    "subprocess", "_posixsubprocess", "socket", "_socket",
+    "subprocess", "_posixsubprocess", "socket", "_socket", "ctypes", "_ctypes",
 )  # fmt: skip
 
 
@@ -62,11 +63,20 @@ class ServerConfig:
     limits: Limits
     modules: tuple[str, ...]  # pre-imported for jobs (the policy's)
     hidden: tuple[str, ...]  # top-level packages removed from the jobs' image
+    seccomp: dict[str, bytes] | None  # `kernel.filters()`: the BPF programs, built by the caller
+    notes: tuple[str, ...]  # why layers are missing, as the caller knows (no seccomp programs)
+    sysno: dict[str, int]  # `kernel.syscall_numbers()`, for the ctypes fallback
+    native: bool  # the kernel calls through `lorapop.verify._kernel` where it is built
 
     @classmethod
     def from_json(cls, text: str) -> ServerConfig:
         d = json.loads(text)
-        return cls(d["workers"], Limits(**d["limits"]), tuple(d["modules"]), tuple(d["hidden"]))
+        progs = d["seccomp"]
+        return cls(
+            d["workers"], Limits(**d["limits"]), tuple(d["modules"]), tuple(d["hidden"]),
+            None if progs is None else {k: bytes.fromhex(v) for k, v in progs.items()},
+            tuple(d["notes"]), d["sysno"], d["native"],
+        )  # fmt: skip
 
 
 @dataclass
@@ -140,9 +150,10 @@ class Server:
 
     def _start(self, job_id: bytes, limit: float, data: bytes) -> bool:
         """Hand a job to an idle init; False when none is idle (the job waits). An init that
-        died idle is replaced."""
+        died idle is replaced. The init idle longest goes first: it has renewed its tmpfs and
+        forked its next job by now, while one that just answered may still be at it."""
         while self.idle:
-            run = self.idle.pop()
+            run = self.idle.pop(0)
             try:
                 view = memoryview(b"%d\n" % len(data) + data)
                 while view:  # blocking: the job is reading
@@ -353,15 +364,17 @@ def main() -> object:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
     devnull = os.open(os.devnull, os.O_RDWR)  # before the host's filesystem goes
     n_slots = cfg.workers + max(cfg.workers, SPARE)
+    api, note = kernel.calls(cfg.native, cfg.sysno)
     if cfg.limits.isolate:
-        info, jk, slots = kernel.confine_server(n_slots)
+        notes = [*cfg.notes, *([note] if note else [])]
+        info, jk, slots = kernel.confine_server(n_slots, api, cfg.seccomp, notes)
     else:
         info = {
             "layers": dict.fromkeys(kernel.LAYERS, False),
             "notes": ["isolation is off"],
             "outer_uid": os.geteuid(),
         }
-        jk = kernel.JobKernel(kernel.CLONE_PARENT | signal.SIGCHLD, drop_caps=False)
+        jk = kernel.JobKernel(api, kernel.INIT_FLAGS[1], drop_caps=False)
         slots = None
     if info["layers"]["time_ns"]:
         _clock_handshake()
@@ -384,7 +397,6 @@ def main() -> object:
     cap = 8 * limits.max_output_chars + _SLACK
     values.update(
         SLOTS=None if slots is None else tuple(slots),
-        SLOT_PATHS=None if slots is None else tuple(d.encode() for d in slots),
         STREAMS=child.streams(),
         MAIN=child.job_main(),
         MAX_OUTPUT=limits.max_output_chars,
@@ -398,9 +410,12 @@ def main() -> object:
     rep_r, rep_w = os.pipe()
     life_r, life_w = os.pipe()  # its write end lives as long as this process
     me = os.getpid()
-    pid = values["FORK_JOB"]()  # type: ignore[operator]
+    try:
+        pid = values["FORK_JOB"]()  # type: ignore[operator]
+    except OSError as e:
+        raise SystemExit(f"the sandbox zygote could not be forked ({e})") from None
     if pid == 0:  # the zygote
-        values["PRCTL"](1, signal.SIGKILL, 0, 0, 0)  # type: ignore[operator]
+        values["PRCTL"](1, signal.SIGKILL)  # type: ignore[operator]
         if os.getppid() != me:
             os._exit(0)
         for fd, where in zip((ctl_r, rep_w, life_r, devnull), (*ZYGOTE_FDS, ZYGOTE_FDS[2] + 1),
@@ -410,8 +425,6 @@ def main() -> object:
         os.closerange(ZYGOTE_FDS[2] + 2, 1 << 16)
         os.set_blocking(ZYGOTE_FDS[2], False)
         return loop
-    if pid < 0:
-        raise SystemExit("the sandbox zygote could not be forked")
     for fd in (ctl_r, rep_w, life_r):
         os.close(fd)
     del loop, values
