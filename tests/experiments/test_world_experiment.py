@@ -132,13 +132,23 @@ def test_type_solve_rate_pools_the_types_asked_for() -> None:
     assert rate(counts, ("code_f",)) == [0.0, None, 0.25] and rate({}, ("code_o",)) == []
 
 
+def _short_answers(monkeypatch) -> None:
+    """Held-out answers of at most 32 new tokens (code_f's budget is 384): the tests count the
+    grades, not how good the answers are."""
+    from lorapop.tiny import evaluate
+
+    for kind in evaluate.MAX_NEW:
+        monkeypatch.setitem(evaluate.MAX_NEW, kind, min(evaluate.MAX_NEW[kind], 32))
+
+
 @pytest.mark.slow
-def test_a_finished_single_arm_reports_its_gate(tmp_path, capsys) -> None:
+def test_a_finished_single_arm_reports_its_gate(tmp_path, capsys, monkeypatch) -> None:
     """`--arms single` to the end (the gate probe's runs): the gate, not the criterion's error;
     `--levels` plays the base in another table's world (its rules and sets). The runs'
     `--train-one` and `--cross-one` children run in this process, through the script's main."""
     we = _module()
     children = []
+    _short_answers(monkeypatch)
 
     def child(cmd: list[str], **kw) -> subprocess.CompletedProcess:
         assert cmd[:2] == [sys.executable, we.__file__] and kw["env"]["PYTHONPATH"]
@@ -174,6 +184,7 @@ def test_finish_scores_a_run_at_the_step_it_reached(tmp_path, monkeypatch) -> No
     from lorapop.tiny.world import world_of
 
     we = _module()
+    _short_answers(monkeypatch)
     paths = we.prepare(tmp_path, 1, 1, world_of(TINY_DIR)["levels"])
     small = ["model.name_or_path=tiny", f"tasks.seed_tasks={paths['seed_tasks']}",
              "train.steps=50", "tasks.proposals_per_type=1", "tasks.answers_per_task=1",
