@@ -16,6 +16,7 @@ from test_loop import _difference
 
 from lorapop.run.checkpoint import latest_checkpoint
 from lorapop.selfplay.records import without_timings
+from script_env import run_main
 
 HERE = Path(__file__).parent
 TINY = HERE.parents[1] / "configs" / "tiny.yaml"
@@ -60,10 +61,17 @@ def _adapters(run_dir: Path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory) -> Path:
-    """The reference run on one rank, with what each step sampled and decided."""
+    """The reference run on one rank, with what each step sampled and decided: the driver in
+    this process (not started by torchrun, so rank 0 of 1), on one thread as the ranks run."""
+    import dist_driver
+
     out = tmp_path_factory.mktemp("one")
-    subprocess.run([sys.executable, str(HERE / "dist_driver.py"), str(out), str(STEPS), *FAST],
-                   env=_env(), check=True, capture_output=True, timeout=600)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert run_main(dist_driver.main, HERE / "dist_driver.py", str(out), str(STEPS), *FAST) == 0
+    finally:
+        torch.set_num_threads(threads)
     return out
 
 
