@@ -15,22 +15,23 @@ sys.path.insert(0, str(Path(__file__).parent))
 # its part of these modules, the heaviest first, so no worker is left alone at the end with a
 # long test while the other waits; the quick tests after them are what the stealing balances.
 SLOW_MODULES = {
-    "selfplay/test_loop_dist.py": 70,
-    "experiments/test_world_experiment.py": 40,
+    "selfplay/test_loop_dist.py": 50,
+    "experiments/test_world_experiment.py": 35,
     "experiments/test_protocol.py": 30,
+    "selfplay/test_difficulty.py": 25,
     "selfplay/test_loop.py": 25,
     "experiments/test_world_recipes.py": 24,
-    "selfplay/test_difficulty.py": 22,
-    "run/test_report.py": 18,
-    "tiny/test_tiny_pretrain.py": 18,
+    "tiny/test_tiny_pretrain.py": 20,
     "experiments/test_world_levels.py": 15,
-    "engine/test_update_profile.py": 12,
-    "test_first_run.py": 10,
+    "run/test_report.py": 14,
+    "test_first_run.py": 11,
     "engine/test_generate.py": 10,
-    "experiments/test_tiny_execution.py": 9,
-    "engine/test_deterministic_runs.py": 9,
-    "engine/test_update_gaps.py": 9,
-    "experiments/test_base_speed.py": 6,
+    "test_cli.py": 10,
+    "engine/test_update_profile.py": 8,
+    "verify/test_isolation.py": 8,
+    "engine/test_deterministic_runs.py": 7,
+    "experiments/test_tiny_execution.py": 6,
+    "experiments/test_base_speed.py": 5,
 }
 
 
