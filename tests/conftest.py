@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 # its part of these modules, the heaviest first, so no worker is left alone at the end with a
 # long test while the other waits; the quick tests after them are what the stealing balances.
 SLOW_MODULES = {
-    "selfplay/test_loop_dist.py": 50,
+    "selfplay/test_loop_dist.py": 40,
     "experiments/test_world_experiment.py": 35,
     "experiments/test_protocol.py": 30,
     "selfplay/test_difficulty.py": 25,
