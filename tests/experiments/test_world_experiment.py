@@ -155,8 +155,9 @@ def test_a_finished_single_arm_reports_its_gate(tmp_path, capsys, monkeypatch) -
         children.append(cmd[2])
         return subprocess.CompletedProcess(cmd, run_main(we.main, SCRIPT, *cmd[2:]), "", "")
 
-    we.subprocess = types.SimpleNamespace(run=child)
+    monkeypatch.setattr(we, "subprocess", types.SimpleNamespace(run=child))
     small = ["train.steps=2", "tasks.proposals_per_type=1", "tasks.answers_per_task=1",
+             "league.teachers=1", "league.students=1", "league.students_per_teacher=1",
              "sampling.teacher_max_new_tokens=48", "sampling.student_max_new_tokens=32",
              "train.kl_rows=0", "verify.workers=1", "model.device=cpu"]  # fmt: skip
     proc = _script(capsys, "--model", "tiny", "--arms", "single", "--out", str(tmp_path),
