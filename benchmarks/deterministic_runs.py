@@ -104,8 +104,11 @@ def main() -> None:
         run_dir = Path(args.runs) / name
         if run_dir.exists():
             raise SystemExit(f"{run_dir} exists: pass another --runs")
+        # no report.html: the runs are compared by their rows and adapters, and the figures
+        # would add seconds of CPU to every run's wall time
         cmd = [sys.executable, "-m", "lorapop", "train", args.config, "--out", str(run_dir),
-               f"train.steps={args.steps}", f"run.save_every={args.steps}", "run.progress=false",
+               "--no-report", f"train.steps={args.steps}", f"run.save_every={args.steps}",
+               "run.progress=false",
                f"train.deterministic={str(on).lower()}", *args.overrides]  # fmt: skip
         print(f"[{name}] {' '.join(cmd)}", flush=True)
         t = time.perf_counter()

@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
+import pytest
+
 from lorapop.selfplay.records import without_timings
+from script_env import run_main
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["tasks.types=[code_o, code_i]", "tasks.references=1", "tasks.proposals_per_type=2",
@@ -28,13 +33,30 @@ def _bare(rows: list[dict]) -> list[dict]:
     return [without_timings(r) for r in rows]
 
 
-def test_three_cpu_runs_repeat_and_are_compared_without_their_timings(tmp_path) -> None:
+def test_three_cpu_runs_repeat_and_are_compared_without_their_timings(tmp_path, monkeypatch) -> None:
+    """The script as its command line runs it; its three `lorapop train` children run in this
+    process, through the command line's own entry point (each a fresh process would cost ~5 s of
+    interpreter and imports; on CPU a process gives the runs nothing else to differ by)."""
+    from lorapop.cli import app
+
+    m = _module()
+    children = []
+
+    def child(cmd: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+        assert cmd[:4] == [sys.executable, "-m", "lorapop", "train"]
+        assert env["PYTHONPATH"].split(os.pathsep)[0] == str(ROOT / "src")
+        children.append(cmd[cmd.index("--out") + 1])
+        with pytest.raises(SystemExit) as done:
+            app(cmd[3:], prog_name="lorapop")
+        return subprocess.CompletedProcess(cmd, done.value.code)
+
+    monkeypatch.setattr(m, "subprocess", types.SimpleNamespace(run=child))
     out = tmp_path / "res.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "deterministic_runs.py"),
-                           "--config", str(ROOT / "configs" / "tiny.yaml"), "--steps", "2",
-                           "--runs", str(tmp_path / "runs"), "--out", str(out), *SMALL],
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert run_main(m.main, ROOT / "benchmarks" / "deterministic_runs.py", "--config",
+                    str(ROOT / "configs" / "tiny.yaml"), "--steps", "2", "--runs",
+                    str(tmp_path / "runs"), "--out", str(out), *SMALL) == 0  # fmt: skip
+    assert children == [str(tmp_path / "runs" / n) for n in
+                        ("deterministic_a", "deterministic_b", "default")]  # fmt: skip
     res = json.loads(out.read_text())
     assert res["steps"] == {"deterministic_a": 2, "deterministic_b": 2, "default": 2}
     assert res["deterministic_repeat"] and res["adapters_equal"]

@@ -1,24 +1,20 @@
 """experiments/regime/base_speed.py: a recipe's training speed per model shape, and `reshape`."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from base_speed import main
 from lorapop.tiny.pretrain import ModelSize, reshape
-from script_env import script_env
+from script_env import run_main
 
-ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = Path(__file__).resolve().parents[2] / "experiments" / "regime" / "base_speed.py"
 
 
-def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(ROOT / "experiments" / "regime" / "base_speed.py"), "--size", "world-nocount",
-         "--n-per-level", "10", "--steps", "1", "--device", "cpu", "--workers", "1", *args],
-        capture_output=True, text=True, timeout=600,
-        env=script_env())  # fmt: skip
+def _run(*args: str) -> int:
+    return run_main(main, SCRIPT, "--size", "world-nocount", "--n-per-level", "10", "--steps", "1",
+                    "--device", "cpu", "--workers", "1", *args)  # fmt: skip
 
 
 def test_reshape_changes_the_named_fields_and_names_a_bad_one() -> None:
@@ -33,9 +29,8 @@ def test_reshape_changes_the_named_fields_and_names_a_bad_one() -> None:
 def test_each_shape_gets_its_parameters_speed_and_the_recipes_training_time(tmp_path) -> None:
     out = tmp_path / "speed.json"
     shape = "hidden=32,layers=1,heads=2,kv_heads=1,intermediate=64"
-    proc = _run("--shape", shape, "--shape", shape.replace("layers=1", "layers=2"),
-                "--out", str(out))
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert _run("--shape", shape, "--shape", shape.replace("layers=1", "layers=2"),
+                "--out", str(out)) == 0
     rec = json.loads(out.read_text())
     one, two = rec["shapes"]
     assert (one["status"], two["model"]["layers"]) == ("ok", 2)
@@ -43,6 +38,7 @@ def test_each_shape_gets_its_parameters_speed_and_the_recipes_training_time(tmp_
     assert one["recipe_train_s"] == pytest.approx(rec["recipe_steps"] * one["step_ms"] / 1000, rel=0.01)
 
 
-def test_a_bad_shape_is_a_one_line_error_before_any_work() -> None:
-    proc = _run("--shape", "depth=3")
-    assert proc.returncode == 2 and "--shape 'depth=3'" in proc.stderr.strip().splitlines()[-1]
+def test_a_bad_shape_is_a_one_line_error_before_any_work(tmp_path, capsys) -> None:
+    assert _run("--shape", "depth=3", "--out", str(tmp_path / "x.json")) == 2
+    assert "--shape 'depth=3'" in capsys.readouterr().err.strip().splitlines()[-1]
+    assert not (tmp_path / "x.json").exists()

@@ -1,23 +1,19 @@
 """experiments/regime/tiny_execution.py: a model trained on one table's level, scored on another's."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-from script_env import script_env
+from script_env import run_main
+from tiny_execution import main
 
-ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = Path(__file__).resolve().parents[2] / "experiments" / "regime" / "tiny_execution.py"
 
 
 def _run(out: Path, *args: str) -> dict:
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "experiments" / "regime" / "tiny_execution.py"), "--table", "natural",
-         "--eval-table", "direct", "--programs", "200", "--steps", "4", "--eval", "8",
-         "--workers", "1", "--out", str(out), *args],
-        capture_output=True, text=True, timeout=600,
-        env=script_env())  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    code = run_main(main, SCRIPT, "--table", "natural", "--eval-table", "direct", "--programs",
+                    "200", "--steps", "4", "--eval", "8", "--workers", "1", "--out", str(out),
+                    *args)  # fmt: skip
+    assert code == 0
     return json.loads(out.read_text())
 
 
@@ -41,8 +37,6 @@ def test_trains_on_one_tables_level_and_scores_another_tables_level(tmp_path) ->
     assert curved["curve"][-1]["t1"] == rec["t1"]["all"]
 
 
-def test_a_shape_the_size_does_not_have_is_one_line() -> None:
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "experiments" / "regime" / "tiny_execution.py"), "--shape", "depth=3"],
-        capture_output=True, text=True, timeout=120, env=script_env())
-    assert proc.returncode == 2 and "--shape 'depth=3'" in proc.stderr.strip().splitlines()[-1]
+def test_a_shape_the_size_does_not_have_is_one_line(capsys) -> None:
+    assert run_main(main, SCRIPT, "--shape", "depth=3") == 2
+    assert "--shape 'depth=3'" in capsys.readouterr().err.strip().splitlines()[-1]

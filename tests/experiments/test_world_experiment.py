@@ -7,14 +7,16 @@ import importlib.util
 import json
 import subprocess
 import sys
+import types
 from pathlib import Path
 from statistics import fmean
 
 import pytest
 
-from script_env import script_env
+from script_env import run_main, script_env
 
 ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "experiments" / "regime" / "world_experiment.py"
 
 
 def _row(step: int, solve: float, cyclomatic: float, update_s: float) -> dict:
@@ -36,17 +38,22 @@ def _module(name: str = "world_experiment"):
     return module
 
 
-def _probe(out: Path) -> dict:
-    env = script_env()
-    proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "regime" / "world_experiment.py"),
-                           "--out", str(out), "--gate-probe"], capture_output=True, text=True,
-                          env=env, timeout=300)  # fmt: skip
+def _script(capsys, *args: str, we=None) -> subprocess.CompletedProcess:
+    """`world_experiment.py ARGS` run in this process (`we`: that module, e.g. patched)."""
+    capsys.readouterr()
+    code = run_main((we or _module()).main, SCRIPT, *args)
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess([str(SCRIPT), *args], code, out, err)
+
+
+def _probe(out: Path, capsys) -> dict:
+    proc = _script(capsys, "--out", str(out), "--gate-probe")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == json.loads((out / "gate_probe.json").read_text())
     return json.loads(proc.stdout)
 
 
-def test_gate_probe_reports_the_collapse_its_slope_and_phase_costs(tmp_path) -> None:
+def test_gate_probe_reports_the_collapse_its_slope_and_phase_costs(tmp_path, capsys) -> None:
     runs = {  # seed 0 collapses (solve 0.2 -> 0.99, complexity falling); seed 1 learns, no drift
         "single_s0": [_row(i + 1, 0.2 + 0.01 * i, 3.0 - 0.02 * i, 20.0 if i == 0 else 1.5)
                       for i in range(80)],
@@ -67,7 +74,7 @@ def test_gate_probe_reports_the_collapse_its_slope_and_phase_costs(tmp_path) -> 
             fh.write("".join(json.dumps(r) + "\n" for r in recs))
     (rollouts / "step_81.jsonl.gz").write_bytes(gzip.compress(b'{"role": "student"}\n')[:-9])
     (rollouts / "step_0.jsonl.gz").write_bytes(gzip.compress(b'{"role": "student", "type": "code_o"}\n'))
-    res = _probe(tmp_path)
+    res = _probe(tmp_path, capsys)
     assert set(res) == {"single_s0", "single_s1"}
     assert (tmp_path / "gate_probe.png").stat().st_size > 10_000  # one panel per probe curve
     titles = _module().plot_gate(res, tmp_path / "again.png")
@@ -97,7 +104,8 @@ def test_gate_probe_reports_the_collapse_its_slope_and_phase_costs(tmp_path) -> 
     assert s1["gate_code_o_i"]["final_solve_rate"] is None and not s1["gate_code_o_i"]["collapsed"]
 
 
-def test_gate_probe_reads_per_type_solve_rates_from_the_metrics_of_every_step(tmp_path) -> None:
+def test_gate_probe_reads_per_type_solve_rates_from_the_metrics_of_every_step(
+        tmp_path, capsys) -> None:  # fmt: skip
     """Runs logged with per-type answers get their type curves from every step's metrics row
     (the rollouts only keep the last few steps)."""
     rows = []
@@ -110,7 +118,7 @@ def test_gate_probe_reads_per_type_solve_rates_from_the_metrics_of_every_step(tm
     d = tmp_path / "runs" / "single_s0"
     d.mkdir(parents=True)
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    s0 = _probe(tmp_path)["single_s0"]
+    s0 = _probe(tmp_path, capsys)["single_s0"]
     assert s0["solve_rate_by_type"]["code_o"]["first_last"] == [0.75, 0.75]
     assert s0["solve_rate_code_o_i_first_last"] == [0.5, 0.5]  # 12 of 16 and 4 of 16, pooled
     assert s0["every_10_steps"]["solve_rate_code_f"][0] == pytest.approx(fmean(range(10)) / 40, abs=0.02)
@@ -124,21 +132,39 @@ def test_type_solve_rate_pools_the_types_asked_for() -> None:
     assert rate(counts, ("code_f",)) == [0.0, None, 0.25] and rate({}, ("code_o",)) == []
 
 
+def _short_answers(monkeypatch) -> None:
+    """Held-out answers of at most 32 new tokens (code_f's budget is 384): the tests count the
+    grades, not how good the answers are."""
+    from lorapop.tiny import evaluate
+
+    for kind in evaluate.MAX_NEW:
+        monkeypatch.setitem(evaluate.MAX_NEW, kind, min(evaluate.MAX_NEW[kind], 32))
+
+
 @pytest.mark.slow
-def test_a_finished_single_arm_reports_its_gate(tmp_path) -> None:
+def test_a_finished_single_arm_reports_its_gate(tmp_path, capsys, monkeypatch) -> None:
     """`--arms single` to the end (the gate probe's runs): the gate, not the criterion's error;
-    `--levels` plays the base in another table's world (its rules and sets)."""
-    env = script_env()
+    `--levels` plays the base in another table's world (its rules and sets). The runs'
+    `--train-one` and `--cross-one` children run in this process, through the script's main."""
+    we = _module()
+    children = []
+    _short_answers(monkeypatch)
+
+    def child(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+        assert cmd[:2] == [sys.executable, we.__file__] and "env" in kw
+        children.append(cmd[2])
+        return subprocess.CompletedProcess(cmd, run_main(we.main, SCRIPT, *cmd[2:]), "", "")
+
+    monkeypatch.setattr(we, "subprocess", types.SimpleNamespace(run=child))
     small = ["train.steps=2", "tasks.proposals_per_type=1", "tasks.answers_per_task=1",
              "league.teachers=1", "league.students=1", "league.students_per_teacher=1",
              "sampling.teacher_max_new_tokens=48", "sampling.student_max_new_tokens=32",
-             "verify.workers=1", "model.device=cpu"]  # fmt: skip
-    proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "regime" / "world_experiment.py"),
-                           "--model", "tiny", "--arms", "single", "--out", str(tmp_path),
-                           "--seeds", "0", "--parallel", "1", "--per-level", "1", "--workers",
-                           "1", "--levels", "natural", *small], capture_output=True, text=True,
-                          env=env, timeout=600)  # fmt: skip
+             "train.kl_rows=0", "verify.workers=1", "model.device=cpu"]  # fmt: skip
+    proc = _script(capsys, "--model", "tiny", "--arms", "single", "--out", str(tmp_path),
+                   "--seeds", "0", "--parallel", "1", "--per-level", "1", "--workers", "1",
+                   "--levels", "natural", *small, we=we)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
+    assert children == ["--train-one", "--cross-one"]
     probe = json.loads(proc.stdout[proc.stdout.index("{"):])["gate_probe"]
     assert probe["single_s0"]["steps"] == 2 and probe["single_s0"]["collapsed"] is False
     res = json.loads((tmp_path / "results.json").read_text())  # what a call brings back
@@ -159,11 +185,12 @@ def test_finish_scores_a_run_at_the_step_it_reached(tmp_path, monkeypatch) -> No
     from lorapop.tiny.world import world_of
 
     we = _module()
+    _short_answers(monkeypatch)
     paths = we.prepare(tmp_path, 1, 1, world_of(TINY_DIR)["levels"])
     small = ["model.name_or_path=tiny", f"tasks.seed_tasks={paths['seed_tasks']}",
              "train.steps=50", "tasks.proposals_per_type=1", "tasks.answers_per_task=1",
              "sampling.teacher_max_new_tokens=48", "sampling.student_max_new_tokens=32",
-             "verify.workers=1", "model.device=cpu"]  # fmt: skip
+             "train.kl_rows=0", "verify.workers=1", "model.device=cpu"]  # fmt: skip
     run_dir = tmp_path / "runs" / "single_s0"
     job = {"name": "single_s0", "arm": "single", "seed": 0, "run_dir": str(run_dir),
            "overrides": [*small, *we.arm_runs("single", 0, small)[0][1]], "heldout": paths["heldout"],
@@ -269,14 +296,12 @@ def _results(seeds: list[int], shift: float) -> dict:
                           "single": {"population": [0.25] * len(seeds)}}}  # fmt: skip
 
 
-def _partial(out: Path) -> subprocess.CompletedProcess:
+def _partial(out: Path, capsys) -> subprocess.CompletedProcess:
     """`world_experiment.py --out OUT --partial`, as on an unpacked progress.tgz."""
-    return subprocess.run([sys.executable, str(ROOT / "experiments" / "regime" / "world_experiment.py"),
-                           "--out", str(out), "--partial"], capture_output=True, text=True,
-                          env=script_env(), timeout=300)
+    return _script(capsys, "--out", str(out), "--partial")
 
 
-def test_a_cut_chain_still_gives_the_gate_slopes_and_scored_end_points(tmp_path) -> None:
+def test_a_cut_chain_still_gives_the_gate_slopes_and_scored_end_points(tmp_path, capsys) -> None:
     """--partial on what progress.tgz brings back: metrics of every run, out.json of each."""
     for s in (0, 1, 2):
         for arm, n, cyc in (("population", 20, lambda i: 1.0 + 0.01 * i),
@@ -299,7 +324,7 @@ def test_a_cut_chain_still_gives_the_gate_slopes_and_scored_end_points(tmp_path)
                     json.dumps({"single": {"tasks": 10}}))
     (tmp_path / "heldout.jsonl").write_text("".join(
         json.dumps({"meta": {"difficulty": lv}}) + "\n" for lv in (1, 3, 4, 5)))
-    proc = _partial(tmp_path)
+    proc = _partial(tmp_path, capsys)
     assert proc.returncode == 0, proc.stderr
     res = json.loads((tmp_path / "world_experiment_partial.json").read_text())
     assert (tmp_path / "world_experiment_partial.png").is_file()
@@ -318,11 +343,12 @@ def test_a_cut_chain_still_gives_the_gate_slopes_and_scored_end_points(tmp_path)
     assert res["criterion"]["verdict"] == "incomplete: population not scored"
     empty = tmp_path / "empty"
     (empty / "jobs").mkdir(parents=True)
-    proc = _partial(empty)
+    proc = _partial(empty, capsys)
     assert proc.returncode == 1 and "no run with recorded steps" in proc.stderr
 
 
-def test_a_pipeline_cut_before_any_run_ended_is_read_from_its_run_directories(tmp_path) -> None:
+def test_a_pipeline_cut_before_any_run_ended_is_read_from_its_run_directories(
+        tmp_path, capsys) -> None:  # fmt: skip
     """progress.tgz of a pipeline whose runs are all still training holds no job records: the runs'
     names say their arm and seed, and the verdict says the run is incomplete, not failed."""
     for arm, n in (("population", 12), ("single", 15)):
@@ -332,7 +358,7 @@ def test_a_pipeline_cut_before_any_run_ended_is_read_from_its_run_directories(tm
             d.joinpath("metrics.jsonl").write_text(
                 "".join(json.dumps(_row(i, 0.4, 1.1, 1.0)) + "\n" for i in range(1, n + 1)))
     (tmp_path / "runs" / "not_a_run").mkdir()
-    proc = _partial(tmp_path)
+    proc = _partial(tmp_path, capsys)
     assert proc.returncode == 0, proc.stderr
     res = json.loads((tmp_path / "world_experiment_partial.json").read_text())
     assert res["steps"] == {**{f"population_s{s}": 12 for s in (0, 1, 2)},
@@ -341,16 +367,12 @@ def test_a_pipeline_cut_before_any_run_ended_is_read_from_its_run_directories(tm
     assert res["criterion"]["verdict"] == "incomplete: the gate does not hold yet (runs at steps 12-15)"
 
 
-def test_calls_of_other_seeds_merge_into_one_verdict(tmp_path) -> None:
+def test_calls_of_other_seeds_merge_into_one_verdict(tmp_path, capsys) -> None:
     """Each seed's runs in its own call (its own machine); --merge gives what one call would."""
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     a.write_text(json.dumps(_results([0], 0.0)))
     b.write_text(json.dumps(_results([1, 2], 0.0)))
-    env = script_env()
-    script = str(ROOT / "experiments" / "regime" / "world_experiment.py")
-    proc = subprocess.run([sys.executable, script, "--merge", str(a), str(b), "--out",
-                           str(tmp_path / "m")], capture_output=True, text=True, env=env,
-                          timeout=300)  # fmt: skip
+    proc = _script(capsys, "--merge", str(a), str(b), "--out", str(tmp_path / "m"))
     assert proc.returncode == 0, proc.stderr
     merged = json.loads((tmp_path / "m" / "world_experiment.json").read_text())
     assert (tmp_path / "m" / "world_experiment.png").is_file()
@@ -410,18 +432,19 @@ def test_results_record_the_digest_of_a_pretrained_base(tmp_path) -> None:
     assert digest(str(tmp_path)) is None
 
 
-def test_merge_of_a_single_arm_or_a_broken_file_is_a_one_line_error(tmp_path) -> None:
+def test_merge_of_a_single_arm_or_a_broken_file_is_a_one_line_error(tmp_path, capsys) -> None:
     only_single = _results([0], 0.0)
     only_single["runs"] = [r for r in only_single["runs"] if r["arm"] == "single"]
     (tmp_path / "single.json").write_text(json.dumps(only_single))
     (tmp_path / "cut.json").write_text(json.dumps(_results([1], 0.0))[:100])
-    env = script_env()
-    for name in ("single.json", "cut.json", "absent.json"):
-        proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "regime" / "world_experiment.py"),
-                               "--merge", str(tmp_path / name), "--out", str(tmp_path / "m")],
-                              capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
-        assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
-        assert "merge" in proc.stderr or "no such results file" in proc.stderr
+    for name in ("single.json", "cut.json"):  # in this process: any other exception fails here
+        proc = _script(capsys, "--merge", str(tmp_path / name), "--out", str(tmp_path / "m"))
+        assert proc.returncode == 1 and "merge" in proc.stderr, proc.stderr
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--merge", str(tmp_path / "absent.json"),
+                           "--out", str(tmp_path / "m")], capture_output=True, text=True,
+                          env=script_env(), timeout=300)  # fmt: skip
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "no such results file" in proc.stderr
 
 
 def test_a_bounded_world_sets_its_rules_and_seeds_inside_them(tmp_path) -> None:

@@ -10,20 +10,24 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from script_env import script_env
+from script_env import run_main
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _driver(*args: str) -> subprocess.CompletedProcess:
-    env = script_env()
-    return subprocess.run([sys.executable, str(ROOT / "experiments" / "regime" / "world_recipes.py"), *args],
-                          capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+def _driver(capsys, *args: str) -> subprocess.CompletedProcess:
+    """The driver in this process (its builds and measurements are still child processes)."""
+    from world_recipes import main
+
+    capsys.readouterr()
+    code = run_main(lambda: main(list(args)), ROOT / "experiments" / "regime" / "world_recipes.py")
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(list(args), code, out, err)
 
 
-def test_smoke_builds_and_measures_every_variant_on_one_shared_corpus(tmp_path) -> None:
+def test_smoke_builds_and_measures_every_variant_on_one_shared_corpus(tmp_path, capsys) -> None:
     out, ret = tmp_path / "r", tmp_path / "ret"
-    proc = _driver("--smoke", "--out", str(out), "--workers", "2", "--pack", str(ret), "world",
+    proc = _driver(capsys, "--smoke", "--out", str(out), "--workers", "2", "--pack", str(ret), "world",
                    "world-refs,max_refs=1")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     res = json.loads((out / "world_recipes.json").read_text())
@@ -54,8 +58,8 @@ def test_smoke_builds_and_measures_every_variant_on_one_shared_corpus(tmp_path) 
     assert all((w[k].float() - w0[k]).abs().max() <= w0[k].abs().max() / 64 for k in w)
 
 
-def test_a_deadline_stops_the_builds_and_still_writes_the_json(tmp_path) -> None:
-    proc = _driver("--smoke", "--out", str(tmp_path), "--workers", "1", "--deadline", "0.5", "world")
+def test_a_deadline_stops_the_builds_and_still_writes_the_json(tmp_path, capsys) -> None:
+    proc = _driver(capsys, "--smoke", "--out", str(tmp_path), "--workers", "1", "--deadline", "0.5", "world")
     assert proc.returncode == 1
     v = json.loads((tmp_path / "world_recipes.json").read_text())["variants"]["world"]
     assert v["status"] == "build timeout"

@@ -16,6 +16,7 @@ from test_loop import _difference
 
 from lorapop.run.checkpoint import latest_checkpoint
 from lorapop.selfplay.records import without_timings
+from script_env import run_main
 
 HERE = Path(__file__).parent
 TINY = HERE.parents[1] / "configs" / "tiny.yaml"
@@ -60,34 +61,36 @@ def _adapters(run_dir: Path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory) -> Path:
-    """The reference run on one rank, with what each step sampled and decided."""
+    """The reference run on one rank, with what each step sampled and decided: the driver in
+    this process (not started by torchrun, so rank 0 of 1), on one thread as the ranks run."""
+    import dist_driver
+
     out = tmp_path_factory.mktemp("one")
-    subprocess.run([sys.executable, str(HERE / "dist_driver.py"), str(out), str(STEPS), *FAST],
-                   env=_env(), check=True, capture_output=True, timeout=600)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert run_main(dist_driver.main, HERE / "dist_driver.py", str(out), str(STEPS), *FAST) == 0
+    finally:
+        torch.set_num_threads(threads)
     return out
 
 
-def test_a_stop_asked_of_one_rank_stops_every_rank_after_the_same_step(tmp_path):
-    """SIGTERM from a scheduler may reach one rank a step before another: the ranks agree at
-    the step's end, so all checkpoint it and stop (one that went on alone would wait forever
-    for the others in its next step's collectives)."""
-    proc = subprocess.run(_launch(2, [str(HERE / "dist_driver.py"), str(tmp_path), "3", *FAST]),
-                          env={**_env(), "STOP_RANK1_AT": "1"}, capture_output=True, text=True,
-                          timeout=180)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    result = torch.load(tmp_path / "outcomes.pt", weights_only=False)
-    assert result["stopped_after"] == 1 and len(result["steps"]) == 1
-    assert latest_checkpoint(tmp_path).name == "step_000001"
-
-
-def test_two_ranks_sample_and_decide_exactly_as_one(one_rank, tmp_path):
+def test_two_ranks_sample_and_decide_exactly_as_one_and_stop_together(one_rank, tmp_path):
     """... with `train.deterministic` on the two ranks (each probes its kernels; on CPU the
-    mode changes nothing)."""
-    cmd = _launch(2, [str(HERE / "dist_driver.py"), str(tmp_path), str(STEPS), *FAST,
+    mode changes nothing). Asked for one more step than the reference, the run is stopped
+    after the last compared one: SIGTERM from a scheduler may reach one rank a step before
+    another (here rank 1 alone asks), and the ranks agree at the step's end, so all checkpoint
+    it and stop (one that went on alone would wait forever for the others in its next step's
+    collectives)."""
+    cmd = _launch(2, [str(HERE / "dist_driver.py"), str(tmp_path), str(STEPS + 1), *FAST,
                       "train.deterministic=true"])
-    done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
+    done = subprocess.run(cmd, env={**_env(), "STOP_RANK1_AT": str(STEPS)}, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    want, got = torch.load(one_rank / "outcomes.pt"), torch.load(tmp_path / "outcomes.pt")
+    stopped = torch.load(tmp_path / "outcomes.pt", weights_only=False)
+    assert stopped["stopped_after"] == STEPS and len(stopped["steps"]) == STEPS
+    assert latest_checkpoint(tmp_path).name == f"step_{STEPS:06d}"
+    want, got = torch.load(one_rank / "outcomes.pt"), stopped
     answers = sum(len(s["answers"]) for s in want["steps"])
     valid = sum(p[4] for s in want["steps"] for p in s["proposals"])
     assert answers and valid and want["steps"][-1]["replacements"]  # every path was taken
