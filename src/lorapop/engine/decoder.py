@@ -47,9 +47,9 @@ captured step reads the current routing; the bank's decode cache (a compute-dtyp
 its weights, read by the graph) is brought up to date before every run. Compiled steps
 (below) keep the whole batch.
 
-With `compile=True` the model forward of the step (model, LoRA hooks, the reference attention) goes
-through torch.compile, which fuses the base model's small elementwise kernels (RMSNorm,
-rotary, SiLU, residual adds); the sampler stays eager (inductor's scan over a 150k-token
+With `compile=True` the model forward of the step (model, LoRA hooks, the reference
+attention) goes through torch.compile, which fuses the base model's small elementwise kernels
+(RMSNorm, rotary, SiLU, residual adds); the sampler stays eager (inductor's scan over a 150k-token
 vocabulary fails on CUDA, and the sampler is a handful of kernels). The whole step, compiled
 part and sampler, is then captured in the graph as before. Shapes are static
 (`dynamic=False`): one compilation per (batch, cache length, bank state), which `generate`
