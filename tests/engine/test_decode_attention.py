@@ -63,6 +63,28 @@ def test_attend_on_cpu_is_the_reference_in_the_output_layout():
     torch.testing.assert_close(out, reference(q, k, v, pos, 0.25).transpose(1, 2))
 
 
+def test_a_kernel_that_fails_warns_once_and_the_reference_takes_over(monkeypatch):
+    """An older GPU or Triton that cannot build the kernel slows generation; it never stops it."""
+    q, k, v, pos = _case(rows=3, heads=4, kv_heads=2, width=16, d=16)
+    calls = []
+
+    def broken(*args):
+        calls.append(1)
+        raise RuntimeError("PassManager::run failed\nmore detail")
+
+    monkeypatch.setattr(decode_attention, "failure", None)
+    monkeypatch.setattr(decode_attention, "usable", lambda q, kernel="auto": kernel == "auto"
+                        and decode_attention.failure is None)
+    monkeypatch.setattr(decode_attention, "_triton_attend", broken)
+    want = reference(q, k, v, pos, 0.25).transpose(1, 2)
+    with pytest.warns(UserWarning, match="PassManager::run failed"):
+        torch.testing.assert_close(attend(q, k, v, pos, 0.25), want)
+    torch.testing.assert_close(attend(q, k, v, pos, 0.25), want)  # not retried, no warning
+    assert calls == [1]
+    assert decode_attention.failure == "RuntimeError: PassManager::run failed"
+    assert not decode_attention.applies(torch.device("cuda"), torch.bfloat16, 128)
+
+
 def test_splits_fill_the_gpu_only_when_rows_are_few():
     assert splits_for(rows=384, kv_heads=4, width=4096, processors=132) == 1
     assert splits_for(rows=8, kv_heads=4, width=4096, processors=132) == 8  # capped by width

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from typing import Literal
 
 import torch
@@ -42,11 +43,16 @@ def reference(
     return out.reshape(b, heads, q_len, d)
 
 
+#: why the kernel failed to build or run on this machine (the reference runs from then on)
+failure: str | None = None
+
+
 def applies(device: torch.device, dtype: torch.dtype, head_dim: int,
             kernel: Kernel = "auto") -> bool:
     """Whether `attend` runs the Triton kernel on such queries (outside torch.compile)."""
     return (kernel == "auto" and device.type == "cuda" and 16 <= head_dim <= 256
-            and dtype in (torch.bfloat16, torch.float16) and _triton() is not None)
+            and dtype in (torch.bfloat16, torch.float16) and failure is None
+            and _triton() is not None)
 
 
 def usable(q: torch.Tensor, kernel: Kernel = "auto") -> bool:
@@ -66,10 +72,21 @@ def attend(
     """One decode step's attention: q [B, H, 1, D] (any strides), k, v [B, Hkv, W, D] with
     the last dim contiguous, row b over positions [0, pos[b]] (its new key already written
     at pos[b]). Returns out [B, 1, H, D] contiguous (the layout the output projection
-    reads). `kernel="sdpa"` forces the reference."""
-    if not usable(q, kernel):
-        return reference(q, k, v, pos, scale).transpose(1, 2).contiguous()
-    return _triton_attend(q, k, v, pos, scale)
+    reads). `kernel="sdpa"` forces the reference. A kernel that fails to compile or launch
+    here (an older GPU, a Triton without a feature it needs) warns once and leaves the
+    reference in its place for the rest of the process: generation is slower, not stopped."""
+    global failure
+    if usable(q, kernel):
+        try:
+            return _triton_attend(q, k, v, pos, scale)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any compiler or launch failure: the reference
+            lines = str(e).strip().splitlines() or [""]
+            failure = f"{type(e).__name__}: {lines[0]}"
+            warnings.warn(f"decode attention kernel unavailable ({failure[:200]}); using SDPA",
+                          stacklevel=2)
+    return reference(q, k, v, pos, scale).transpose(1, 2).contiguous()
 
 
 def splits_for(rows: int, kv_heads: int, width: int, processors: int) -> int:
