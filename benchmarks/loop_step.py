@@ -725,34 +725,33 @@ def main() -> None:
     if args.paper:
         out.write_text(json.dumps(result, indent=1))
         print(json.dumps(pop, indent=1))
+
+        def again(name: str, overrides: list[str], drawn: bool = True) -> dict:
+            """The population run once more in this process, recorded under `name`; `drawn`:
+            the same rows stop at the same lengths as in the headline run."""
+            if args.lengths:
+                lengths.active[0], lengths.calls[0] = drawn, 0
+            result[name] = measure(args.config, [*common, *overrides], args.warmup, args.steps,
+                                   tmp / name, args.skip_update)
+            out.write_text(json.dumps(result, indent=1))
+            print(json.dumps(result[name], indent=1))
+            return result[name]
+
         if args.uniform:  # the headline's realistic mix, then uniform rows beside it
-            lengths.active[0] = False
-            uni = [*common, f"sampling.teacher_max_new_tokens={args.uniform}",
-                   f"sampling.student_max_new_tokens={args.uniform}"]
-            result["uniform"] = measure(args.config, uni, args.warmup, args.steps,
-                                        tmp / "uniform", args.skip_update)
+            again("uniform", [f"sampling.teacher_max_new_tokens={args.uniform}",
+                              f"sampling.student_max_new_tokens={args.uniform}"], drawn=False)
             result["uniform"]["lengths"] = f"uniform {args.uniform} (ignore_eos)"
             out.write_text(json.dumps(result, indent=1))
-            print(json.dumps(result["uniform"], indent=1))
         if args.and_reference:
-            if args.lengths:
-                lengths.active[0], lengths.calls[0] = True, 0  # the same rows, the same lengths
-            result["reference"] = ref = measure(args.config, [*common, "sampling.attention=sdpa"],
-                                                args.warmup, args.steps, tmp / "reference",
-                                                args.skip_update)
+            ref = again("reference", ["sampling.attention=sdpa"])
             result["kernel_vs_reference"] = {
                 p: ref["phase_s"][p] / pop["phase_s"][p] for p in ("proposal", "solving")}
             out.write_text(json.dumps(result, indent=1))
-            print(json.dumps(ref, indent=1))
         if args.and_static:
-            if args.lengths:
-                lengths.calls[0] = 0  # the same rows stop at the same lengths
             _patch("generate", static_batches)
-            result["static"] = static = measure(args.config, common, args.warmup, args.steps,
-                                                tmp / "static", args.skip_update)
+            static = again("static", [])
             result["continuous_vs_static"] = pop["tokens_per_s"] / static["tokens_per_s"]
             out.write_text(json.dumps(result, indent=1))
-            print(json.dumps(static, indent=1))
             print(f"continuous vs static generated tokens/s: {result['continuous_vs_static']:.2f}x")
         return
     out.write_text(json.dumps(result, indent=1))  # the population's part if the baseline dies

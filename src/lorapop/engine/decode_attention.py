@@ -28,16 +28,30 @@ BLOCK_N = 64  # cached positions per inner step
 MIN_SPLIT = 512  # a split reads at least this many positions
 
 
+def row_mask(pos: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask [B, 1, 1, width] of rows over positions [0, pos[b]]: 0 there, -inf
+    beyond (the form SDPA takes without a conversion)."""
+    ok = torch.arange(width, device=pos.device) <= pos.view(-1, 1)
+    mask = torch.zeros(ok.shape, dtype=dtype, device=pos.device).masked_fill_(~ok, -math.inf)
+    return mask.view(-1, 1, 1, width)
+
+
 def reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pos: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, H, 1, D] against k, v [B, Hkv, W, D], row b over positions [0, pos[b]]:
     out [B, H, 1, D]. The query heads of each KV group fold into the query axis, so SDPA
-    reads each cached key once."""
+    reads each cached key once. `mask`: `row_mask(pos, W, q.dtype)` made once for a step's
+    layers by the caller (made here if None)."""
     b, heads, q_len, d = q.shape
     kv_heads, width = k.shape[1], k.shape[2]
-    ok = (torch.arange(width, device=q.device) <= pos.view(-1, 1)).view(b, 1, 1, width)
-    mask = torch.zeros(ok.shape, dtype=q.dtype, device=q.device).masked_fill_(~ok, -math.inf)
+    if mask is None:
+        mask = row_mask(pos, width, q.dtype)
     folded = q.reshape(b, kv_heads, heads // kv_heads * q_len, d)
     out = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask, scale=scale)
     return out.reshape(b, heads, q_len, d)
@@ -68,11 +82,12 @@ def attend(
     pos: torch.Tensor,
     scale: float,
     kernel: Kernel = "auto",
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One decode step's attention: q [B, H, 1, D] (any strides), k, v [B, Hkv, W, D] with
     the last dim contiguous, row b over positions [0, pos[b]] (its new key already written
     at pos[b]). Returns out [B, 1, H, D] contiguous (the layout the output projection
-    reads). `kernel="sdpa"` forces the reference. A kernel that fails to compile or launch
+    reads). `kernel="sdpa"` forces the reference (`mask`: its mask, see `reference`). A kernel that fails to compile or launch
     here (an older GPU, a Triton without a feature it needs) warns once and leaves the
     reference in its place for the rest of the process: generation is slower, not stopped."""
     global failure
@@ -86,7 +101,7 @@ def attend(
             failure = f"{type(e).__name__}: {lines[0]}"
             warnings.warn(f"decode attention kernel unavailable ({failure[:200]}); using SDPA",
                           stacklevel=2)
-    return reference(q, k, v, pos, scale).transpose(1, 2).contiguous()
+    return reference(q, k, v, pos, scale, mask).transpose(1, 2).contiguous()
 
 
 def splits_for(rows: int, kv_heads: int, width: int, processors: int) -> int:

@@ -170,10 +170,11 @@ class Decoder:
         # compiled steps are specialised to their width: one width, no recompilation; the
         # Triton attention reads each row's own positions, so a width saves nothing: one
         # graph per row count
-        own_rows = decode_attention.applies(dev, param.dtype, head_dim, attention)
-        self.width_step = length if compile or own_rows else max(1, width_step)
+        self.own_rows = decode_attention.applies(dev, param.dtype, head_dim, attention)
+        self.width_step = length if compile or self.own_rows else max(1, width_step)
         self.kv = StaticKV(layers, batch, kv_heads, length, head_dim, param.dtype, dev,
                            attention)
+        self.dtype = param.dtype
         self.width = length  # cache positions the decode step attends over
         self.rows = batch  # cache rows the decode step runs over (the first ones)
         self.shrink_min = shrink_min
@@ -485,12 +486,11 @@ class Decoder:
     def _logits(self) -> torch.Tensor:
         """Logits [rows, V] of each running row's next token (the part of a step that is
         compiled)."""
-        b = self.rows
-        out = self.model(  # the attention masks by each row's position (`kvcache`)
-            input_ids=self.tok[:b].view(b, 1),
-            position_ids=self.kv.pos[:b].view(b, 1),
-            use_cache=False,
-        )
+        b, pos = self.rows, self.kv.pos[: self.rows]
+        # the kernel reads each row's positions; the reference's mask is made once, not a layer
+        mask = None if self.own_rows else decode_attention.row_mask(pos, self.width, self.dtype)
+        out = self.model(input_ids=self.tok[:b].view(b, 1), attention_mask=mask,
+                         position_ids=pos.view(b, 1), use_cache=False)
         return out.logits[:, -1]
 
     def _step(self) -> None:

@@ -153,7 +153,8 @@ def _attention(
     if kv.width < kv.length:  # a view: the kernels need only the last dim contiguous
         k, v = k[:, :, : kv.width], v[:, :, : kv.width]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    return decode_attention.attend(query, k, v, pos, scale, kv.kernel), None
+    # the decoder passes the reference's mask, made once a step, where the kernel does not run
+    return decode_attention.attend(query, k, v, pos, scale, kv.kernel, attention_mask), None
 
 
 AttentionInterface.register(NAME, _attention)

@@ -155,30 +155,31 @@ k_pivot_root(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* sethostname and setdomainname: a name as bytes, one libc call */
+static PyObject *
+set_name(PyObject *args, const char *format, int (*call)(const char *, size_t), const char *what)
+{
+    const char *name;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, format, &name, &n))
+        return NULL;
+    if (call(name, (size_t)n) != 0)
+        return fail(what);
+    Py_RETURN_NONE;
+}
+
 PyDoc_STRVAR(sethostname_doc, "sethostname(name: bytes)");
 static PyObject *
 k_sethostname(PyObject *self, PyObject *args)
 {
-    const char *name;
-    Py_ssize_t n;
-    if (!PyArg_ParseTuple(args, "y#:sethostname", &name, &n))
-        return NULL;
-    if (sethostname(name, (size_t)n) != 0)
-        return fail("sethostname");
-    Py_RETURN_NONE;
+    return set_name(args, "y#:sethostname", sethostname, "sethostname");
 }
 
 PyDoc_STRVAR(setdomainname_doc, "setdomainname(name: bytes)");
 static PyObject *
 k_setdomainname(PyObject *self, PyObject *args)
 {
-    const char *name;
-    Py_ssize_t n;
-    if (!PyArg_ParseTuple(args, "y#:setdomainname", &name, &n))
-        return NULL;
-    if (setdomainname(name, (size_t)n) != 0)
-        return fail("setdomainname");
-    Py_RETURN_NONE;
+    return set_name(args, "y#:setdomainname", setdomainname, "setdomainname");
 }
 
 PyDoc_STRVAR(prctl_doc, "prctl(option, arg2=0, arg3=0, arg4=0, arg5=0) -> int (integer args)");
