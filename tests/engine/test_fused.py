@@ -44,6 +44,25 @@ def _own_rotary(model, monkeypatch) -> None:
                             getattr(current, "lorapop_original", current))
 
 
+def _inference_takes_the_fused_pass(model, device, ref, fused, tol, monkeypatch) -> None:
+    """Inference logits (`fused[2]`, of `_forward_backward`) after a pass was fused: on CPU the
+    plain kernels' (`ref[2]`), and, with the fused pass taken as CUDA takes it
+    (`fused.INFERENCE`; eager here), the training forward's (`fused[0]`: the same float32
+    formula, bit for bit on CPU); on CUDA, within `tol` of both."""
+    import lorapop.engine.fused as fused_module
+
+    if device == "cpu":
+        torch.testing.assert_close(fused[2], ref[2], rtol=0, atol=0)  # the same kernels
+        monkeypatch.setattr(fused_module, "_inference", lambda x: True)
+        inference = _forward_backward(model, device)[2]
+        torch.testing.assert_close(inference, fused[0], rtol=0, atol=0)
+        assert not torch.equal(inference, ref[2]) or tol < 1e-4  # bf16: not the plain kernels
+    else:
+        torch.testing.assert_close(fused[2], fused[0], rtol=tol, atol=tol)
+        torch.testing.assert_close(fused[2], ref[2], rtol=tol, atol=tol)
+    assert not compile_failures
+
+
 def _forward_backward(model, device):
     """Logits and input-embedding gradients of a training forward, and the logits of the same
     input without grad (inference)."""
@@ -102,9 +121,10 @@ def test_loaded_base_models_run_the_fused_norms():
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_mlps_give_the_same_logits_and_gradients(arch, dtype, device):
+def test_fused_mlps_give_the_same_logits_and_gradients(arch, dtype, device, monkeypatch):
     """Training forwards run the fused SwiGLU (own backward, compiled on CUDA): the logits
-    and input gradients of the plain MLP; inference forwards run the plain kernels."""
+    and input gradients of the plain MLP; inference forwards run its forward pass on CUDA
+    (the training forward's logits), the plain kernels on CPU."""
     model = tiny_model(arch).to(device=device, dtype=dtype)
     ref = _forward_backward(model, device)
     assert not mlps_fused(model)
@@ -115,8 +135,7 @@ def test_fused_mlps_give_the_same_logits_and_gradients(arch, dtype, device):
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(fused[0], ref[0], rtol=tol, atol=tol)
     torch.testing.assert_close(fused[1], ref[1], rtol=tol, atol=tol)
-    torch.testing.assert_close(fused[2], ref[2], rtol=0, atol=0)  # the same kernels
-    assert not compile_failures
+    _inference_takes_the_fused_pass(model, device, ref, fused, tol, monkeypatch)
     _own_forwards(model)
     assert not mlps_fused(model)
 
@@ -159,7 +178,8 @@ def test_swiglu_passes_run_on_two_dimensional_views(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_rotary_gives_the_same_logits_and_gradients(arch, dtype, device, monkeypatch):
     """Training forwards rotate q and k in one pass each way (compiled on CUDA): the logits
-    and input gradients of the model's own rotary embedding; inference runs the original."""
+    and input gradients of the model's own rotary embedding; inference runs its forward
+    pass on CUDA (the training forward's logits), the original on CPU."""
     import lorapop.engine.fused as fused
 
     model = tiny_model(arch).to(device=device, dtype=dtype)
@@ -177,8 +197,7 @@ def test_fused_rotary_gives_the_same_logits_and_gradients(arch, dtype, device, m
     tol = 1e-5 if dtype == torch.float32 else 3e-2  # one float32 rounding, not three
     torch.testing.assert_close(got[0], ref[0], rtol=tol, atol=tol)
     torch.testing.assert_close(got[1], ref[1], rtol=tol, atol=tol)
-    torch.testing.assert_close(got[2], ref[2], rtol=0, atol=0)  # the same kernels
-    assert not compile_failures
+    _inference_takes_the_fused_pass(model, device, ref, got, tol, monkeypatch)
 
 
 @pytest.mark.parametrize("cos_batch", [1, 2])

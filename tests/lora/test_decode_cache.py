@@ -48,9 +48,11 @@ def test_add_delta_equals_the_lora_formula(n_slots: int, fuse_add: bool):
             x = torch.randn(rows, 1, group[0][1].shape[2], generator=gen)
             for name, a, b in group:  # members in order, one shared x: h (and d) reused
                 out = torch.randn(rows, 1, b.shape[1], generator=gen)
-                y = cache.add_delta(name, x, out, routing, True, fuse_add)
                 want = out.double() + _reference(a, b, x, ids)
+                y = cache.add_delta(name, x, out, routing, True, fuse_add)
                 torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5)
+                # eager: added into the base output in place (no copy of it first)
+                assert fuse_add or y.data_ptr() == out.data_ptr()
         assert all(m.group.x is None for m in cache.members.values())  # nothing held over
 
 

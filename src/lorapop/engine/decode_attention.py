@@ -8,7 +8,7 @@ the cost of a step is the tokens its rows hold, not rows x width. One program pe
 head, split) holds that head's query group (grouped-query attention reads each key once) and
 runs an online softmax over its share of the row; when rows x KV heads are too few to fill
 the GPU (a phase's tail), each row is split along its length into parts combined after
-(flash-decoding). `attend` picks the kernel where it applies (CUDA, bf16/fp16, Triton
+(flash-decoding, `_combine_kernel`). `attend` picks the kernel where it applies (CUDA, bf16/fp16, Triton
 importable, not under torch.compile) and the reference elsewhere;
 tests/engine/test_decode_attention.py compares the two.
 """
@@ -122,7 +122,7 @@ def _triton():  # the module, or None where Triton is not installed (CPU builds 
 
 
 def _triton_attend(q, k, v, pos, scale):
-    kern = _triton()
+    kern, combine = _triton()
     if q.stride(-1) != 1:
         q = q.contiguous()
     b, heads, _, d = q.shape
@@ -148,12 +148,11 @@ def _triton_attend(q, k, v, pos, scale):
         BLOCK_D=triton_next_pow2(d), BLOCK_N=BLOCK_N, ONE_PART=splits == 1,
         num_warps=4, num_stages=2,
     )
-    if splits == 1:
-        return out
-    w = torch.exp2(mx - mx.amax(dim=-1, keepdim=True))  # parts past a row's end: max -inf, w 0
-    num = (acc * w.unsqueeze(-1)).sum(dim=2)
-    den = (total * w).sum(dim=-1, keepdim=True)
-    return (num / den).to(q.dtype).view(b, 1, heads, d)
+    if splits > 1:  # one program per (row, head) weighs its parts: one launch, not six
+        combine[(b, heads)](acc, mx, total, out, out.stride(0), out.stride(2), splits,
+                            D=d, BLOCK_D=triton_next_pow2(d),
+                            BLOCK_S=triton_next_pow2(splits), num_warps=1)
+    return out
 
 
 def triton_next_pow2(n: int) -> int:
@@ -214,4 +213,24 @@ def _build():
             tl.store(M + at, m, mask=gmask)
             tl.store(L + at, total, mask=gmask)
 
-    return _split_kernel
+    @triton.jit
+    def _combine_kernel(Acc, M, L, Out, sob, soh, splits,
+                        D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+        """Out[row, head] from the parts' unnormalised outputs, each weighed by 2^(its max -
+        the row's max): parts past a row's end hold max -inf and weigh 0."""
+        row = tl.program_id(0)
+        head = tl.program_id(1)
+        sp = tl.arange(0, BLOCK_S)
+        d = tl.arange(0, BLOCK_D)
+        smask = sp < splits
+        at = (row * tl.num_programs(1) + head) * splits + sp
+        m = tl.load(M + at, mask=smask, other=float("-inf"))
+        w = tl.exp2(m - tl.max(m, 0))
+        w = tl.where(smask, w, 0.0)
+        den = tl.sum(tl.load(L + at, mask=smask, other=0.0) * w, 0)
+        acc = tl.load(Acc + at[:, None] * D + d[None, :], mask=smask[:, None] & (d < D)[None, :],
+                      other=0.0)
+        o = tl.sum(acc * w[:, None], 0) / den
+        tl.store(Out + row * sob + head * soh + d, o.to(Out.dtype.element_ty), mask=d < D)
+
+    return _split_kernel, _combine_kernel

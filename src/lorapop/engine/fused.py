@@ -56,6 +56,11 @@ def fuse_rms_norms(model: nn.Module) -> int:
 # ------------------------------------------------------------------ compiled passes
 #: Names of the functions whose compilation failed (they run eagerly from then on).
 compile_failures: set[str] = set()
+#: Whether forwards without autograd on CUDA (decode steps, prefills, log-prob probes) take
+#: the fused SwiGLU and rotary passes too: a decode step of a 7B runs ~10 small kernels a
+#: layer fewer, and its log-probs are computed as the update's forward computes them (float32,
+#: one rounding). Off: the model's own kernels at inference (benchmarks compare the two).
+INFERENCE = True
 _compiled: dict[str, Any] = {}
 
 
@@ -75,7 +80,7 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride() == tuple(strides) else t.as_strided(t.shape, strides).detach()
 
 
-def compiled_call(fn: Any, *args: torch.Tensor) -> Any:
+def compiled_call(fn: Any, *args: torch.Tensor, plain: bool = True) -> Any:
     """`fn(*args)` through torch.compile, compiled once per function for every size of the
     inputs' first dimension (rows or tokens); a compiler failure warns once and `fn` runs
     eagerly from then on. Out-of-memory errors are not compiler failures: they propagate.
@@ -90,17 +95,19 @@ def compiled_call(fn: Any, *args: torch.Tensor) -> Any:
     `requires_grad`, and the passes get all kinds (a batch of one's transposed gradients,
     broadcast gradients, slices of the rotary tables): each new kind recompiled in the middle
     of an update (~1.3 s each on an H200, ~9 s of the 7B paper step's first update). So the
-    graph sees `_plain` tensors only."""
+    graph sees `_plain` tensors only. `plain=False` (passes without autograd: inputs of a few
+    fixed layouts, e.g. a decode step's column slices of one merged projection) compiles once
+    per layout instead of copying each strided input."""
     name = fn.__qualname__
     if name not in compile_failures:
         try:
             if name not in _compiled:
                 _compiled[name] = torch.compile(fn)
-            plain = [_plain(a) for a in args]
-            for t in plain:
+            inputs = [_plain(a) for a in args] if plain else [a.detach() for a in args]
+            for t in inputs:
                 if t.dim():
                     torch._dynamo.maybe_mark_dynamic(t, 0)
-            return _compiled[name](*plain)
+            return _compiled[name](*inputs)
         except torch.OutOfMemoryError:
             raise
         except Exception as e:  # noqa: BLE001 - any compiler failure: the eager pass
@@ -110,14 +117,14 @@ def compiled_call(fn: Any, *args: torch.Tensor) -> Any:
     return fn(*args)
 
 
-def fast_pass(fn: Any, *args: torch.Tensor) -> Any:
+def fast_pass(fn: Any, *args: torch.Tensor, plain: bool = True) -> Any:
     """`fn(*args)`, compiled on CUDA (`compiled_call`), eager elsewhere: the one place that
     chooses between the two paths of the fused passes (SwiGLU, rotary, the LM head's
     log-softmax). On CUDA a compiled pass is one kernel each way where the eager one runs
     several full-size elementwise kernels; on CPU the eager pass is the reference and compiling
     would need a C compiler for nothing. tests/engine/test_fused.py and test_logprobs.py compile
     the passes for the CPU and compare them with the eager ones."""
-    return compiled_call(fn, *args) if args[0].is_cuda else fn(*args)
+    return compiled_call(fn, *args, plain=plain) if args[0].is_cuda else fn(*args)
 
 
 # ------------------------------------------------------------------ SwiGLU
@@ -155,25 +162,34 @@ class _SwiGLU(torch.autograd.Function):
         return _swiglu_pass(_silu_mul_grad, gate, up, grad)
 
 
-def _swiglu_pass(fn: Any, *args: torch.Tensor) -> Any:
+def _swiglu_pass(fn: Any, *args: torch.Tensor, plain: bool = True) -> Any:
     """`fn` over [tokens, intermediate] views: one compiled graph then serves every batch
     shape (a shared pack's [1, T, I], lone rows' [B, T, I]), where a size-1 batch would be a
     shape of its own to the compiler: a recompile in the middle of an update."""
     shape = args[0].shape
     flat = [a.reshape(-1, shape[-1]) for a in args]
-    out = fast_pass(fn, *flat)
+    out = fast_pass(fn, *flat, plain=plain)
     return tuple(o.view(shape) for o in out) if isinstance(out, tuple) else out.view(shape)
+
+
+def _inference(x: torch.Tensor) -> bool:
+    """Whether a forward without autograd takes the fused passes (`INFERENCE`): on CUDA,
+    outside a torch.compile trace (which fuses the model's kernels itself)."""
+    return INFERENCE and x.is_cuda and not torch.compiler.is_compiling()
 
 
 def _swiglu_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     gate, up = self.gate_proj(x), self.up_proj(x)
     if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
         return self.down_proj(_SwiGLU.apply(gate, up))
-    return self.down_proj(self.act_fn(gate) * up)  # inference: the plain kernels
+    if _inference(gate):
+        return self.down_proj(_swiglu_pass(_silu_mul, gate, up, plain=False))
+    return self.down_proj(self.act_fn(gate) * up)
 
 
 def fuse_mlps(model: nn.Module) -> int:
-    """Point every SwiGLU MLP of `model` at `_SwiGLU` for training forwards; returns how many."""
+    """Point every SwiGLU MLP of `model` at `_SwiGLU` for training forwards and at its
+    forward pass at inference on CUDA (`INFERENCE`); returns how many."""
     n = 0
     for module in model.modules():
         act = getattr(getattr(module, "config", None), "hidden_act", None)
@@ -233,7 +249,7 @@ class _Rotary(torch.autograd.Function):
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         batch, _, tokens, dim = q.shape
-        cos, sin = (t.expand(batch, tokens, dim).reshape(batch * tokens, dim) for t in (cos, sin))
+        cos, sin = _flat_tables(cos, sin, batch, tokens, dim)
         ctx.save_for_backward(cos, sin)
         return _rotary_pass(_rope, q, k, cos, sin)
 
@@ -245,21 +261,29 @@ class _Rotary(torch.autograd.Function):
         return dq, dk, None, None
 
 
+def _flat_tables(cos: torch.Tensor, sin: torch.Tensor, batch: int, tokens: int, dim: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [1 or batch, tokens, dim] as [batch * tokens, dim] (a copy only where a
+    table is shared by the batch)."""
+    return cos.expand(batch, tokens, dim).reshape(-1, dim), sin.expand(batch, tokens, dim).reshape(-1, dim)
+
+
 def _rotary_pass(fn: Any, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                 sin: torch.Tensor, plain: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """`fn` over [batch * tokens, heads, dim] views (cos, sin: [batch * tokens, dim]). The
     attention's q and k are views of [batch, tokens, heads, dim] projections, so these are
     free, and one compiled graph serves every batch: a batch of one would be a shape of its
     own to the compiler (a recompile in the middle of an update)."""
     batch, heads, tokens, dim = q.shape
     q3, k3 = (t.transpose(1, 2).reshape(batch * tokens, t.shape[1], dim) for t in (q, k))
-    out = fast_pass(fn, q3, k3, cos, sin)
+    out = fast_pass(fn, q3, k3, cos, sin, plain=plain)
     return tuple(o.reshape(batch, tokens, -1, dim).transpose(1, 2) for o in out)  # type: ignore[return-value]
 
 
 def _fused_rotary(original: Any) -> Any:
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):  # noqa: ANN001, ANN202
-        """`_Rotary` for training forwards of the usual shapes; anything else, the original."""
+        """`_Rotary` for training forwards of the usual shapes, its forward pass at inference
+        on CUDA (`INFERENCE`); anything else, the original."""
         usual = (not args and not kwargs and q.dim() == k.dim() == 4 and cos.dim() == 3
                  and k.shape[0] == q.shape[0] and k.shape[2:] == q.shape[2:]
                  and cos.shape == sin.shape and cos.shape[0] in (1, q.shape[0])
@@ -267,6 +291,10 @@ def _fused_rotary(original: Any) -> Any:
                  and not (cos.requires_grad or sin.requires_grad))
         if usual and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
             return _Rotary.apply(q, k, cos, sin)
+        if usual and _inference(q):
+            batch, _, tokens, dim = q.shape
+            return _rotary_pass(_rope, q, k, *_flat_tables(cos, sin, batch, tokens, dim),
+                                plain=False)
         return original(q, k, cos, sin, *args, **kwargs)
 
     apply_rotary_pos_emb.lorapop_original = original  # type: ignore[attr-defined]
@@ -286,7 +314,8 @@ def _rotary_sources(model: nn.Module) -> Iterator[tuple[types.ModuleType, Any]]:
 
 def fuse_rotary(model: nn.Module) -> int:
     """Point the rotary embedding of `model`'s attention families at `_Rotary` for training
-    forwards (inference keeps the original kernels); returns how many attention modules use it.
+    forwards and at its forward pass at inference on CUDA (`INFERENCE`; on CPU inference keeps
+    the original kernels); returns how many attention modules use it.
 
     The attention forward calls its module's global `apply_rotary_pos_emb`, so that global is
     wrapped, once per module, for every model of the family in this process: the wrapper

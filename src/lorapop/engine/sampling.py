@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lorapop.engine import sampling_kernel
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -69,8 +71,14 @@ def sample(
     """Next tokens [B] and their log-probabilities [B] from logits [B, V] and uniforms u [B].
 
     The log-probability is that of the policy itself (temperature 1, full softmax), whatever
-    temperature and top-p shaped the draw: it is what a policy-gradient loss needs.
+    temperature and top-p shaped the draw: it is what a policy-gradient loss needs. On CUDA
+    with top-p 1 one Triton kernel draws the same tokens (`sampling_kernel`); this function's
+    torch code is its reference.
     """
+    if sampling_kernel.usable(logits, temperature, top_p):
+        drawn = sampling_kernel.sample(logits, u, temperature)
+        if drawn is not None:
+            return drawn
     logits = logits.float()
     logprobs = torch.log_softmax(logits, dim=-1)
     if temperature == 0:

@@ -394,7 +394,8 @@ class DecodeCache:
         `x`. `fuse_add` (under torch.compile): the group's first member computes every
         member's delta in one GEMM (a batched one, or one over the block-diagonal B), and
         each member returns `out + delta`, an add the compiler fuses into what reads `out`;
-        otherwise each member runs its own addmm (eager: the add is in the GEMM).
+        otherwise each member adds into `out` in place with its own addmm (eager: the add is
+        in the GEMM; `out`, the base projection's fresh output, is not read elsewhere).
         """
         rows = x.shape[0]
         if rows != routing.ids.numel():
@@ -424,10 +425,12 @@ class DecodeCache:
             return (out2 + dm.to(out2.dtype)).view(out.shape)
         if share:
             h = h[:, m.index * nr : (m.index + 1) * nr]
-        if out2.dtype == self.dtype:
-            y = torch.addmm(out2, h, m.b)
-        else:
-            y = out2 + torch.mm(h, m.b).to(out2.dtype)
+        if out2.dtype == self.dtype and not out2.requires_grad:
+            # in place: an out-of-place addmm first copies `out` (a merged group's output
+            # is a strided column slice) into its result, one kernel per projection
+            out2.addmm_(h, m.b)
+            return out
+        y = out2 + torch.mm(h, m.b).to(out2.dtype)
         return y.view(out.shape)
 
     def _group_delta(self, h: Tensor, g: _Group) -> Tensor:

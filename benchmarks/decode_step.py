@@ -1,0 +1,198 @@
+"""Where one decode step's time goes, at the paper's batch shapes, on the GPU.
+
+For each case ROWS:CONTEXT the paper config's decoder (random-weight 7B, 8-slot bank, rows
+spread over 4 adapters as in a phase) is set as if every row had CONTEXT cached positions,
+its step captured in a CUDA graph as generation captures it, and replayed: milliseconds per
+step against the roofline bound at that shape (`loop_step.decode_roofline`'s formula for one
+step), and with `--profile` the GPU kernels of a few replays by kind, with the number of
+kernels a step launches. No prefill runs: the cache holds zeros, which the attention reads at
+the same cost as keys. `--and-unfused` replays each case again with the fused inference passes
+off (`lorapop.engine.fused.INFERENCE`): a before/after of those passes in one process.
+
+    python benchmarks/decode_step.py --cases 176:2600,266:1300,8:3500 --profile \\
+        --out benchmarks/results/decode_step_h200.json
+    PYTHONPATH=src python benchmarks/decode_step.py --smoke --cases 4:32 --out /tmp/d.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch import profiler
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from loop_step import (  # noqa: E402
+    PEAK_HBM_TBS,
+    PEAK_TFLOPS,
+    ROOT,
+    bench_overrides,
+    flop_params,
+    sync_cuda,
+)
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+SMOKE = ["model.name_or_path=tiny-random", f"model.device={DEV}", "model.dtype=bfloat16"]
+#: kernel kinds by name, first match wins (Triton kernels of the fused passes are "triton_")
+KINDS = {"attention": ("_decode_kernel", "attn", "fmha", "flash"),
+         "gemm": ("gemm", "nvjet", "cutlass", "sm90_xmma", "splitk"),
+         "fused_passes": ("triton_",),
+         "sampler": ("softmax", "scan", "search", "cumsum", "reduce"),
+         "elementwise": ("elementwise", "rms_norm", "index", "copy", "scatter", "gather", "cat")}
+
+
+def bound_ms(model, bank, rows: int, context: int, adapters: int) -> float | None:
+    """The roofline bound of one step (docs/performance.md): weights once, the adapters in
+    use, every row's keys and values up to its position; FLOPs at that batch."""
+    from lorapop.engine.kvcache import kv_bytes_per_token
+
+    name = torch.cuda.get_device_name() if DEV == "cuda" else ""
+    bw = next((v for k, v in PEAK_HBM_TBS.items() if k in name), None)
+    peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+    if not (bw and peak):
+        return None
+    cfg = model.config.get_text_config()
+    n, item = flop_params(model), next(model.parameters()).dtype.itemsize
+    head = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    reads = rows * context
+    nbytes = n * item + adapters * bank.slot_numel * item + reads * kv_bytes_per_token(model)
+    flops = 2 * n * rows + 4 * cfg.num_hidden_layers * cfg.num_attention_heads * head * reads
+    return 1e3 * max(nbytes / (bw * 1e12), flops / (peak * 1e12))
+
+
+def _us(e) -> float:
+    """An event's own time in us: GPU kernel time on CUDA, the operator's CPU time on a CPU."""
+    return e.device_time_total if DEV == "cuda" else e.self_cpu_time_total
+
+
+def kinds_of(prof, steps: int) -> tuple[dict[str, float], int, list[dict]]:
+    """GPU ms per step by kind, kernels per step, and the 25 costliest kernels per step (on
+    a CPU: operators and their CPU time)."""
+    device = "CUDA" if DEV == "cuda" else "CPU"
+    events = [e for e in prof.key_averages()
+              if device in str(getattr(e, "device_type", "")) and _us(e) > 0
+              and (DEV != "cuda" or not e.key.startswith(("aten::", "cuda", "Memcpy", "Memset")))]
+    kinds = dict.fromkeys([*KINDS, "other"], 0.0)
+    for e in events:
+        name = e.key.lower()
+        kind = next((k for k, words in KINDS.items() if any(w in name for w in words)), "other")
+        kinds[kind] += _us(e) / 1e3 / steps
+    top = [{"name": e.key[:120], "per_step": e.count / steps, "ms_per_step": _us(e) / 1e3 / steps}
+           for e in sorted(events, key=_us, reverse=True)[:25]]
+    return kinds, round(sum(e.count for e in events) / steps), top
+
+
+def case(parts, rows: int, context: int, reps: int, profile: bool) -> dict:
+    """One (rows, context) decoder: its captured step replayed `reps` times."""
+    from lorapop.engine.decoder import Decoder, route
+    from lorapop.engine.patches import static_kv
+    from lorapop.engine.sampling import SamplingParams
+
+    model, bank = parts.model, parts.bank
+    model.eval()
+    steps = reps + 8
+    params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=steps, eos_token_ids=())
+    dec = Decoder(model, bank, rows, context + steps + 1, params, eos_ids=())
+    adapters = min(4, len(parts.slot))
+    g = torch.Generator().manual_seed(rows)
+    dec.tok.copy_(torch.randint(0, model.config.vocab_size, (rows,), generator=g))
+    dec.slots.copy_(torch.arange(rows) * adapters // rows)  # rows in slot order, 4 adapters
+    dec.u.uniform_()
+    bank.sync_caches()
+    start = dec.kv.pos.clone().fill_(context)
+
+    def reset() -> None:
+        dec.kv.pos.copy_(start)
+        dec.col.fill_(1)
+        dec.done.fill_(False)
+
+    out: dict = {"rows": rows, "context": context, "adapters": adapters,
+                 "bound_ms": bound_ms(model, bank, rows, context, adapters)}
+    with torch.no_grad(), static_kv(model, dec.kv), route(bank, dec.slots):
+        bank.set_slot_ids_(dec.slots)
+        reset()
+        t0 = time.perf_counter()
+        step = dec._at_width(dec.length)  # captures the graph (CUDA), as generation does
+        sync_cuda()
+        out["capture_s"] = time.perf_counter() - t0
+        reset()
+        for _ in range(3):
+            step()
+        reset()
+        sync_cuda()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            step()
+        sync_cuda()
+        out["ms_per_step"] = 1e3 * (time.perf_counter() - t0) / reps
+        if out["bound_ms"]:
+            out["fraction_of_bound"] = out["bound_ms"] / out["ms_per_step"]
+        if profile:
+            reset()
+            n = min(reps, 10)
+            activity = profiler.ProfilerActivity.CUDA if DEV == "cuda" else \
+                profiler.ProfilerActivity.CPU
+            with profiler.profile(activities=[activity]) as prof:
+                for _ in range(n):
+                    step()
+                sync_cuda()
+            out["kernel_ms_per_step"], out["kernels_per_step"], out["top_kernels"] = \
+                kinds_of(prof, n)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="configs/qwen2.5-coder-7b-4v4.yaml")
+    ap.add_argument("--cases", default="176:2600,266:1300,8:3500",
+                    help="ROWS:CONTEXT,... (default: the proposals' and answers' full batches "
+                         "at their mean cached length, and a tail of 8 long rows)")
+    ap.add_argument("--reps", type=int, default=50, help="replays timed per case")
+    ap.add_argument("--profile", action="store_true", help="kernels of 10 replays by kind")
+    ap.add_argument("--and-unfused", action="store_true",
+                    help="each case again with the fused inference passes off")
+    ap.add_argument("--out", default="benchmarks/results/decode_step.json")
+    ap.add_argument("--smoke", action="store_true",
+                    help="CPU check of the script: tiny random model (pass small cases)")
+    ap.add_argument("overrides", nargs="*", help="extra key.path=value")
+    args = ap.parse_args()
+    if args.smoke:
+        args.overrides = [*SMOKE, *args.overrides]
+    elif DEV != "cuda":
+        sys.exit("decode_step.py needs a CUDA GPU (or --smoke for a CPU check of the script)")
+    from lorapop.config import load_config
+    from lorapop.engine import fused
+    from lorapop.selfplay.parts import build
+
+    cfg = load_config(ROOT / args.config,
+                      [*bench_overrides(Path(tempfile.mkdtemp()), 4), *args.overrides])
+    parts = build(cfg)
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    result = {"benchmark": "decode_step", "commit": commit,
+              "command": " ".join(["python", *sys.argv]),
+              "device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu",
+              "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "cases": []}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for spec in filter(None, args.cases.split(",")):
+        rows, context = map(int, spec.split(":"))
+        for on in (True, False) if args.and_unfused else (True,):
+            fused.INFERENCE = on
+            r = {"fused_inference": on, **case(parts, rows, context, args.reps, args.profile)}
+            if DEV == "cuda":  # the case's cache and graph pool
+                torch.cuda.empty_cache()
+            print(json.dumps({k: v for k, v in r.items() if k != "top_kernels"}), flush=True)
+            result["cases"].append(r)
+            out.write_text(json.dumps(result, indent=2))
+    fused.INFERENCE = True
+
+
+if __name__ == "__main__":
+    main()
