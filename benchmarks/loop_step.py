@@ -196,12 +196,16 @@ class UpdateCount:
         self.start = None
 
 
-def warm_compiled(model) -> float:
+def warm_compiled(model, bank=None) -> float:
     """Compile the update's compiled passes (the LM head's log-softmax and, where they are
     fused, the SwiGLU and the rotary embedding; forward and backward, at one position and at
-    several) before timing: a one-off cost per process, not a step's. Seconds taken (0
-    without CUDA)."""
+    several) and, with the `bank`, the decode step's kernels (two short generations: the
+    Triton attention split along long rows and whole, its sampler, the fused passes at the
+    layouts of a prefill and of a decode step) before timing: a one-off cost per process,
+    not a step's. Seconds taken (0 without CUDA)."""
     from lorapop.engine import fused, logprobs
+    from lorapop.engine.generate import GenerateSpec, generate
+    from lorapop.engine.sampling import SamplingParams
 
     if not torch.cuda.is_available():
         return 0.0
@@ -224,6 +228,12 @@ def warm_compiled(model) -> float:
                 for heads in (cfg.num_attention_heads, cfg.num_key_value_heads))
         cos, sin = torch.randn(2, 1, 32, dim, device="cuda", dtype=dt)
         sum(t.sum() for t in fused._Rotary.apply(q, k, cos, sin)).backward()
+    if bank is not None:
+        params = SamplingParams(max_new_tokens=8, eos_token_ids=())
+        for rows, prompt in ((2, 1100), (72, 16)):  # few long rows split; many run whole
+            ids = [[(7 * r + i) % 1000 for i in range(prompt)] for r in range(rows)]
+            generate(model, bank, None, ids, [r % bank.n_slots for r in range(rows)],
+                     GenerateSpec(params=params, batch_size=rows))
     torch.cuda.synchronize()
     return time.perf_counter() - t0
 
@@ -467,10 +477,12 @@ def decode_roofline(model, bank, calls: list[dict]) -> dict[str, dict]:
         getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
     out: dict[str, dict] = {}
     for c in calls:
-        ph = out.setdefault(c["phase"] or "other", {"decode_s": 0.0, "steps": 0, "bytes": 0,
+        ph = out.setdefault(c["phase"] or "other", {"prefill_s": 0.0, "capture_s": 0.0,
+                                                     "decode_s": 0.0, "steps": 0, "bytes": 0,
                                                      "flops": 0, "rows": 0})
         steps = c.get("steps", 0)
-        ph["decode_s"] += c.get("decode_s", 0.0)
+        for k in ("prefill_s", "capture_s", "decode_s"):
+            ph[k] += c.get(k, 0.0)
         ph["steps"] += steps
         ph["rows"] += c["rows"]
         ph["bytes"] += steps * (n * item + (c["slots"] or 1) * per_adapter) \
@@ -516,7 +528,7 @@ def measure(config: str, overrides: list[str], warmup: int, steps: int, run_dir:
     if skip_update:  # generation phases only: rewards and ratings, no policy-gradient step
         sp.policy.step = lambda rollouts, rewards: ({}, {}, [None] * len(rollouts))
     n_params = flop_params(sp.parts.model)
-    compile_s = warm_compiled(sp.parts.model)
+    compile_s = warm_compiled(sp.parts.model, sp.parts.bank)
     rows, warm_rows, ab, trace = [], [], [], None
     alloc = allocator_counts()
     last: list = []  # the last policy step's (rollouts, rewards), for the update A/B

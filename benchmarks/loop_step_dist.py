@@ -70,7 +70,7 @@ def worker(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     sp = SelfPlay(cfg, Path(args.run_dir), world=world)
     load_s = time.perf_counter() - t0
-    compile_s = warm_compiled(sp.parts.model)
+    compile_s = warm_compiled(sp.parts.model, sp.parts.bank)
     counter = UpdateCount(f"rank {world.rank} ")  # its update tokens, a log line per micro-batch
     _patch("sequence_logprobs", counter)
     _patch("generate", trace_generate)
