@@ -32,6 +32,7 @@ SLOW_MODULES = {
     "engine/test_deterministic_runs.py": 7,
     "experiments/test_tiny_execution.py": 6,
     "experiments/test_base_speed.py": 5,
+    "engine/test_decode_step.py": 5,
 }
 
 

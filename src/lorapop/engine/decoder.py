@@ -9,17 +9,19 @@ listed in `engine/patches.py`) and samples the next one (`sampling.sample`):
       q, k, v                      one GEMM for the three (`merged`) + each row's LoRA delta,
                                    its slot's B @ A @ x (`lora.bank` hooks, decode cache:
                                    q/k/v share the A GEMM)
-      rotary embedding             the model's own
+      rotary embedding             one fused pass on CUDA (`fused`), the model's own on CPU
       attention                    the new key/value written at the row's position in the
                                    static cache, the query over the row's own cached keys
                                    (`kvcache`, `decode_attention`: a Triton kernel on GPU
                                    reading each row's length only, each key once per group)
       o_proj                       GEMM + LoRA delta
-      RMSNorm, gate/up             one GEMM for the two + LoRA deltas; silu(gate) * up
+      RMSNorm, gate/up             one GEMM for the two + LoRA deltas (added in place);
+                                   silu(gate) * up, one fused pass on CUDA
       down_proj                    GEMM + LoRA delta
     final RMSNorm, LM head         logits [rows, vocabulary]
     sample                         temperature and top-p from the row's own uniform; the
-                                   token's log-probability under the policy (temperature 1)
+                                   token's log-probability under the policy (temperature 1);
+                                   one Triton kernel on CUDA at top-p 1 (`sampling_kernel`)
 
 The step has fixed shapes and addresses: on CUDA it is captured once per (rows, attention
 width) and replayed as a CUDA graph.

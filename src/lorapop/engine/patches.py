@@ -8,10 +8,10 @@ several times), and each has a test that compares it with the original:
 |------------------------------------|----------------------------------------------|----------------------|-----------------------------------------------------------------------|
 | fused RMSNorm (`patch_base_model`) | each Llama-style RMSNorm's forward: one      | every forward        | tests/engine/test_fused.py::test_norm_weight_in_the_kernel_gives_the_same_logits_and_gradients |
 |                                    | `F.rms_norm` kernel, weight inside           |                      |                                                                       |
-| fused SwiGLU (`patch_base_model`)  | each SwiGLU MLP's forward: silu(gate) * up   | training forwards    | tests/engine/test_fused.py::test_fused_mlps_give_the_same_logits_and_gradients |
-|                                    | as one autograd function (`fused._SwiGLU`)   |                      |                                                                       |
-| fused rotary (`patch_base_model`)  | `apply_rotary_pos_emb` inside transformers'  | training forwards    | tests/engine/test_fused.py::test_fused_rotary_gives_the_same_logits_and_gradients |
-|                                    | modeling module, for the whole process       |                      |                                                                       |
+| fused SwiGLU (`patch_base_model`)  | each SwiGLU MLP's forward: silu(gate) * up   | training forwards;   | tests/engine/test_fused.py::test_fused_mlps_give_the_same_logits_and_gradients |
+|                                    | as one autograd function (`fused._SwiGLU`)   | inference on CUDA    |                                                                       |
+| fused rotary (`patch_base_model`)  | `apply_rotary_pos_emb` inside transformers'  | training forwards;   | tests/engine/test_fused.py::test_fused_rotary_gives_the_same_logits_and_gradients |
+|                                    | modeling module, for the whole process       | inference on CUDA    |                                                                       |
 |                                    | (`fused._Rotary`; other calls: the original) |                      |                                                                       |
 | merged projections                 | q/k/v and gate/up: weights become row blocks | decode steps (one    | tests/engine/test_merged.py::test_merged_model_gives_the_same_logits_and_gradients |
 | (`patch_base_model`)               | of one tensor; one GEMM per group            | token a row, no grad)|                                                                       |

@@ -1,0 +1,36 @@
+"""benchmarks/decode_step.py on its CPU smoke model."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from lorapop.engine import fused
+from script_env import run_main
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from decode_step import main  # noqa: E402
+
+
+@pytest.mark.filterwarnings("ignore:CUDA is not available")
+def test_records_each_case_with_and_without_the_fused_passes(tmp_path) -> None:
+    """Each ROWS:CONTEXT case is a decoder whose rows sit at CONTEXT cached positions, its step
+    replayed and profiled, once with the fused inference passes and once without; the switch
+    is back on afterwards (the process's later generations keep them)."""
+    out = tmp_path / "decode.json"
+    assert run_main(main, ROOT / "benchmarks" / "decode_step.py", "--smoke", "--cases",
+                    "4:32,2:100", "--reps", "3", "--profile", "--and-unfused",
+                    "--out", str(out)) == 0  # fmt: skip
+    cases = json.loads(out.read_text())["cases"]
+    assert [(c["rows"], c["context"], c["fused_inference"]) for c in cases] == [
+        (4, 32, True), (4, 32, False), (2, 100, True), (2, 100, False)]
+    for c in cases:
+        assert c["ms_per_step"] > 0 and c["kernels_per_step"] > 0
+        assert sum(c["kernel_ms_per_step"].values()) > 0 and c["top_kernels"]
+        assert c["bound_ms"] is None  # no roofline without a known GPU
+    assert fused.INFERENCE
