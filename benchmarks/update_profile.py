@@ -1,4 +1,5 @@
-"""Where the update's and the decoder's time goes, at the paper's shapes, on the GPU.
+"""Where the update's time goes, at the paper's shapes, on the GPU (a decode step's:
+`decode_step.py`).
 
 Builds the paper config's parts (random-weight 7B, 8-slot bank, `loop_step.py`'s set-up) and
 times (1) the update at the paper step's composition (`--tasks` tasks x `--answers` student
@@ -9,8 +10,7 @@ or not, under checkpointing or `auto`, plus the bf16 log-prob difference packed 
 and the kernel table of one micro-batch without checkpointing (and its operators by the code
 that ran them, `ops`: which projection's backward an add or a copy belongs to); (2)
 optionally one update micro-batch per token budget (`--budgets`) with and without
-checkpointing and (3) decode steps at a batch of rows with long prompts (`--decode`); kernels
-tabulated by `torch.profiler`.
+checkpointing; kernels tabulated by `torch.profiler`.
 
     PYTHONPATH=src python benchmarks/update_profile.py --out benchmarks/results/update_profile.json
     PYTHONPATH=src python benchmarks/update_profile.py --smoke --tasks 2 --teachers 2 \
@@ -286,55 +286,6 @@ def update_case(parts, prompt: int, completion: int, tokens: int, ckpt: bool, re
     return out
 
 
-def decode_case(parts, rows: int, prompt: int, new: int, profile: bool) -> dict:
-    from lorapop.engine.generate import GenerateSpec, generate
-    from lorapop.engine.sampling import SamplingParams
-
-    model, bank = parts.model, parts.bank
-    model.eval()
-    vocab = model.config.vocab_size
-    g = torch.Generator().manual_seed(1)
-    prompts = torch.randint(0, vocab, (rows, prompt), generator=g).tolist()
-    slots = [i % len(parts.slot) for i in range(rows)]
-
-    def run(n_new: int) -> tuple[float, dict]:
-        p = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=n_new, eos_token_ids=())
-        timing: dict = {}
-        sync_cuda()
-        t0 = time.perf_counter()
-        generate(model, bank, None, prompts, slots, GenerateSpec(params=p, seed=0, batch_size=rows),
-                 timing=timing)
-        sync_cuda()
-        return time.perf_counter() - t0, timing
-
-    (short, _), (full, timing) = run(8), run(new)
-    out = {"rows": rows, "prompt": prompt, "new": new, "s_8": short, f"s_{new}": full,
-           "step_ms": timing["decode_s"] / max(1, timing["steps"]) * 1e3,
-           "prefill_s": timing["prefill_s"], "capture_s": timing["capture_s"]}
-    if profile:  # eager steps (no graph): kernel time per decode step, launch gaps left
-        # out; a 1-token run is subtracted from a 25-token run (the prefill cancels)
-        def kernels(n_new: int) -> tuple[dict[str, float], dict[str, float]]:
-            p = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=n_new, eos_token_ids=())
-            with profiler.profile(activities=[profiler.ProfilerActivity.CUDA,
-                                              profiler.ProfilerActivity.CPU]) as prof:
-                generate(model, bank, None, prompts, slots,
-                         GenerateSpec(params=p, seed=0, batch_size=rows, cuda_graph=False))
-                sync_cuda()
-            times: dict[str, float] = {}
-            for k in kernel_table(prof, None):  # names cut at 120 characters may repeat
-                times[k["name"]] = times.get(k["name"], 0.0) + k["cuda_ms"]
-            return kernel_kinds(prof), times
-
-        kernels(2)  # warm-up
-        one, one_k = kernels(1)
-        many, many_k = kernels(25)
-        out["eager_step_kernel_ms"] = {k: (many[k] - one[k]) / 24 for k in many}
-        per_step = {name: (ms - one_k.get(name, 0.0)) / 24 for name, ms in many_k.items()}
-        out["step_kernels"] = [{"name": name, "ms_per_step": ms} for name, ms in
-                               sorted(per_step.items(), key=lambda kv: -kv[1])[:40]]
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/qwen2.5-coder-7b-4v4.yaml")
@@ -351,8 +302,6 @@ def main() -> None:
     ap.add_argument("--card-gib", type=float, default=None,
                     help="hold all but this many GiB of the GPU first (as loop_step.py): "
                          "micro-batches sized as on a smaller card, e.g. 79.6 for an H100 80GB")
-    ap.add_argument("--decode", default="", help="ROWS:PROMPT,... decode cases (e.g. 192:1500)")
-    ap.add_argument("--decode-new", type=int, default=96)
     ap.add_argument("--out", default="benchmarks/results/update_profile.json")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU check of the script: tiny random model (pass small sizes)")
@@ -371,7 +320,7 @@ def main() -> None:
     ballast = hold_all_but(args.card_gib) if args.card_gib and DEV == "cuda" else None
     result = {"benchmark": "update_profile", "card_gib": args.card_gib if ballast is not None else None, "command": " ".join([Path(sys.executable).name, *sys.argv]),
               "device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu", "torch": torch.__version__,
-              "date": time.strftime("%Y-%m-%d"), "paper": None, "update": [], "decode": []}
+              "date": time.strftime("%Y-%m-%d"), "paper": None, "update": []}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
 
@@ -388,12 +337,6 @@ def main() -> None:
             print(json.dumps({k: v for k, v in r.items() if k != "kernels"}), flush=True)
             result["update"].append(r)
             write()
-    for case in filter(None, args.decode.split(",")):
-        rows, prompt = map(int, case.split(":"))
-        r = decode_case(parts, rows, prompt, args.decode_new, profile=True)
-        print(json.dumps({k: v for k, v in r.items() if k not in ("step_kernels",)}), flush=True)
-        result["decode"].append(r)
-        write()
 
 
 if __name__ == "__main__":

@@ -7,9 +7,9 @@ flash). The Triton kernel (`_split_kernel`) reads only positions [0, length) of 
 the cost of a step is the tokens its rows hold, not rows x width. One program per (row, KV
 head, split) holds that head's query group (grouped-query attention reads each key once) and
 runs an online softmax over its share of the row; when rows x KV heads are too few to fill
-the GPU (a phase's tail), each row is split along its length into parts combined after
-(flash-decoding, `_combine_kernel`). `attend` picks the kernel where it applies (CUDA, bf16/fp16, Triton
-importable, not under torch.compile) and the reference elsewhere;
+the GPU (a phase's tail), each row is split along its length into parts that a second kernel
+combines (flash-decoding, `_combine_kernel`). `attend` picks the kernels where they apply
+(CUDA, bf16/fp16, Triton importable, not under torch.compile) and the reference elsewhere;
 tests/engine/test_decode_attention.py compares the two.
 """
 

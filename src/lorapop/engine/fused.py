@@ -265,7 +265,8 @@ def _flat_tables(cos: torch.Tensor, sin: torch.Tensor, batch: int, tokens: int, 
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [1 or batch, tokens, dim] as [batch * tokens, dim] (a copy only where a
     table is shared by the batch)."""
-    return cos.expand(batch, tokens, dim).reshape(-1, dim), sin.expand(batch, tokens, dim).reshape(-1, dim)
+    c, s = (t.expand(batch, tokens, dim).reshape(-1, dim) for t in (cos, sin))
+    return c, s
 
 
 def _rotary_pass(fn: Any, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,

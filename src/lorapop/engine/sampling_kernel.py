@@ -7,9 +7,10 @@ program per row reads its bf16 logits once for the maxima and sums of exponentia
 policy's at temperature 1 and the draw's at the temperature), then scans the draw's
 unnormalised cumulative sum from the start only until it passes u x the total: the token is
 the first whose cumulative mass exceeds u, as `sampling.sample` draws it, from the row's own
-uniform. The sums run in another order than torch's scan, so a u within float32 rounding
-of a boundary between two tokens may give the neighbour; tests/engine/test_sampling_kernel.py
-compares the two on the GPU.
+uniform. The sums run in another order than torch's scan, so where u x the total falls within
+float32 rounding of a boundary the kernel may draw a token on its other side (any tokens
+between the two hold no mass to speak of); tests/engine/test_sampling_kernel.py compares the
+two on the GPU.
 """
 
 from __future__ import annotations
