@@ -40,10 +40,10 @@ from loop_step import (  # noqa: E402
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 SMOKE = ["model.name_or_path=tiny-random", f"model.device={DEV}", "model.dtype=bfloat16"]
 #: kernel kinds by name, first match wins (Triton kernels of the fused passes are "triton_")
-KINDS = {"attention": ("_decode_kernel", "attn", "fmha", "flash"),
+KINDS = {"attention": ("_split_kernel", "_combine_kernel", "attn", "fmha", "flash"),
+         "sampler": ("_sample_kernel", "softmax", "scan", "search", "cumsum"),
          "gemm": ("gemm", "nvjet", "cutlass", "sm90_xmma", "splitk"),
          "fused_passes": ("triton_",),
-         "sampler": ("softmax", "scan", "search", "cumsum", "reduce"),
          "elementwise": ("elementwise", "rms_norm", "index", "copy", "scatter", "gather", "cat")}
 
 
