@@ -95,6 +95,48 @@ def test_logprobs_equal_teacher_forced_forward(setup, tok):
     torch.testing.assert_close(lp, torch.tensor([g.logprobs for g in gens]), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_the_cuda_decode_path_gives_the_teacher_forced_logprobs(arch, tok, monkeypatch):
+    """The decode step as CUDA runs it, here eagerly: merged q/k/v and gate/up GEMMs, each
+    LoRA term added in place into its column slice, the fused rotary and SwiGLU passes on
+    those strided slices (`fused._inference` forced): each token's log-prob is the one the
+    update's training forward gives it (the same float32 passes)."""
+    from lorapop.engine import fused
+    from lorapop.engine.patches import patch_base_model
+
+    model = tiny_model(arch, len(tok)).requires_grad_(False)
+    for source, current in list(fused._rotary_sources(model)):  # the process's, restored after
+        monkeypatch.setattr(source, "apply_rotary_pos_emb",
+                            getattr(current, "lorapop_original", current))
+    assert patch_base_model(model)["merged_groups"] == 2 * model.config.num_hidden_layers
+    bank = AdapterBank(model, n_slots=3, rank=4, alpha=8.0)
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for t in bank.targets.values():
+            t.b.copy_(torch.randn(t.b.shape, generator=gen) * 0.5)
+    monkeypatch.setattr(fused, "_inference", lambda x: True)
+    seen = set()  # (pass, its first input contiguous) at inference
+    real = fused.fast_pass
+
+    def spy(fn, *args, plain=True):
+        if not plain:
+            seen.add((fn.__name__, args[0].is_contiguous()))
+        return real(fn, *args, plain=plain)
+
+    monkeypatch.setattr(fused, "fast_pass", spy)
+    slots = [2, 0, 1, 1, 2]
+    params = SamplingParams(temperature=1.0, max_new_tokens=10, eos_token_ids=())
+    gens = generate(model, bank, tok, PROMPTS, slots, GenerateSpec(params=params, seed=5))
+    # decode steps hand the passes column slices of the merged outputs, uncopied
+    assert {("_rope", False), ("_silu_mul", False)} <= seen
+    lp, mask = sequence_logprobs(
+        model, bank, [g.prompt_ids for g in gens], [g.token_ids for g in gens], slots
+    )
+    assert mask.all() and lp.requires_grad  # the training forward's passes
+    torch.testing.assert_close(lp.detach(), torch.tensor([g.logprobs for g in gens]),
+                               atol=1e-4, rtol=1e-4)
+
+
 def test_sequence_logprobs_has_grad_and_masks_ragged_rows(setup):
     model, bank = setup
     lp, mask = sequence_logprobs(model, bank, [[5, 6, 7], [8]], [[9, 10], [11, 12, 13]], [0, 1])
