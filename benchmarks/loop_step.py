@@ -658,6 +658,11 @@ def main() -> None:
                     help="--paper: run again with the reference decode attention "
                          "(sampling.attention=sdpa) in the same process, the same rows "
                          "stopping at the same lengths")
+    ap.add_argument("--and", dest="and_overrides", action="append", default=[],
+                    metavar="'KEY=VALUE ...'",
+                    help="--paper: run again with these config overrides in the same process, "
+                         "the same rows stopping at the same lengths, and report each phase "
+                         "against the headline's (repeatable; e.g. --and sampling.admit_min=16)")
     ap.add_argument("--skip-update", action="store_true",
                     help="generation phases only (no policy-gradient step)")
     ap.add_argument("--seed-dir", help="reuse (or create) the seed tasks and tokenizer here")
@@ -674,8 +679,8 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*", help="extra key.path=value for both runs")
     args = ap.parse_args()
     ballast = hold_all_but(args.card_gib) if args.card_gib and torch.cuda.is_available() else None
-    if args.and_reference and not args.paper:
-        ap.error("--and-reference needs --paper")
+    if (args.and_reference or args.and_overrides) and not args.paper:
+        ap.error("--and-reference and --and need --paper")
     if args.and_static and (args.static or not args.paper):
         ap.error("--and-static needs --paper and runs the static batches itself (no --static)")
     if not torch.cuda.is_available() and not args.smoke:
@@ -758,6 +763,12 @@ def main() -> None:
             ref = again("reference", ["sampling.attention=sdpa"])
             result["kernel_vs_reference"] = {
                 p: ref["phase_s"][p] / pop["phase_s"][p] for p in ("proposal", "solving")}
+            out.write_text(json.dumps(result, indent=1))
+        for spec in args.and_overrides:
+            run = again(f"with {spec}", spec.split())
+            result.setdefault("with_vs_headline", {})[spec] = {
+                p: run["phase_s"][p] / pop["phase_s"][p]
+                for p in ("proposal", "solving", "update") if pop["phase_s"].get(p)}
             out.write_text(json.dumps(result, indent=1))
         if args.and_static:
             _patch("generate", static_batches)

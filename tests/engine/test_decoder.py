@@ -110,6 +110,46 @@ def test_static_batches_give_the_same_rows_in_more_steps(tok, monkeypatch):
     assert static >= sum(pairs)
 
 
+def test_admitting_several_rows_at_once_keeps_each_rows_results(tok, monkeypatch):
+    """`admit_min`: prompts wait until that many rows are free (or all that wait fit, or no row
+    runs), so fewer, larger prefills run; each prompt's tokens and log-probs are those it gets
+    when admitted at every host check."""
+    admissions: list[int] = []  # prompts admitted per prefill
+
+    class Counting(Decoder):
+        def _admit(self, q, free):
+            admissions.append(min(len(free), len(q.waiting)))
+            super()._admit(q, free)
+
+    monkeypatch.setattr(gen_mod, "Decoder", Counting)
+    model, bank = _setup(tok, "cpu")
+    prompts = PROMPTS * 3
+    slots = [i % 3 for i in range(len(prompts))]
+
+    def lengths(i: int, toks: list[int]) -> int | None:  # rows end one by one
+        want = 1 + (5 * i) % 16
+        return want if len(toks) >= want else None
+
+    runs = {}
+    for admit_min in (1, 3):
+        admissions.clear()
+        runs[admit_min] = (generate(model, bank, tok, prompts, slots,
+                                    GenerateSpec(params=SAMPLED, seed=4, batch_size=4,
+                                                 admit_min=admit_min), stop_fn=lengths),
+                           list(admissions))
+    (one, each), (three, grouped) = runs[1], runs[3]
+    assert [g.token_ids for g in three] == [g.token_ids for g in one]
+    for a, b in zip(three, one, strict=True):  # prefilled in other groups: float rounding
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs),
+                                   atol=1e-5, rtol=0)
+    assert sum(each) == sum(grouped) == len(prompts)
+    assert len(grouped) < len(each)
+    # after the first batch, an admission takes 3 prompts or more, or the last ones waiting
+    assert all(n >= 3 for n in grouped[1:-1])
+    with pytest.raises(ValueError, match="admit_min must be >= 1"):
+        generate(model, bank, tok, prompts, slots, GenerateSpec(params=SAMPLED, admit_min=0))
+
+
 def test_row_keys_make_a_row_independent_of_its_call(tok):
     """A prompt split off into another call (another rank) samples the same with its key."""
     model, bank = _setup(tok, "cpu")

@@ -218,6 +218,7 @@ class Decoder:
         stop_fn: StopFn | None = None,
         check_every: int = 8,
         refill: bool = True,
+        admit_min: int = 1,
     ) -> list[Result]:
         """Each prompt's (tokens, logprobs, stopped by stop_fn), admitted in the given order.
 
@@ -226,7 +227,9 @@ class Decoder:
         it gets the row's token list, which it must not modify). `refill=False` is static
         batching (the baseline continuous batching is measured against): waiting prompts
         are admitted only once every row of the batch has finished, and every step runs
-        over the whole batch.
+        over the whole batch. With refills, waiting prompts are admitted once `admit_min` rows
+        are free, or once every waiting prompt fits, or when no row runs: fewer, larger
+        prefills. When a row is admitted changes none of its results.
         """
         steps = self.params.max_new_tokens
         if max(len(p) for p in prompts) + steps - 1 > self.length:
@@ -247,9 +250,12 @@ class Decoder:
             n, step = 0, self._step
             while True:
                 if n % check_every == 0:  # also right after the first prefill
-                    free = self._collect(q, stop_fn)
+                    self._collect(q, stop_fn)
+                    free = [r for r in range(self.rows) if q.owner[r] < 0]
                     if not refill:  # static: the next batch once every row is free
-                        free = list(range(b)) if all(o < 0 for o in q.owner) else []
+                        free = free if len(free) == b else []
+                    elif len(free) < min(admit_min, len(q.waiting)) and len(free) < b:
+                        free = []  # too few rows for a prefill of its own yet
                     if free and q.waiting:
                         self._timed("prefill_s", self._admit, q, free)
                     if all(o < 0 for o in q.owner):

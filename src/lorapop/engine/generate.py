@@ -118,6 +118,11 @@ class GenerateSpec:
     #: decode attention: "auto" runs `decode_attention`'s Triton kernel where it applies (CUDA,
     #: bf16/fp16), reading each row's own positions only; "sdpa" the masked SDPA reference
     attention: Kernel = "auto"
+    #: waiting prompts are admitted once at least this many rows are free (or all that wait
+    #: fit, or no row runs): each admission is a prefill forward of its own, whose fixed cost
+    #: at 7B (a forward's kernels, launched eagerly) outweighs a few rows idle for a few steps
+    #: when rows end one by one; 1 admits at every host check
+    admit_min: int = 1
 
 
 def generate(
@@ -156,6 +161,8 @@ def generate(
     _check(model, bank, tokenizer, ids, slot_ids, keys, params, batch_size)
     if prefill_tokens < 1:
         raise ValueError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
+    if spec.admit_min < 1:
+        raise ValueError(f"admit_min must be >= 1, got {spec.admit_min}")
     if not ids:
         return []
     eos = _eos_ids(model, tokenizer, params)
@@ -195,6 +202,7 @@ def generate(
         host_stop,
         _CHECK_EVERY,
         refill,
+        spec.admit_min,
     )
     if timing is not None:  # this call's share of the decoder's clock
         t = Counter(decoder.timing)

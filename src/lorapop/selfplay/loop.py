@@ -425,6 +425,7 @@ class SelfPlay:
                                GenerateSpec(params=params, seed=seed, batch_size=sp.batch_size,
                                             compile=None if sp.compile else False,
                                             prefill_tokens=sp.prefill_tokens,
+                                            admit_min=sp.admit_min,
                                             cuda_graph=sp.cuda_graph,
                                             attention=sp.attention,
                                             decoders=self.decoders if training else None),
