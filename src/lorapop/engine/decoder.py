@@ -29,8 +29,8 @@ width) and replayed as a CUDA graph.
 The decoder holds `batch` cache rows. Each prompt is prefilled into a free row (from cache
 index 0, in chunks of at most `prefill_tokens` tokens per forward), then decoded; when a row
 finishes (EOS, the caller's stop function, or its own max length) its result is collected and
-the row is refilled with the next waiting prompt, so the batch stays full until the queue is
-empty. Then, as rows finish, the last running rows move to the front of the cache and the
+the row is refilled with the next waiting prompt (at the next host check, or once `admit_min`
+rows are free: one prefill for several), so the batch stays full until the queue is empty. Then, as rows finish, the last running rows move to the front of the cache and the
 step runs over half as many rows at a time (down to `shrink_min`): the tail of a phase, where
 a few long rows decode alone, costs the steps of a small batch, not of the full one. Copies
 of one prompt under one slot (a task's answers) share one prefill. A row's position ids are
