@@ -30,8 +30,9 @@ The decoder holds `batch` cache rows. Each prompt is prefilled into a free row (
 index 0, in chunks of at most `prefill_tokens` tokens per forward), then decoded; when a row
 finishes (EOS, the caller's stop function, or its own max length) its result is collected and
 the row is refilled with the next waiting prompt (at the next host check, or once `admit_min`
-rows are free: one prefill for several), so the batch stays full until the queue is empty. Then, as rows finish, the last running rows move to the front of the cache and the
-step runs over half as many rows at a time (down to `shrink_min`): the tail of a phase, where
+rows are free: one prefill for several), so the batch stays full until the queue is empty.
+Then, as rows finish, the last running rows move to the front of the cache and the step runs
+over half as many rows at a time (down to `shrink_min`): the tail of a phase, where
 a few long rows decode alone, costs the steps of a small batch, not of the full one. Copies
 of one prompt under one slot (a task's answers) share one prefill. A row's position ids are
 its cache indices and the decode mask is per row (`key <= the row's position`), so rows of
