@@ -326,8 +326,8 @@ class Decoder:
         graph = self.graph
         return self._step if graph is None else graph.replay
 
-    def _collect(self, q: _Queue, stop_fn: StopFn | None) -> list[int]:
-        """Move finished rows' results to `q.out`; returns the rows now free."""
+    def _collect(self, q: _Queue, stop_fn: StopFn | None) -> None:
+        """Move finished rows' results to `q.out` and free their rows."""
         done, q.cols = self.done.tolist(), self.col.tolist()
         owned = [b for b in range(self.batch) if q.owner[b] >= 0]
         keep = {b: (q.cols[b], False) for b in owned if done[b]}
@@ -342,7 +342,7 @@ class Decoder:
             if stops:
                 self.done[torch.tensor(stops, device=self.done.device)] = True
         if not keep:
-            return []
+            return
         rows = sorted(keep)
         width = max(n for n, _ in keep.values())
         idx = torch.tensor(rows, device=self.out_tok.device)
@@ -353,7 +353,6 @@ class Decoder:
             q.out[q.owner[b]] = (toks[j, :n].tolist(), lps[j, :n].tolist(), stopped)
             q.owner[b] = -1
             q.toks[b] = []
-        return rows
 
     def _fetch_tokens(self, q: _Queue, owned: list[int]) -> None:
         """Append to each owned row's host tokens only the columns written since the last
