@@ -3,9 +3,9 @@
 For each case ROWS:CONTEXT the paper config's decoder (random-weight 7B, 8-slot bank, rows
 spread over 4 adapters as in a phase) is set as if every row had CONTEXT cached positions,
 its step captured in a CUDA graph as generation captures it, and replayed: milliseconds per
-step against the roofline bound at that shape (`loop_step.decode_roofline`'s formula for one
-step), and with `--profile` the GPU kernels of a few replays by kind, with the number of
-kernels a step launches. No prefill runs: the cache holds zeros, which the attention reads at
+step against the roofline bound at that shape (`loop_step.decode_cost` for one step), and
+with `--profile` the GPU kernels of a few replays by kind, with the number of kernels a step
+launches. No prefill runs: the cache holds zeros, which the attention reads at
 the same cost as keys. `--and-unfused` replays each case again with the fused inference passes
 off (`lorapop.engine.fused.INFERENCE`): a before/after of those passes in one process.
 
@@ -29,41 +29,21 @@ from torch import profiler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from loop_step import (  # noqa: E402
-    PEAK_HBM_TBS,
-    PEAK_TFLOPS,
+    DEV,
     ROOT,
+    SMOKE,
     bench_overrides,
-    flop_params,
+    decode_cost,
+    roofline_s,
     sync_cuda,
 )
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-SMOKE = ["model.name_or_path=tiny-random", f"model.device={DEV}", "model.dtype=bfloat16"]
 #: kernel kinds by name, first match wins (Triton kernels of the fused passes are "triton_")
 KINDS = {"attention": ("_split_kernel", "_combine_kernel", "attn", "fmha", "flash"),
          "sampler": ("_sample_kernel", "softmax", "scan", "search", "cumsum"),
          "gemm": ("gemm", "nvjet", "cutlass", "sm90_xmma", "splitk"),
          "fused_passes": ("triton_",),
          "elementwise": ("elementwise", "rms_norm", "index", "copy", "scatter", "gather", "cat")}
-
-
-def bound_ms(model, bank, rows: int, context: int, adapters: int) -> float | None:
-    """The roofline bound of one step (docs/performance.md): weights once, the adapters in
-    use, every row's keys and values up to its position; FLOPs at that batch."""
-    from lorapop.engine.kvcache import kv_bytes_per_token
-
-    name = torch.cuda.get_device_name() if DEV == "cuda" else ""
-    bw = next((v for k, v in PEAK_HBM_TBS.items() if k in name), None)
-    peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
-    if not (bw and peak):
-        return None
-    cfg = model.config.get_text_config()
-    n, item = flop_params(model), next(model.parameters()).dtype.itemsize
-    head = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    reads = rows * context
-    nbytes = n * item + adapters * bank.slot_numel * item + reads * kv_bytes_per_token(model)
-    flops = 2 * n * rows + 4 * cfg.num_hidden_layers * cfg.num_attention_heads * head * reads
-    return 1e3 * max(nbytes / (bw * 1e12), flops / (peak * 1e12))
 
 
 def _us(e) -> float:
@@ -113,7 +93,10 @@ def case(parts, rows: int, context: int, reps: int, profile: bool) -> dict:
         dec.done.fill_(False)
 
     out: dict = {"rows": rows, "context": context, "adapters": adapters,
-                 "bound_ms": bound_ms(model, bank, rows, context, adapters)}
+                 "bound_ms": None}
+    bound = roofline_s(*decode_cost(model, bank, 1, adapters, rows, rows * context))
+    if bound is not None:
+        out["bound_ms"] = 1e3 * bound
     with torch.no_grad(), static_kv(model, dec.kv), route(bank, dec.slots):
         bank.set_slot_ids_(dec.slots)
         reset()

@@ -82,6 +82,9 @@ def bench_overrides(seeds: Path, tasks_per_cell: int) -> list[str]:
 
 
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}  # dense bf16, SXM datasheet
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+#: the profiling scripts' `--smoke` model: tiny, random, in the dtype the GPU runs
+SMOKE = ["model.name_or_path=tiny-random", f"model.device={DEV}", "model.dtype=bfloat16"]
 #: The realistic length mix --paper reports first: log-normal, median 500, sigma 1.0, cap 2,048
 REALISTIC = "500:1.0:2048"
 
@@ -453,28 +456,41 @@ def trace_generate(generate):
     return run
 
 
-def decode_roofline(model, bank, calls: list[dict]) -> dict[str, dict]:
-    """Per phase, the decode steps' time against their roofline bound (docs/performance.md):
+def decode_cost(model, bank, steps: int, adapters: int, row_steps: int,
+                kv_token_reads: int) -> tuple[int, int]:
+    """Bytes and FLOPs of `steps` decode steps at their least (docs/performance.md):
 
         bytes = steps * (W + a * A) + kv_token_reads * K
         flops = 2 * N * row_steps + 4 * L * H * d * kv_token_reads
-        bound = max(bytes / HBM bandwidth, flops / peak bf16 FLOP/s)
 
     W: the frozen weights a step reads (N parameters that multiply, at their width), A: one
-    adapter's LoRA weights, a: the adapters the phase's rows use, K: one token's keys and
-    values over all layers, L/H/d: layers, query heads, head size. A sum over the phase's steps
-    (max of sums <= sum of per-step maxima: a lower bound)."""
+    adapter's LoRA weights, a: the adapters the rows use, K: one token's keys and values over
+    all layers, L/H/d: layers, query heads, head size."""
     from lorapop.engine.kvcache import kv_bytes_per_token
 
+    cfg = model.config.get_text_config()
+    n, item = flop_params(model), next(model.parameters()).dtype.itemsize
+    head = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    nbytes = steps * (n * item + adapters * bank.slot_numel * item) \
+        + kv_token_reads * kv_bytes_per_token(model)
+    flops = 2 * n * row_steps + 4 * cfg.num_hidden_layers * cfg.num_attention_heads * head \
+        * kv_token_reads
+    return nbytes, flops
+
+
+def roofline_s(nbytes: int, flops: int) -> float | None:
+    """max(bytes / HBM bandwidth, FLOPs / peak dense bf16 FLOP/s) on this GPU (None off the
+    GPUs whose datasheet figures are listed)."""
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
     bw = next((v for k, v in PEAK_HBM_TBS.items() if k in name), None)
     peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
-    cfg = model.config.get_text_config()
-    n = flop_params(model)
-    item = next(model.parameters()).dtype.itemsize
-    per_adapter = bank.slot_numel * item
-    attn = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * (
-        getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    return max(nbytes / (bw * 1e12), flops / (peak * 1e12)) if bw and peak else None
+
+
+def decode_roofline(model, bank, calls: list[dict]) -> dict[str, dict]:
+    """Per phase, the decode steps' time against their roofline bound (`decode_cost`,
+    `roofline_s`), summed over the phase's steps before the maximum is taken (max of sums <=
+    sum of per-step maxima: a lower bound)."""
     out: dict[str, dict] = {}
     for c in calls:
         ph = out.setdefault(c["phase"] or "other", {"prefill_s": 0.0, "capture_s": 0.0,
@@ -485,13 +501,14 @@ def decode_roofline(model, bank, calls: list[dict]) -> dict[str, dict]:
             ph[k] += c.get(k, 0.0)
         ph["steps"] += steps
         ph["rows"] += c["rows"]
-        ph["bytes"] += steps * (n * item + (c["slots"] or 1) * per_adapter) \
-            + c["kv_token_reads"] * kv_bytes_per_token(model)
-        ph["flops"] += 2 * n * c.get("row_steps", 0) + attn * c["kv_token_reads"]
+        nbytes, flops = decode_cost(model, bank, steps, c["slots"] or 1, c.get("row_steps", 0),
+                                    c["kv_token_reads"])
+        ph["bytes"] += nbytes
+        ph["flops"] += flops
     for ph in out.values():
         ph["ms_per_step"] = 1e3 * ph["decode_s"] / max(1, ph["steps"])
-        if bw and peak:
-            bound = max(ph["bytes"] / (bw * 1e12), ph["flops"] / (peak * 1e12))
+        bound = roofline_s(ph["bytes"], ph["flops"])
+        if bound is not None:
             ph["bound_ms_per_step"] = 1e3 * bound / max(1, ph["steps"])
             ph["fraction_of_bound"] = bound / ph["decode_s"] if ph["decode_s"] else None
     return out

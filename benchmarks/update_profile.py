@@ -32,7 +32,9 @@ from torch import profiler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from loop_step import (  # noqa: E402
+    DEV,
     ROOT,
+    SMOKE,
     bench_overrides,
     flop_params,
     hold_all_but,
@@ -42,9 +44,6 @@ from loop_step import (  # noqa: E402
     stack_profile,
     sync_cuda,
 )
-
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-SMOKE = ["model.name_or_path=tiny-random", f"model.device={DEV}", "model.dtype=bfloat16"]
 
 
 def _rows(vocab: int, n: int, prompt: int, completion: int, share: int, slots: list[int],
