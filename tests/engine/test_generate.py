@@ -10,8 +10,15 @@ import torch
 from torch._dynamo.testing import CompileCounter
 
 from lorapop.engine.byte_tokenizer import byte_tokenizer
-from lorapop.engine.generate import GenerateSpec, KeptDecoders, compile_buckets, generate
+from lorapop.engine.generate import (
+    GenerateSpec,
+    KeptDecoders,
+    Prompt,
+    compile_buckets,
+    generate,
+)
 from lorapop.engine.logprobs import sequence_logprobs
+from lorapop.engine.memory import prefill_bytes, row_bytes
 from lorapop.engine.sampling import SamplingParams, row_uniforms, sample
 from lorapop.lora.bank import AdapterBank
 from tiny_models import ARCHS, tiny_model
@@ -478,3 +485,55 @@ def test_kept_cuda_graphs_replay_the_changed_adapters_bit_for_bit(tok):
     assert kept.reused == 1 and next(iter(kept.decoders.values())).graphs
     assert [g.token_ids for g in again] == [g.token_ids for g in fresh]
     assert [g.logprobs for g in again] == [g.logprobs for g in fresh]
+
+
+class _AnswerFeed:
+    """Adds `copies` answers (a shorter prompt, its own seed, keys and cap) for each finished
+    first prompt one check after it finished, as the self-play loop adds the answers of a
+    proposal once it is verified."""
+
+    def __init__(self, firsts: int, copies: int, cap: int, seed: int) -> None:
+        self.max_new_tokens, self.copies, self.seed, self.firsts = cap, copies, seed, firsts
+        self.left, self.pending, self.added = firsts, [], []
+
+    def __call__(self, done, wait):
+        ready, self.pending = self.pending, sorted(i for i in done if i < self.firsts)
+        self.left -= len(self.pending)
+        if wait and not ready:
+            ready, self.pending = self.pending, []
+        new = [Prompt(f"answer {i}:", i % 3, self.max_new_tokens, self.seed, 10 * i + n)
+               for i in ready for n in range(self.copies)]
+        self.added += new
+        return new if new or self.left or self.pending else None
+
+
+@pytest.mark.parametrize("long_first, first_cap, cap", [(True, 12, 12), (False, 4, 60)])
+def test_a_feed_adds_rows_that_equal_a_call_of_their_own(setup, tok, long_first, first_cap, cap):
+    """Prompts fed while others decode, with their own seed, key and cap, get the samples a
+    separate call gives them. Once the feed is done the decoder re-grids: to more rows when
+    the answers' shorter cache lets more fit the memory, to a longer cache when the answers'
+    cap outgrows the first prompts' (those answers wait for it)."""
+    model, bank = setup
+    firsts = [PROMPTS[3] * (8 if long_first else 1), *PROMPTS[:3], PROMPTS[4]]
+    slots = [0, 1, 2, 1, 0]
+    params = replace(SAMPLED, max_new_tokens=first_cap, eos_token_ids=(7,))
+    budget = None
+    if long_first:  # two rows of the first prompts' cache fit, more of the answers'
+        steps, chunk = max(first_cap, cap), 256
+        length = -(-(len(tok(firsts[0])["input_ids"]) + first_cap - 1) // 64) * 64
+        budget = prefill_bytes(model, length, chunk) + 5 * row_bytes(model, length, steps) // 2
+        assert (budget - prefill_bytes(model, 64, chunk)) // row_bytes(model, 64, steps) > 4
+    spec = GenerateSpec(params=params, seed=5, batch_size=8, memory_budget=budget,
+                        prefill_tokens=256)
+    feed = _AnswerFeed(len(firsts), 2, cap, seed=11)
+    timing: dict = {}
+    out = generate(model, bank, tok, firsts, slots, spec, timing=timing, feed=feed)
+    assert len(out) == 3 * len(firsts) == len(firsts) + len(feed.added)
+    _same(out[: len(firsts)], generate(model, bank, tok, firsts, slots, spec))
+    fed = feed.added
+    _same(out[len(firsts):], generate(
+        model, bank, tok, [p.ids for p in fed], [p.slot for p in fed],
+        GenerateSpec(params=replace(params, max_new_tokens=cap), seed=11, batch_size=3),
+        row_keys=[p.key for p in fed]))
+    assert timing["regrids"] >= 1
+    assert timing["batch"] > (2 if long_first else 5)  # the first prompts had 2 or 5 rows

@@ -82,6 +82,25 @@ from lorapop.engine.sampling import SamplingParams, sample
 # row must stop now, else None
 StopFn = Callable[[int, list[int]], int | None]
 Result = tuple[list[int], list[float], bool]  # tokens, logprobs, ended by the stop function
+
+
+@dataclass(frozen=True)
+class Row:
+    """A prompt added to a running decoder: its ids, adapter slot, uniforms [cap] and its own
+    cap on new tokens (at most the decoder's)."""
+
+    prompt: Sequence[int]
+    slot: int
+    u: torch.Tensor
+    cap: int
+
+
+#: (prompts finished since the last call, as (index, result); wait) -> prompts to add (their
+#: indices follow the last), or None once no more will come. wait=True: no row runs and none
+#: waits, so return only once some come (or none ever will).
+Feed = Callable[[list[tuple[int, Result]], bool], list[Row] | None]
+#: (rows wanted, cache length, bytes the decoder's cache would free) -> rows that fit
+Fit = Callable[[int, int, int], int]
 WIDTH_STEP = 512  # decode attention widths are multiples of this (one graph per width)
 
 
@@ -124,10 +143,12 @@ def prefill_chunks(widths: Sequence[int], budget: int) -> list[tuple[list[int], 
 class _Queue:
     """Host state of one `Decoder.run`: the prompts, and what each cache row holds."""
 
-    prompts: Sequence[Sequence[int]]
-    slots: Sequence[int]
-    u: torch.Tensor  # [prompts, max_new_tokens] uniforms, on the host
+    prompts: list[Sequence[int]]
+    slots: list[int]
+    u: list[torch.Tensor]  # each prompt's uniforms [max_new_tokens], on the host
+    caps: list[int]  # each prompt's cap on new tokens
     keys: list[int]  # each prompt's (slot, prompt ids) as an int: equal keys share a prefill
+    distinct: dict[tuple[int, tuple[int, ...]], int]  # (slot, prompt ids) -> its key
     waiting: deque[int]
     owner: list[int]  # prompt index held by each row, -1: free
     used: list[bool]  # rows that have held a prompt
@@ -136,6 +157,18 @@ class _Queue:
     left: Counter[int]  # prompts of each key not yet admitted
     first: dict[int, torch.Tensor]  # first-token logits of keys whose copies still wait
     out: list[Result | None]
+    feed: Feed | None = None  # more prompts to come (None: none)
+    need: int = 0  # cache length the rows asked for at the last re-grid check
+
+    def add(self, prompt: Sequence[int], slot: int, u: torch.Tensor, cap: int) -> None:
+        self.keys.append(self.distinct.setdefault((int(slot), tuple(prompt)), len(self.distinct)))
+        self.prompts.append(prompt)
+        self.slots.append(int(slot))
+        self.u.append(u)
+        self.caps.append(cap)
+        self.left[self.keys[-1]] += 1
+        self.waiting.append(len(self.out))
+        self.out.append(None)
 
 
 class Decoder:
@@ -189,6 +222,7 @@ class Decoder:
         self.out_lp = torch.zeros(batch, steps + 1, device=dev)
         self.col = torch.zeros(batch, dtype=torch.long, device=dev)  # tokens written per row
         self.done = torch.ones(batch, dtype=torch.bool, device=dev)
+        self.cap = torch.full((batch,), steps, dtype=torch.long, device=dev)  # each row's
         self.eos = torch.tensor(list(eos_ids), dtype=torch.long, device=dev)
         self.use_graph = cuda_graph and dev.type == "cuda" and steps > 3
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # per (rows, width)
@@ -197,6 +231,7 @@ class Decoder:
         self._compiled = False
         self.refills = 0  # prompts admitted into a row that an earlier prompt had used
         self.shared = 0  # prompts whose cache rows were copied from an identical prompt's
+        self.regrids = 0  # times the cache was re-sized to the rows left (`run`'s feed)
         self.widths: set[int] = set()  # widths the decode step ran at
         self.row_counts: set[int] = set()  # row counts the decode step ran over
         # where a run's wall time went: prefills (admissions), graph captures and compiles,
@@ -220,6 +255,9 @@ class Decoder:
         check_every: int = 8,
         refill: bool = True,
         admit_min: int = 1,
+        feed: Feed | None = None,
+        fit: Fit | None = None,
+        caps: Sequence[int] | None = None,
     ) -> list[Result]:
         """Each prompt's (tokens, logprobs, stopped by stop_fn), admitted in the given order.
 
@@ -231,16 +269,26 @@ class Decoder:
         over the whole batch. With refills, waiting prompts are admitted once `admit_min` rows
         are free, or once every waiting prompt fits, or when no row runs: fewer, larger
         prefills. When a row is admitted changes none of its results.
+
+        `caps`: each prompt's cap on new tokens (default max_new_tokens). `feed` adds prompts
+        while the batch runs, each with its own cap; the results of all, the added ones after
+        `prompts`, come back in order. Added prompts too long for this cache wait. Once the
+        feed has no more to add, the decoder re-grids to the cache length the rows left need
+        when `fit` gives more rows at that length, or when a waiting prompt needs a longer
+        cache (the running rows move over with their cache): short answers that started in
+        the cache of long proposals get the batch their own cache allows.
         """
         steps = self.params.max_new_tokens
-        if max(len(p) for p in prompts) + steps - 1 > self.length:
-            raise ValueError(f"a prompt + {steps} new tokens do not fit a cache of {self.length}")
-        distinct: dict[tuple[int, tuple[int, ...]], int] = {}
-        keys = [distinct.setdefault((int(s), tuple(p)), len(distinct))
-                for p, s in zip(prompts, slots, strict=True)]
+        caps = [steps] * len(prompts) if caps is None else list(caps)
+        if any(len(p) + c - 1 > self.length for p, c in zip(prompts, caps, strict=True)):
+            raise ValueError(f"a prompt + its new tokens do not fit a cache of {self.length}")
+        if feed is not None and not refill:
+            raise ValueError("a decoder with a feed refills its rows (refill=True)")
         b = self.batch
-        q = _Queue(prompts, slots, u, keys, deque(range(len(prompts))), [-1] * b, [False] * b,
-                   [0] * b, [[] for _ in range(b)], Counter(keys), {}, [None] * len(prompts))
+        q = _Queue([], [], [], [], [], {}, deque(), [-1] * b, [False] * b, [0] * b,
+                   [[] for _ in range(b)], Counter(), {}, [], feed, self.length + 1)
+        for p, s, row_u, c in zip(prompts, slots, u, caps, strict=True):
+            q.add(p, s, torch.nn.functional.pad(row_u, (0, steps - len(row_u))), c)
         self.done.fill_(True)
         self.rows = self.kv.rows = self.batch
         if hasattr(self.bank, "sync_caches"):
@@ -251,18 +299,8 @@ class Decoder:
             n, step = 0, self._step
             while True:
                 if n % check_every == 0:  # also right after the first prefill
-                    self._collect(q, stop_fn)
-                    free = [r for r in range(self.rows) if q.owner[r] < 0]
-                    if not refill:  # static: the next batch once every row is free
-                        free = free if len(free) == b else []
-                    elif len(free) < min(admit_min, len(q.waiting)) and len(free) < b:
-                        free = []  # too few rows for a prefill of its own yet
-                    if free and q.waiting:
-                        self._timed("prefill_s", self._admit, q, free)
-                    if all(o < 0 for o in q.owner):
+                    if not self._check(q, stop_fn, refill, admit_min, fit):
                         break
-                    if refill and not q.waiting and self.compiled is None:
-                        self._shrink(q)
                     step = self._at_width(self._need(q, check_every))
                 step()
                 n += 1
@@ -270,6 +308,113 @@ class Decoder:
         self.timing["steps"] += n
         self.timing["run_s"] += time.perf_counter() - t0
         return [o for o in q.out if o is not None]
+
+    def _check(self, q: _Queue, stop_fn: StopFn | None, refill: bool, admit_min: int,
+               fit: Fit | None) -> bool:
+        """A host check: collect finished rows, take what the feed adds, re-grid, admit
+        waiting prompts, shrink the tail. False once every prompt is done."""
+        finished, wait = self._collect(q, stop_fn), False
+        while True:
+            if q.feed is not None:  # waits only once nothing runs and nothing it has fits
+                self._pull(q, finished, wait)
+                finished = []
+            if q.feed is None and fit is not None:
+                idle = all(o < 0 for o in q.owner)
+                self._regrid_if_better(q, fit, must=idle and not self._fitting(q))
+            free = [r for r in range(self.rows) if q.owner[r] < 0]
+            if not refill:  # static: the next batch once every row is free
+                free = free if len(free) == self.batch else []
+            elif len(free) < min(admit_min, len(q.waiting)) and len(free) < self.batch:
+                free = []  # too few rows for a prefill of its own yet
+            if free and q.waiting:
+                self._timed("prefill_s", self._admit, q, free)
+            if any(o >= 0 for o in q.owner):
+                break
+            if not q.waiting and q.feed is None:
+                return False
+            if q.waiting and q.feed is None and fit is None:
+                raise ValueError("a prompt + its new tokens do not fit a cache of "
+                                 f"{self.length} and no re-grid was allowed")
+            wait = True
+        if refill and not q.waiting and q.feed is None and self.compiled is None:
+            self._shrink(q)
+        return True
+
+    def _pull(self, q: _Queue, finished: list[int], wait: bool) -> None:
+        """Pass the finished prompts' results to the feed and queue the prompts it adds."""
+        assert q.feed is not None
+        t0 = time.perf_counter()
+        rows = q.feed([(i, r) for i in finished if (r := q.out[i]) is not None], wait)
+        self.timing["feed_wait_s" if wait else "feed_s"] += time.perf_counter() - t0
+        if rows is None:
+            q.feed = None
+            return
+        steps = self.params.max_new_tokens
+        for row in rows:
+            if not 1 <= row.cap <= steps or row.u.shape != (row.cap,):
+                raise ValueError(f"an added prompt asks for {row.cap} new tokens with "
+                                 f"{tuple(row.u.shape)} uniforms; this decoder runs {steps}")
+            q.add(row.prompt, row.slot, torch.nn.functional.pad(row.u, (0, steps - row.cap)),
+                  row.cap)
+
+    def _fits(self, q: _Queue, i: int) -> bool:
+        return len(q.prompts[i]) + q.caps[i] - 1 <= self.length
+
+    def _fitting(self, q: _Queue) -> bool:
+        """Whether some waiting prompt fits this cache."""
+        return any(self._fits(q, i) for i in q.waiting)
+
+    def _regrid_if_better(self, q: _Queue, fit: Fit, must: bool) -> None:
+        """Once nothing more will be added: if the running and waiting rows need a shorter
+        cache (or a longer one: `must`, when none of them fits this one) and `fit` gives more
+        rows at that length, re-grid."""
+        rows = [i for i in q.owner if i >= 0] + list(q.waiting)
+        if not rows:
+            return
+        need = max(len(q.prompts[i]) + q.caps[i] - 1 for i in rows)
+        need = -(-need // 64) * 64
+        if need >= q.need and not must:
+            return  # checked at this length already
+        q.need = need
+        live = sum(i >= 0 for i in q.owner)
+        batch = fit(len(rows), need, self.kv.nbytes)
+        if must or (batch > self.batch and live <= batch):
+            self._regrid(q, batch, need)
+
+    def _regrid(self, q: _Queue, batch: int, length: int) -> None:
+        """Re-size the cache and the step's buffers to `batch` rows x `length` positions; the
+        running rows move to the front with their cache, uniforms and outputs (their results
+        are those they would get in place), and the graphs are captured again."""
+        live = [b for b in range(self.batch) if q.owner[b] >= 0]
+        written = max((len(q.prompts[q.owner[b]]) + q.cols[b] for b in live), default=0)
+        self.graphs.clear()  # their pool goes with them
+        self._pool = None
+        self._compiled = False
+        self.kv.regrid(batch, length, live, min(written, self.length, length))
+        src = torch.tensor(live, dtype=torch.long, device=self.tok.device)
+
+        def moved(buf: torch.Tensor, fill: float | bool) -> torch.Tensor:
+            new = buf.new_full((batch, *buf.shape[1:]), fill)
+            new[: len(live)] = buf[src]
+            return new
+
+        self.tok, self.slots, self.col, self.cap = (moved(x, 0) for x in (
+            self.tok, self.slots, self.col, self.cap))
+        self.u, self.out_tok, self.out_lp = (moved(x, 0) for x in (
+            self.u, self.out_tok, self.out_lp))
+        self.done = moved(self.done, True)
+        pad = batch - len(live)
+        q.owner = [q.owner[b] for b in live] + [-1] * pad
+        q.cols = [q.cols[b] for b in live] + [0] * pad
+        q.toks = [q.toks[b] for b in live] + [[] for _ in range(pad)]
+        q.used = [True] * len(live) + [False] * pad
+        self.batch = self.rows = self.kv.rows = batch
+        self.length = self.width = self.kv.width = length
+        if self.width_step > length or self.own_rows or self.compiled is not None:
+            self.width_step = length
+        self.regrids += 1
+        if self.bank is not None:
+            self.bank.set_slot_ids_(self.slots)
 
     def _timed(self, key: str, fn: Callable[..., Any], *args: Any) -> None:
         """`fn(*args)`, its wall time (to the end of its GPU work) added to `timing[key]`."""
@@ -301,7 +446,7 @@ class Decoder:
             dev = self.tok.device
             src, dst = torch.tensor(movers, device=dev), torch.tensor(holes, device=dev)
             for buf in (self.tok, self.slots, self.u, self.out_tok, self.out_lp, self.col,
-                        self.done, self.kv.pos):
+                        self.cap, self.done, self.kv.pos):
                 buf[dst] = buf[src]
             written = max(len(q.prompts[q.owner[b]]) + q.cols[b] for b in movers)
             self.kv.copy_rows(holes, movers, min(written, self.length))
@@ -326,8 +471,8 @@ class Decoder:
         graph = self.graph
         return self._step if graph is None else graph.replay
 
-    def _collect(self, q: _Queue, stop_fn: StopFn | None) -> None:
-        """Move finished rows' results to `q.out` and free their rows."""
+    def _collect(self, q: _Queue, stop_fn: StopFn | None) -> list[int]:
+        """Move finished rows' results to `q.out` and free their rows; the prompts finished."""
         done, q.cols = self.done.tolist(), self.col.tolist()
         owned = [b for b in range(self.batch) if q.owner[b] >= 0]
         keep = {b: (q.cols[b], False) for b in owned if done[b]}
@@ -342,17 +487,19 @@ class Decoder:
             if stops:
                 self.done[torch.tensor(stops, device=self.done.device)] = True
         if not keep:
-            return
+            return []
         rows = sorted(keep)
         width = max(n for n, _ in keep.values())
         idx = torch.tensor(rows, device=self.out_tok.device)
         toks = self.out_tok[:, :width].index_select(0, idx).cpu()
         lps = self.out_lp[:, :width].index_select(0, idx).cpu()
+        finished = [q.owner[b] for b in rows]
         for j, b in enumerate(rows):
             n, stopped = keep[b]
             q.out[q.owner[b]] = (toks[j, :n].tolist(), lps[j, :n].tolist(), stopped)
             q.owner[b] = -1
             q.toks[b] = []
+        return finished
 
     def _fetch_tokens(self, q: _Queue, owned: list[int]) -> None:
         """Append to each owned row's host tokens only the columns written since the last
@@ -372,7 +519,11 @@ class Decoder:
         """Start the next waiting prompts in the free rows: each distinct (slot, prompt) is
         prefilled once, in this admission or (while its row still runs) an earlier one; its
         copies get its cache rows and first-token logits."""
-        take = [q.waiting.popleft() for _ in range(min(len(free), len(q.waiting)))]
+        if all(self._fits(q, i) for i in q.waiting):
+            take = [q.waiting.popleft() for _ in range(min(len(free), len(q.waiting)))]
+        else:  # those too long for this cache wait for a re-grid, in order
+            take = [i for i in q.waiting if self._fits(q, i)][: len(free)]
+            q.waiting = deque(i for i in q.waiting if i not in set(take))
         if not take:
             return
         rows = free[: len(take)]
@@ -413,8 +564,9 @@ class Decoder:
                 q.first[k] = logits[j].clone()  # for copies admitted later
             else:
                 q.first.pop(k, None)
-        self._start(rows, logits, q.u[take], [len(q.prompts[i]) for i in take],
-                    [q.slots[i] for i in take])
+        self._start(rows, logits, torch.stack([q.u[i] for i in take]),
+                    [len(q.prompts[i]) for i in take], [q.slots[i] for i in take],
+                    [q.caps[i] for i in take])
 
     def prefill(
         self,
@@ -425,7 +577,8 @@ class Decoder:
     ) -> None:
         """Fill cache `rows` with `prompts` (chunked) and sample each row's first token."""
         logits = self._prefill(prompts, slots, rows)
-        self._start(rows, logits, u, [len(p) for p in prompts], slots)
+        self._start(rows, logits, u, [len(p) for p in prompts], slots,
+                    [self.params.max_new_tokens] * len(rows))
 
     def _prefill(
         self, prompts: Sequence[Sequence[int]], slots: Sequence[int], rows: Sequence[int]
@@ -473,17 +626,21 @@ class Decoder:
         u: torch.Tensor,
         lengths: Sequence[int],
         slots: Sequence[int],
+        caps: Sequence[int],
     ) -> None:
         """Sample the first token of prompts (of `lengths`, prefilled into `rows`, `logits`
-        after their last token) and set the rows' decode state; the routing follows."""
-        dev, steps = self.tok.device, self.params.max_new_tokens
+        after their last token, at most `caps` new tokens) and set the rows' decode state;
+        the routing follows."""
+        dev = self.tok.device
         at = torch.tensor(list(rows), device=dev)
         u = u.to(dev)
         tok, lp = sample(logits, u[:, 0], self.params.temperature, self.params.top_p)
+        cap = torch.tensor(list(caps), device=dev)
         self.u[at] = u
         self.out_tok[at, 0] = tok
         self.out_lp[at, 0] = lp
-        self.done[at] = torch.isin(tok, self.eos) | (steps == 1)
+        self.done[at] = torch.isin(tok, self.eos) | (cap == 1)
+        self.cap[at] = cap
         self.col[at] = 1
         self.tok[at] = tok
         self.kv.pos[at] = torch.tensor(list(lengths), device=dev)
@@ -512,7 +669,7 @@ class Decoder:
         self.out_tok[:n].scatter_(1, at, tok.view(-1, 1))
         self.out_lp[:n].scatter_(1, at, lp.view(-1, 1))
         col += ~done
-        done |= torch.isin(tok, self.eos) | (col >= steps)
+        done |= torch.isin(tok, self.eos) | (col >= self.cap[:n])
         pos += ~done
         self.tok[:n].copy_(tok)
 

@@ -12,14 +12,14 @@ low precision.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, Protocol
 
 import torch
 
 from lorapop.engine.decode_attention import Kernel
-from lorapop.engine.decoder import Decoder, StopFn
+from lorapop.engine.decoder import Decoder, Result, Row, StopFn
 from lorapop.engine.memory import fit_batch, free_memory
 from lorapop.engine.sampling import SamplingParams, row_uniforms
 
@@ -42,6 +42,32 @@ class Generation:
     text: str
     logprobs: list[float]
     finish: Finish
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A prompt a `Feed` adds to a running `generate`: its ids, adapter slot, cap on new
+    tokens, and the (seed, key) its random stream comes from."""
+
+    ids: str | Sequence[int]
+    slot: int
+    max_new_tokens: int
+    seed: int
+    key: int
+
+
+class Feed(Protocol):
+    """Prompts that `generate` takes into its running batch as they become known (the
+    answers of a proposal once it is verified, while other proposals still decode)."""
+
+    #: the most new tokens an added prompt asks for (sizes the decoder's buffers)
+    max_new_tokens: int
+
+    def __call__(self, done: dict[int, Generation], wait: bool) -> list[Prompt] | None:
+        """Given the generations finished since the last call (by index), the prompts to add
+        (their indices follow the last one's), [] if none yet, None once none will come.
+        `wait`: nothing else is left to run; return only once some come or none will."""
+        ...
 
 
 class KeptDecoders:
@@ -136,6 +162,7 @@ def generate(
     row_keys: Sequence[int] | None = None,
     stop_fn: StopFn | None = None,
     timing: dict[str, float] | None = None,
+    feed: Feed | None = None,
 ) -> list[Generation]:
     """Sample one completion per prompt, prompt i under adapter slot `slot_ids[i]`, as `spec`
     says (default `GenerateSpec()`).
@@ -148,9 +175,15 @@ def generate(
     may end prompt i early (it returns how many tokens to keep; `tokens` is read-only), on top
     of EOS and `spec.params.stop`.
 
+    `feed` adds prompts while these decode (`Feed`); they are returned after `prompts`, in
+    the order added, each sampled as it would be in a call of its own (its (seed, key), its
+    cap). The batch starts at the size these prompts' cache allows and is re-sized once the
+    feed is done, to what the rows left allow (`Decoder.run`). Not with `spec.decoders`.
+
     `timing`, if given, receives where the time went: `batch` (rows decoding at once),
     `prefill_s`, `capture_s` (CUDA graphs, compiles), `decode_s` (the steps and host checks),
-    `steps` and `row_steps` (steps times the rows each ran over).
+    `steps` and `row_steps` (steps times the rows each ran over), `feed_s` (in the feed,
+    while rows waited) and `regrids`.
     """
     spec = spec or GenerateSpec()
     params, batch_size, compile = spec.params, spec.batch_size, spec.compile
@@ -163,6 +196,8 @@ def generate(
         raise ValueError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
     if spec.admit_min < 1:
         raise ValueError(f"admit_min must be >= 1, got {spec.admit_min}")
+    if feed is not None and (decoders is not None or not refill):
+        raise ValueError("a feed needs refills and no kept decoders")
     if not ids:
         return []
     eos = _eos_ids(model, tokenizer, params)
@@ -181,15 +216,26 @@ def generate(
     key = (id(model), id(bank), want, length, params.max_new_tokens, params.temperature,
            params.top_p, tuple(eos), cuda_graph, compile, prefill_tokens, spec.attention)
     decoder = decoders.get(key) if decoders is not None else None
+    # a feed's rows may ask for more new tokens than these prompts: buffers for the most
+    dparams = params if feed is None else replace(
+        params, max_new_tokens=max(steps, feed.max_new_tokens))
+
+    def fit(rows: int, at: int, freed: int = 0) -> int:
+        """Rows of `at` positions that fit the memory free plus `freed` bytes."""
+        budget = memory_budget if memory_budget is not None else free_memory(model)
+        if memory_budget is None and budget is not None:
+            budget += freed  # what the decoder's cache gives back (a set budget counts it)
+        batch = fit_batch(model, min(rows, batch_size or rows), at,
+                          dparams.max_new_tokens, prefill_tokens, budget)
+        if compile and batch < rows:
+            batch = 1 << (batch.bit_length() - 1)  # a bucket that still fits
+        return batch
+
     if decoder is None:
         if decoders is not None:
             decoders.make_room()  # before sizing: a dropped decoder's cache is free memory
-        budget = memory_budget if memory_budget is not None else free_memory(model)
-        batch = fit_batch(model, want, length, steps, prefill_tokens, budget)
-        if compile and batch < want:
-            batch = 1 << (batch.bit_length() - 1)  # a bucket that still fits
-        decoder = Decoder(model, bank, batch, length, params, eos, cuda_graph, compile,
-                          prefill_tokens, attention=spec.attention)
+        decoder = Decoder(model, bank, fit(want, length), length, dparams, eos, cuda_graph,
+                          compile, prefill_tokens, attention=spec.attention)
         if decoders is not None:
             decoders.add(key, decoder)
     before = Counter(decoder.timing)
@@ -203,13 +249,18 @@ def generate(
         _CHECK_EVERY,
         refill,
         spec.admit_min,
+        feed=None if feed is None else _rows_of(feed, model, bank, tokenizer, ids, order,
+                                                eos, params),
+        fit=None if feed is None else fit,
+        caps=[steps] * len(ids),
     )
     if timing is not None:  # this call's share of the decoder's clock
         t = Counter(decoder.timing)
         t.subtract(before)
         timing.update(batch=decoder.batch, prefill_s=t["prefill_s"], capture_s=t["capture_s"],
-                      decode_s=t["run_s"] - t["prefill_s"] - t["capture_s"],
-                      steps=t["steps"], row_steps=t["row_steps"])
+                      decode_s=t["run_s"] - t["prefill_s"] - t["capture_s"] - t["feed_wait_s"],
+                      steps=t["steps"], row_steps=t["row_steps"],
+                      feed_s=t["feed_s"] + t["feed_wait_s"], regrids=decoder.regrids)
     if decoders is None:
         del decoder  # its cache and graph pool go back before the caller's next phase
         if next(model.parameters()).device.type == "cuda":
@@ -218,6 +269,33 @@ def generate(
     for i, (toks, lps, stopped) in zip(order, results, strict=True):
         out[i] = _finish(tokenizer, ids[i], toks, lps, eos, params, stopped)
     return [g for g in out if g is not None]
+
+
+def _rows_of(feed: Feed, model: Any, bank: Any, tokenizer: Any, ids: list[list[int]],
+             order: list[int], eos: list[int], params: SamplingParams
+             ) -> Callable[[list[tuple[int, Result]], bool], list[Row] | None]:
+    """The decoder's feed: finished rows to `Generation`s for `feed`, its prompts to rows.
+    `ids` and `order` (decoder index -> prompt index) grow with the added prompts."""
+
+    def pull(finished: list[tuple[int, Result]], wait: bool) -> list[Row] | None:
+        done = {order[j]: _finish(tokenizer, ids[order[j]], toks, lps, eos, params, stopped)
+                for j, (toks, lps, stopped) in finished}
+        added = feed(done, wait)
+        if added is None:
+            return None
+        new = [_encode(tokenizer, [p.ids])[0] for p in added]
+        for p, x in zip(added, new, strict=True):
+            _check(model, bank, tokenizer, [x], [p.slot], [p.key],
+                   replace(params, max_new_tokens=p.max_new_tokens), None)
+        rows = []
+        for p, x in zip(added, new, strict=True):
+            order.append(len(ids))
+            ids.append(x)
+            rows.append(Row(x, int(p.slot), row_uniforms(p.seed, [p.key], p.max_new_tokens)[0],
+                            p.max_new_tokens))
+        return rows
+
+    return pull
 
 
 def _either(stops: StopFn | None, user: StopFn | None, order: list[int]) -> StopFn | None:

@@ -100,6 +100,22 @@ class StaticKV:
         for cache in (*self.k, *self.v):
             cache[d, :, :width] = cache[s, :, :width]
 
+    def regrid(self, batch: int, length: int, rows: list[int], width: int) -> None:
+        """Re-size to `batch` rows of `length` positions, new row j holding old row `rows[j]`'s
+        positions [0, width) and position. One layer at a time, each old layer freed as its
+        new one is filled: the peak is the old cache and one new layer, not both caches."""
+        src = torch.tensor(rows, dtype=torch.long, device=self.pos.device)
+        n = len(rows)
+        for cache in (self.k, self.v):
+            for i, old in enumerate(cache):
+                new = old.new_zeros(batch, old.shape[1], length, old.shape[3])
+                new[:n, :, :width] = old[src, :, :width]
+                cache[i] = new
+            del old
+        pos = self.pos.new_zeros(batch)
+        pos[:n] = self.pos[src]
+        self.pos, self.rows, self.length, self.width = pos, batch, length, length
+
 
 _active: StaticKV | None = None
 
