@@ -207,6 +207,14 @@ class SamplingConfig(Section):
     """Decode attention. auto: on CUDA in bf16/fp16 a Triton kernel that reads only each row's
     own cached positions (lorapop.engine.decode_attention); elsewhere, and with sdpa, SDPA over
     the batch's attention width with a per-row mask (the reference, for comparison)."""
+    overlap: bool = True
+    """One continuous batch for the proposal, verification and solving phases: proposals are
+    verified (on the sandbox's workers) as they finish, and the answers of each valid one
+    join the batch while other proposals still decode, so rows that would idle in the
+    proposals' tail answer instead; once every proposal is verified the batch re-sizes its
+    cache to the answers'. Each row's samples are those of the phases run one after the
+    other (its own seed and key). Off: the phases in turn. Used alone on one process without
+    kept decoders (`keep_decoders` 0, no torchrun); otherwise the phases run in turn."""
     keep_decoders: int = Field(0, ge=0)
     """Keep the decoders (KV caches and CUDA graphs) of this many generation shapes from one
     phase and step to the next, so each shape's graphs are captured once per run instead of at
@@ -377,7 +385,8 @@ class Config(Section):
 
 SAFE_ON_RESUME = ("run.", "train.steps", "verify.workers", "model.device",
                   "sampling.batch_size", "sampling.prefill_tokens", "sampling.compile",
-                  "sampling.cuda_graph", "sampling.keep_decoders", "train.kl_rows")
+                  "sampling.cuda_graph", "sampling.keep_decoders", "sampling.overlap",
+                  "sampling.admit_min", "train.kl_rows")
 """Keys (or `prefix.`es) a `--resume` may change: where files go and how often, how long to
 train, and knobs that change speed or memory but not what is computed on CPU (a GPU run's
 batch size may change its rounding). Any other difference from the checkpoint's config is

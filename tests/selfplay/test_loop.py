@@ -19,7 +19,9 @@ from lorapop.run.checkpoint import latest_checkpoint
 from lorapop.run.report import write_report
 from lorapop.selfplay.loop import SelfPlay, _Clock
 from lorapop.selfplay.records import without_timings
-from lorapop.tasks.task import Outcome
+from lorapop.tasks.code import ProgramInputFamily
+from lorapop.tasks.code_f import CodeF
+from lorapop.tasks.task import Outcome, Task, Validity
 
 FAST = [
     "tasks.types=[code_o, code_i, code_f]", "tasks.code_f_inputs=4", "tasks.references=1",
@@ -376,4 +378,43 @@ def test_kept_decoders_leave_the_run_as_it_was(tmp_path):
     finally:
         sp.close()
     for got, ref in zip(_rows(tmp_path / "kept"), want, strict=True):
+        assert _difference(got, ref) is None, _difference(got, ref)
+
+
+def _verify_by_length(self, texts, runner, *, bases=None, teachers=None, step=None):
+    """A verdict from the text alone (a random model writes no valid task): even lengths give
+    an identity task on inputs drawn from the text."""
+    who = teachers or [None] * len(texts)
+    out = []
+    for t, w in zip(texts, who, strict=True):
+        ins = tuple(repr(len(t) + k) for k in range(2 if self.name == "code_f" else 1))
+        task = Task(self.name, "def f(x):\n    return x", ins, ins, "It returns its input.", w, step)
+        out.append(Validity(True, task=task) if len(t) % 2 == 0 else Validity(False, "odd"))
+    return out
+
+
+def test_overlapped_rollouts_equal_the_phases_in_turn(tmp_path, monkeypatch):
+    """One continuous batch for proposals and answers (the answers to a valid proposal start
+    once it is verified, the buffer's at the end, the cache re-sized to the answers' then)
+    gives the records of the phases run one after the other: proposals, verdicts, buffers,
+    answers, grades, update. The step keeps its five phases; the rollouts' generation
+    reports its re-grids."""
+    for cls in (ProgramInputFamily, CodeF):
+        monkeypatch.setattr(cls, "verify", _verify_by_length)
+    cfg = ["sampling.teacher_max_new_tokens=24", "sampling.student_max_new_tokens=24",
+           "tasks.answers_per_task=4", "tasks.fill_from_buffer=true"]
+    want = _run(_cfg(*cfg, "sampling.overlap=false"), tmp_path / "phases", 2)
+    assert all(m["answers"] for r in want for m in r["matchups"])  # own tasks were answered
+    sp = SelfPlay(_cfg(*cfg), tmp_path / "overlap")
+    try:
+        assert sp._overlaps()
+        sp.run(2)
+    finally:
+        sp.close()
+    raw = [json.loads(x) for x in (tmp_path / "overlap" / "metrics.jsonl").read_text().splitlines()]
+    for row in raw:
+        assert {"matchmaking", "proposal", "verification", "solving", "update"} <= set(row["phase_s"])
+        assert set(row["generation"]) == {"rollouts"}
+        assert row["generation"]["rollouts"]["regrids"] >= 1  # to the answers' batch
+    for got, ref in zip(_rows(tmp_path / "overlap"), want, strict=True):
         assert _difference(got, ref) is None, _difference(got, ref)

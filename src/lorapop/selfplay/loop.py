@@ -41,6 +41,7 @@ from lorapop.lora import evolve
 from lorapop.rl import RewardScheme, solve_rate, solve_rates, student_reward, teacher_reward
 from lorapop.run.checkpoint import load_checkpoint, resume_point, save_checkpoint, truncate_jsonl
 from lorapop.run.rollouts import step_records, write_records
+from lorapop.selfplay.overlap import AnswerAsk, AnswerFeed, answer_key
 from lorapop.selfplay.parts import build, derive_seed, load_state, save_state
 from lorapop.selfplay.records import (
     Attempt,
@@ -152,12 +153,15 @@ class SelfPlay:
         clock = _Clock()
         with clock.phase("matchmaking"):
             pairs = self.matchmaking(s)
-        with clock.phase("proposal"):
-            proposals = self.proposal(s, clock)
-        with clock.phase("verification"):
-            verification = self.verification(s, proposals)
-        with clock.phase("solving"):
-            attempts = self.solving(s, pairs, proposals, verification.validities, clock)
+        if self._overlaps():
+            proposals, verification, attempts = self.rollouts(s, pairs, clock)
+        else:
+            with clock.phase("proposal"):
+                proposals = self.proposal(s, clock)
+            with clock.phase("verification"):
+                verification = self.verification(s, proposals)
+            with clock.phase("solving"):
+                attempts = self.solving(s, pairs, proposals, verification.validities, clock)
         with clock.phase("update"), self._update_kernels():
             update = self.update(pairs, proposals, verification.validities, attempts)
         difficulty = None
@@ -201,6 +205,14 @@ class SelfPlay:
 
     def proposal(self, step: int, clock: _Clock) -> list[Proposal]:
         """Each teacher writes `proposals_per_type` tasks of each type, shown K references."""
+        asks, prompts = self._proposal_asks(step)
+        gens = self._generate(prompts, [teacher for teacher, _, _ in asks],
+                              self.cfg.sampling.teacher_max_new_tokens,
+                              derive_seed(self.cfg.seed, step, "proposal"), clock)
+        return _proposals(asks, gens)
+
+    def _proposal_asks(self, step: int) -> tuple[list[tuple[str, str, Task | None]], list[str]]:
+        """(teacher, type, base) and the prompt of each proposal to write."""
         rng = _rng(self.cfg.seed, step, "proposal")
         asks, prompts = [], []  # (teacher, type, base) of each proposal to write
         for teacher in self.parts.teachers:
@@ -210,68 +222,145 @@ class SelfPlay:
                     base = self._base_program(t, rng) if fam.needs_base else None
                     asks.append((teacher, t, base))
                     prompts.append(fam.teacher_prompt(refs, base))
-        gens = self._generate(prompts, [teacher for teacher, _, _ in asks],
-                              self.cfg.sampling.teacher_max_new_tokens,
-                              derive_seed(self.cfg.seed, step, "proposal"), clock)
-        return [Proposal(teacher, t, base, _rollout(teacher, "teacher", t, g))
-                for (teacher, t, base), g in zip(asks, gens, strict=True)]
+        return asks, prompts
 
     def verification(self, step: int, proposals: list[Proposal]) -> Verification:
         """The sandbox judges every proposal; valid tasks enter their type's buffer and, where
         the teacher wrote the program (not code_f's, from the buffer), its coverage count."""
-        validity: dict[int, Validity] = {}  # proposal index -> its verdict
-        coverage = {}
+        return self._admit_tasks([p.type for p in proposals],
+                                 self._verdicts(step, dict(enumerate(proposals))))
+
+    def _verdicts(self, step: int, proposals: dict[int, Proposal]) -> dict[int, Validity]:
+        """Each proposal's verdict, by its index (a proposal's verdict depends on it alone)."""
+        validity: dict[int, Validity] = {}
         for t, fam in self.parts.families.items():
-            mine = [i for i, p in enumerate(proposals) if p.type == t]
+            mine = [i for i, p in proposals.items() if p.type == t]
             if mine:
                 verdicts = self._split(
                     [proposals[i] for i in mine], lambda ps, fam=fam: fam.verify(
                         [p.rollout.text for p in ps], self.parts.sandbox, step=step,
                         bases=[p.base for p in ps], teachers=[p.teacher for p in ps]))
                 validity.update(zip(mine, verdicts, strict=True))
+        return validity
+
+    def _admit_tasks(self, types: list[str], validity: dict[int, Validity]) -> Verification:
+        """The valid tasks (of proposals of `types`) enter their type's buffer (in proposal
+        order, type by type) and the coverage counts."""
+        coverage = {}
+        for t in self.parts.families:
+            mine = [i for i, type_ in enumerate(types) if type_ == t]
             tasks = [v.task for i in mine if (v := validity[i]).valid and v.task is not None]
             for task in tasks:
                 self.parts.buffers[t].add(task)
             cov = self.parts.coverage.get(t)
             coverage[t] = None if cov is None else cov.update(task.program for task in tasks)
-        return Verification([validity[i] for i in range(len(proposals))], coverage,
+        return Verification([validity[i] for i in range(len(types))], coverage,
                             {t: len(b) for t, b in self.parts.buffers.items()})
 
     def solving(self, step: int, pairs: list[tuple[str, str]], proposals: list[Proposal],
                 validities: list[Validity], clock: _Clock) -> list[Attempt]:
         """Each matched student answers each valid task of its teacher n times."""
+        asks = self._answer_asks(step, pairs, [p.teacher for p in proposals], validities)
+        gens = self._generate([a.prompt for a in asks], [a.student for a in asks],
+                              self.cfg.sampling.student_max_new_tokens,
+                              derive_seed(self.cfg.seed, step, "solving"), clock,
+                              keys=[a.key for a in asks])
+        return self._attempts(asks, gens)
+
+    def _answer_asks(self, step: int, pairs: list[tuple[str, str]], teachers: list[str],
+                     validities: list[Validity]) -> list[AnswerAsk]:
+        """The answers to write, in the step's order: pair by pair, its teacher's valid tasks
+        in proposal order and then those filled from the buffer, n answers each. Each keeps a
+        key of (pair, task, n) alone (`answer_key`), so its sample does not depend on the
+        other answers (nor on when it starts)."""
         rng = _rng(self.cfg.seed, step, "solving")
-        per_teacher: dict[str, list[tuple[Task, bool]]] = defaultdict(list)
-        for p, v in zip(proposals, validities, strict=True):
+        per_teacher: dict[str, list[tuple[Task, int | None]]] = defaultdict(list)
+        for i, (teacher, v) in enumerate(zip(teachers, validities, strict=True)):
             if v.valid and v.task is not None:
-                per_teacher[p.teacher].append((v.task, True))
+                per_teacher[teacher].append((v.task, i))
         if self.cfg.tasks.fill_from_buffer:
             want = self.cfg.tasks.proposals_per_type
             for teacher in self.parts.teachers:
                 for t in self.parts.families:
                     have = sum(task.type == t for task, _ in per_teacher[teacher])
                     fill = self.parts.buffers[t].sample(max(0, want - have), rng)
-                    per_teacher[teacher].extend((task, False) for task in fill)
-        asks, prompts = [], []  # (teacher, student, task, own) of each answer to write
-        for teacher, student in pairs:
-            for task, own in per_teacher[teacher]:
+                    per_teacher[teacher].extend((task, None) for task in fill)
+        n, asks = self.cfg.tasks.answers_per_task, []
+        for pair, (teacher, student) in enumerate(pairs):
+            filled = 0
+            for task, proposal in per_teacher[teacher]:
                 prompt = self.parts.families[task.type].student_prompt(task)
-                for _ in range(self.cfg.tasks.answers_per_task):
-                    asks.append((teacher, student, task, own))
-                    prompts.append(prompt)
-        gens = self._generate(prompts, [student for _, student, _, _ in asks],
-                              self.cfg.sampling.student_max_new_tokens,
-                              derive_seed(self.cfg.seed, step, "solving"), clock)
+                index = proposal if proposal is not None else len(teachers) + filled
+                filled += proposal is None
+                asks += [AnswerAsk(teacher, student, task, proposal is not None, prompt,
+                                   answer_key(pair, index, j, len(teachers), n))
+                         for j in range(n)]
+        return asks
+
+    def _attempts(self, asks: list[AnswerAsk], gens: list[Generation]) -> list[Attempt]:
+        """The answers graded (the sandbox runs what a type's check needs)."""
         grade: dict[int, Grade] = {}  # answer index -> its grade
         for t, fam in self.parts.families.items():
-            mine = [i for i, (_, _, task, _) in enumerate(asks) if task.type == t]
+            mine = [i for i, a in enumerate(asks) if a.task.type == t]
             if mine:
                 grades = self._split(mine, lambda ix, fam=fam: fam.check(
-                    [asks[i][2] for i in ix], [gens[i].text for i in ix], self.parts.sandbox))
+                    [asks[i].task for i in ix], [gens[i].text for i in ix], self.parts.sandbox))
                 grade.update(zip(mine, grades, strict=True))
-        return [Attempt(teacher, student, task, own,
-                        _rollout(student, "student", task.type, g), grade[i])
-                for i, ((teacher, student, task, own), g) in enumerate(zip(asks, gens, strict=True))]
+        return [Attempt(a.teacher, a.student, a.task, a.own,
+                        _rollout(a.student, "student", a.task.type, g), grade[i])
+                for i, (a, g) in enumerate(zip(asks, gens, strict=True))]
+
+    def rollouts(self, step: int, pairs: list[tuple[str, str]], clock: _Clock
+                 ) -> tuple[list[Proposal], Verification, list[Attempt]]:
+        """`proposal`, `verification` and `solving` as one continuous batch
+        (`lorapop.selfplay.overlap`): the same records, each row the same samples. The clock
+        keeps the three phases: proposal up to the last proposal's end, verification up to
+        the last verdict, solving the rest (grading included); the generation's own timing
+        is under `rollouts`."""
+        sp, n = self.cfg.sampling, self.cfg.tasks.answers_per_task
+        asks, prompts = self._proposal_asks(step)
+        teachers = [teacher for teacher, _, _ in asks]
+
+        def verify(done: dict[int, Generation]) -> dict[int, Validity]:
+            return self._verdicts(step, dict(zip(done, _proposals([asks[i] for i in done],
+                                                                  list(done.values())),
+                                                 strict=True)))
+
+        def answers_of(i: int, v: Validity) -> list[AnswerAsk]:
+            if not v.valid or v.task is None:
+                return []
+            prompt = self.parts.families[v.task.type].student_prompt(v.task)
+            return [AnswerAsk(teacher, student, v.task, True, prompt,
+                              answer_key(pair, i, j, len(asks), n))
+                    for pair, (teacher, student) in enumerate(pairs) if teacher == teachers[i]
+                    for j in range(n)]
+
+        verification: list[Verification] = []
+
+        def all_answers(verdicts: dict[int, Validity]) -> list[AnswerAsk]:
+            verification.append(self._admit_tasks([t for _, t, _ in asks], verdicts))
+            return self._answer_asks(step, pairs, teachers, verification[0].validities)
+
+        feed = AnswerFeed(len(asks), verify, answers_of, all_answers, self.parts.slot.__getitem__,
+                          derive_seed(self.cfg.seed, step, "solving"), sp.student_max_new_tokens)
+        clock.current = "rollouts"
+        t0 = time.perf_counter()
+        try:
+            gens = self._generate(prompts, teachers, sp.teacher_max_new_tokens,
+                                  derive_seed(self.cfg.seed, step, "proposal"), clock, feed=feed)
+        finally:
+            feed.close()
+        proposals = _proposals(asks, gens[: len(asks)])
+        by_key = dict(zip(feed.fed, gens[len(asks):], strict=True))
+        assert feed.asks is not None
+        attempts = self._attempts(feed.asks, [by_key[a.key] for a in feed.asks])
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        end = time.perf_counter()
+        clock.phase_s.update(proposal=feed.times["proposals"] - t0,
+                             verification=feed.times["verified"] - feed.times["proposals"],
+                             solving=end - feed.times["verified"])
+        return proposals, verification[0], attempts
 
     def update(self, pairs: list[tuple[str, str]], proposals: list[Proposal],
                validities: list[Validity], attempts: list[Attempt]) -> Update:
@@ -305,6 +394,10 @@ class SelfPlay:
         n = len(proposals)
         return Update(teacher_rewards, student_rewards, losses, grad_norms, advs[:n], advs[n:],
                       kl)
+
+    def _overlaps(self) -> bool:
+        """Whether the step's rollouts run as one continuous batch (`sampling.overlap`)."""
+        return self.cfg.sampling.overlap and not self.world.distributed and self.decoders is None
 
     def _measures_difficulty(self, step: int) -> bool:
         """Whether the fixed solver measures at `step`, after the update. A member solver is
@@ -405,12 +498,16 @@ class SelfPlay:
                 for name, i in p.slot.items()}
 
     def _generate(self, prompts: list[str], members: list[str], max_new: int, seed: int,
-                  clock: _Clock, adapters: bool = True, training: bool = True) -> list[Generation]:
+                  clock: _Clock, adapters: bool = True, training: bool = True,
+                  keys: list[int] | None = None, feed: AnswerFeed | None = None
+                  ) -> list[Generation]:
         """Rows split over ranks by expected tokens, copies of one prompt under one member
-        together (they share a prefill); each row keyed by its index in `prompts`, so its
-        sample does not depend on the number of ranks. `adapters=False`: the base model
-        alone on every row. `training=False` (the fixed solver's generation): decoders of its
-        own (kept ones captured the training's adapters), left out of the step's tokens."""
+        together (they share a prefill); each row keyed by `keys` (default: its index in
+        `prompts`), so its sample does not depend on the number of ranks. `adapters=False`:
+        the base model alone on every row. `training=False` (the fixed solver's generation):
+        decoders of its own (kept ones captured the training's adapters), left out of the
+        step's tokens. `feed` (one process only) adds rows as the call runs; they are
+        returned after `prompts`'."""
         sp, p = self.cfg.sampling, self.parts
         params = SamplingParams(temperature=sp.temperature, top_p=sp.top_p,
                                 max_new_tokens=max_new, eos_token_ids=() if sp.ignore_eos else None)
@@ -429,16 +526,21 @@ class SelfPlay:
                                             cuda_graph=sp.cuda_graph,
                                             attention=sp.attention,
                                             decoders=self.decoders if training else None),
-                               row_keys=idx, timing=timing)
+                               row_keys=[idx_keys[i] for i in idx], timing=timing, feed=feed)
             if training:  # tokens_per_s is the training's; the solver's time is its phase's
                 clock.generation_s += time.perf_counter() - t0
             acc = clock.generation.setdefault(clock.current, {})
-            for k in ("prefill_s", "capture_s", "decode_s", "steps"):
+            for k in ("prefill_s", "capture_s", "decode_s", "steps",
+                      *(("feed_s", "regrids") if feed is not None else ())):
                 acc[k] = acc.get(k, 0) + timing.get(k, 0)
             return out
 
-        gens = dist.sharded([len(x) + max_new for x in ids], run, self.world,
-                            together=[(s, x) for s, x in zip(slots, prompts, strict=True)])
+        idx_keys = list(range(len(prompts))) if keys is None else keys
+        if feed is not None:  # the feed's rows come back after these
+            gens = run(list(range(len(prompts))))
+        else:
+            gens = dist.sharded([len(x) + max_new for x in ids], run, self.world,
+                                together=[(s, x) for s, x in zip(slots, prompts, strict=True)])
         if training:
             clock.generated_tokens += sum(len(g.token_ids) for g in gens)
         return gens
@@ -503,6 +605,12 @@ class SelfPlay:
 
     def close(self) -> None:
         self.parts.close()
+
+
+def _proposals(asks: list[tuple[str, str, Task | None]], gens: list[Generation]
+               ) -> list[Proposal]:
+    return [Proposal(teacher, t, base, _rollout(teacher, "teacher", t, g))
+            for (teacher, t, base), g in zip(asks, gens, strict=True)]
 
 
 def _rollout(member: str, role: Role, type_: str, g: Generation) -> Rollout:
