@@ -16,7 +16,9 @@ phase's decode milliseconds per step stand beside their roofline bound (`decode`
 `decode_roofline`). `--skip-update` times the generation phases only (no policy-gradient step),
 `--max-new-tokens N` sets both generation lengths, `--lengths MEDIAN[:SIGMA[:CAP]]`
 makes each row stop at a length drawn from a log-normal (through `generate`'s stop function,
-keyed by call and prompt; EOS stays off), and `--static` decodes static batches (no
+keyed by the row's seed and key; EOS stays off), `--valid F` makes that share of proposals
+valid (`valid_share`; --paper: 0.5) so that answers can start before the last proposal ends
+(`sampling.overlap`), and `--static` decodes static batches (no
 refills: each batch, of the size continuous batching gets from the free memory, runs until
 its slowest row ends), for comparison with continuous batching; `--and-static` runs both in one
 process, the same rows drawing the same lengths. `--update-ab grouped,auto,...` runs the last
@@ -101,36 +103,76 @@ def _patch(name: str, wrap) -> None:
             setattr(mod, name, new)
 
 
+class _WatchedFeed:
+    """A `generate` feed that also tells `added(prompts)` what it adds."""
+
+    def __init__(self, feed, added) -> None:
+        self.feed, self.added, self.max_new_tokens = feed, added, feed.max_new_tokens
+
+    def __call__(self, done, wait):
+        new = self.feed(done, wait)
+        if new:
+            self.added(new)
+        return new
+
+
 def length_stop(median_len: float, sigma: float, cap: int | None):
-    """Per call, a stop function ending prompt i after a log-normal number of tokens."""
-    calls, active = [0], [True]
+    """A stop function ending each row after a log-normal number of tokens drawn from its
+    (seed, key): a row stops at the same length whichever call or batch it runs in (a step's
+    phases in turn or overlapped, the headline or an A/B rerun)."""
+    active = [True]
 
     def wrap(generate):
         @functools.wraps(generate)
         def run(*a, **kw):
             if not active[0]:
                 return generate(*a, **kw)
-            calls[0] += 1
-            call = calls[0]
             spec = a[5] if len(a) > 5 else kw.get("spec") or GenerateSpec()
-            params = spec.params
-            top = min(cap or params.max_new_tokens, params.max_new_tokens)
-
-            def want(i: int) -> int:
-                r = random.Random(f"{call}/{i}").lognormvariate(math.log(median_len), sigma)
-                return max(1, min(top, round(r)))
+            prompts = a[3] if len(a) > 3 else kw["prompts"]
+            keys = kw.get("row_keys") or range(len(prompts))
+            rows = [(spec.seed, k, spec.params.max_new_tokens) for k in keys]
+            if kw.get("feed") is not None:
+                kw["feed"] = _WatchedFeed(kw["feed"], lambda new: rows.extend(
+                    (p.seed, p.key, p.max_new_tokens) for p in new))
 
             def stop(i: int, toks: list[int]) -> int | None:
-                n = want(i)
+                seed, key, top = rows[i]
+                r = random.Random(f"{seed}/{key}").lognormvariate(math.log(median_len), sigma)
+                n = max(1, min(cap or top, top, round(r)))
                 return n if len(toks) >= n else None
 
             return generate(*a, stop_fn=stop, **kw)
 
         return run
 
-    wrap.calls = calls  # reset to 0 to draw a run's lengths again
     wrap.active = active  # [False]: every row runs to max_new_tokens
     return wrap
+
+
+def valid_share(fraction: float) -> None:
+    """Random weights propose nothing valid, so every answer would be to a task filled from the
+    buffer, known only once every proposal is verified. A trained model's proposals are often
+    valid: make each proposal valid with probability `fraction`, drawn from its step and text
+    (the same in every run and mode), its task a buffer task of its type drawn the same way,
+    credited to its teacher. The work per step is unchanged (filling tops each teacher up to
+    the same number of tasks); what changes is when the answers can start."""
+    from lorapop.selfplay.loop import SelfPlay
+    from lorapop.tasks.task import Validity
+
+    original = SelfPlay._verdicts
+
+    def verdicts(self, step, proposals):
+        out = original(self, step, proposals)
+        for i, p in proposals.items():
+            rng = random.Random(f"{step}/{p.rollout.text}/{len(p.rollout.token_ids)}")
+            if not out[i].valid and rng.random() < fraction:
+                picked = self.parts.buffers[p.type].sample(1, rng)
+                if picked:
+                    task = dataclasses.replace(picked[0], teacher=p.teacher, step=step)
+                    out[i] = Validity(True, task=task)
+        return out
+
+    SelfPlay._verdicts = verdicts
 
 
 def static_batches(generate):
@@ -420,7 +462,7 @@ def _phase() -> str | None:
     """The loop phase (`proposal`, `solving`, ...) that called generate, from the stack."""
     frame = sys._getframe(2)
     while frame is not None:
-        if frame.f_code.co_name in ("proposal", "solving", "difficulty"):
+        if frame.f_code.co_name in ("proposal", "solving", "rollouts", "difficulty"):
             return frame.f_code.co_name
         frame = frame.f_back
     return None
@@ -436,17 +478,19 @@ def trace_generate(generate):
     def run(*a, **kw):
         timing = kw.setdefault("timing", {})
         phase = _phase()
+        slots = list(a[4] if len(a) > 4 else kw.get("slot_ids") or [])
+        if kw.get("feed") is not None:  # the slots of the rows it adds count too
+            kw["feed"] = _WatchedFeed(kw["feed"], lambda new: slots.extend(p.slot for p in new))
         t0 = time.perf_counter()
         out = generate(*a, **kw)
         sync_cuda()
         dt = time.perf_counter() - t0
         new = sum(len(g.token_ids) for g in out)
-        slots = a[4] if len(a) > 4 else kw.get("slot_ids")
         reads = sum(len(g.token_ids) * len(g.prompt_ids)
                     + len(g.token_ids) * (len(g.token_ids) - 1) // 2 for g in out)
         GENERATE_CALLS.append({"phase": phase, "rows": len(out), "new_tokens": new, "s": dt,
                                "kv_token_reads": reads,
-                               "slots": len(set(slots)) if slots is not None else None, **timing})
+                               "slots": len(set(slots)) or None, **timing})
         parts = ", ".join(f"{k} {v:.1f}" for k, v in timing.items() if k.endswith("_s"))
         print(f"[generate] {phase}: {len(out)} rows, {new} new tokens in {dt:.1f} s "
               f"({new / max(dt, 1e-9):.0f} tok/s; batch {timing.get('batch')}, "
@@ -667,6 +711,9 @@ def main() -> None:
     ap.add_argument("--uniform", type=int, default=None,
                     help="--paper: then the same run with every row this many tokens, in the "
                          "same process (default 1024 with --paper's realistic lengths, 0: none)")
+    ap.add_argument("--valid", type=float, default=None,
+                    help="share of proposals made valid, with a task from the buffer (random "
+                         "weights propose none; --paper's default 0.5, else 0)")
     ap.add_argument("--static", action="store_true", help="static batches (no refills)")
     ap.add_argument("--and-static", action="store_true",
                     help="--paper: run again with static batches in the same process and "
@@ -724,6 +771,12 @@ def main() -> None:
         median_len, sigma, cap = [*parts, *[300.0, 1.0, 0.0][len(parts):]][:3]
         lengths = length_stop(median_len, sigma, int(cap) or None)
         _patch("generate", lengths)
+    if args.valid is None:
+        args.valid = 0.5 if args.paper else 0.0
+    if not 0 <= args.valid <= 1:
+        ap.error("--valid is a share in [0, 1]")
+    if args.valid:
+        valid_share(args.valid)
     common += args.overrides
     if args.warmup is None:
         args.warmup = 0 if args.paper else 1
@@ -731,6 +784,7 @@ def main() -> None:
         "benchmark": "loop_step --paper" if args.paper else "loop_step",
         "lengths": f"log-normal {args.lengths} (median:sigma:cap)" if args.lengths
         else f"uniform {args.max_new_tokens or 'cap'} (ignore_eos)",
+        "valid_proposals": args.valid,
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor(),
         "torch": torch.__version__,
@@ -764,7 +818,7 @@ def main() -> None:
             """The population run once more in this process, recorded under `name`; `drawn`:
             the same rows stop at the same lengths as in the headline run."""
             if args.lengths:
-                lengths.active[0], lengths.calls[0] = drawn, 0
+                lengths.active[0] = drawn
             result[name] = measure(args.config, [*common, *overrides], args.warmup, args.steps,
                                    tmp / name, args.skip_update)
             out.write_text(json.dumps(result, indent=1))
@@ -784,8 +838,10 @@ def main() -> None:
         for spec in args.and_overrides:
             run = again(f"with {spec}", spec.split())
             result.setdefault("with_vs_headline", {})[spec] = {
-                p: run["phase_s"][p] / pop["phase_s"][p]
-                for p in ("proposal", "solving", "update") if pop["phase_s"].get(p)}
+                "step": run["wall_s"] / pop["wall_s"],
+                **{p: run["phase_s"][p] / pop["phase_s"][p]
+                   for p in ("proposal", "verification", "solving", "update")
+                   if pop["phase_s"].get(p)}}
             out.write_text(json.dumps(result, indent=1))
         if args.and_static:
             _patch("generate", static_batches)

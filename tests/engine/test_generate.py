@@ -513,7 +513,20 @@ def test_a_feed_adds_rows_that_equal_a_call_of_their_own(setup, tok, long_first,
     separate call gives them. Once the feed is done the decoder re-grids: to more rows when
     the answers' shorter cache lets more fit the memory, to a longer cache when the answers'
     cap outgrows the first prompts' (those answers wait for it)."""
-    model, bank = setup
+    _feed_rows_equal_their_own_call(*setup, tok, long_first, first_cap, cap)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_a_feed_and_its_regrid_in_cuda_graphs(tok):
+    """The same on the GPU: rows added to captured steps, graphs captured again after the
+    re-grid."""
+    model = tiny_model("qwen2", len(tok)).cuda().requires_grad_(False)
+    bank = AdapterBank(model, n_slots=3, rank=4, alpha=8.0)
+    _shift_bank(bank, 3)
+    _feed_rows_equal_their_own_call(model, bank, tok, True, 12, 12)
+
+
+def _feed_rows_equal_their_own_call(model, bank, tok, long_first, first_cap, cap) -> None:
     firsts = [PROMPTS[3] * (8 if long_first else 1), *PROMPTS[:3], PROMPTS[4]]
     slots = [0, 1, 2, 1, 0]
     params = replace(SAMPLED, max_new_tokens=first_cap, eos_token_ids=(7,))

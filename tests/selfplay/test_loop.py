@@ -117,11 +117,11 @@ def test_single_agent_baseline_three_steps(tmp_path, monkeypatch):
     rows = _run(_cfg("league.mode=single", "sampling.cuda_graph=false"), tmp_path, 3)
     assert graphs and not any(graphs)
     timing = [json.loads(x)["generation"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    for t in timing:  # (no solving phase's generation in a step without valid tasks)
-        assert "proposal" in t and set(t) <= {"proposal", "solving"}
-        for p in t.values():
-            assert set(p) == {"prefill_s", "capture_s", "decode_s", "steps"}
-            assert p["steps"] > 0 and p["capture_s"] == 0 and min(p.values()) >= 0  # CPU: no graphs
+    for t in timing:  # proposals and answers in one batch (`sampling.overlap`)
+        assert set(t) == {"rollouts"}
+        p = t["rollouts"]
+        assert set(p) == {"prefill_s", "capture_s", "decode_s", "steps", "feed_s", "regrids"}
+        assert p["steps"] > 0 and p["capture_s"] == 0 and min(p.values()) >= 0  # CPU: no graphs
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert set(rows[0]["members"]) == {"A0"}
     assert rows[0]["matchups"][0] == {**rows[0]["matchups"][0], "teacher": "A0", "student": "A0"}
