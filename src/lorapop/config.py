@@ -188,11 +188,12 @@ class SamplingConfig(Section):
     free GPU memory. Finished rows are refilled with waiting prompts."""
     prefill_tokens: int = Field(8192, ge=1)
     """Most prompt tokens per prefill forward (long prompts are prefilled in chunks)."""
-    admit_min: int = Field(1, ge=1)
+    admit_min: int = Field(0, ge=0)
     """Free rows that waiting prompts wait for before they are admitted (or until all that wait
     fit, or no row runs). Each admission is a prefill forward of its own: where rows end one by
     one (real answer lengths), a larger value makes fewer, larger prefills for a few idle
-    row-steps. 1 admits at every host check. A row's results do not depend on it."""
+    row-steps. 1 admits at every host check; 0 once a sixteenth of the batch is free. A row's
+    results do not depend on it."""
     ignore_eos: bool = False
     """Always generate max_new_tokens (fixed lengths for benchmarks)."""
     compile: bool = False

@@ -7,7 +7,7 @@ import torch
 
 import lorapop.engine.generate as gen_mod
 from lorapop.engine.byte_tokenizer import byte_tokenizer
-from lorapop.engine.decoder import Decoder, prefill_chunks
+from lorapop.engine.decoder import Decoder, admit_at, prefill_chunks
 from lorapop.engine.generate import GenerateSpec, generate
 from lorapop.engine.patches import static_kv
 from lorapop.engine.sampling import SamplingParams
@@ -146,8 +146,13 @@ def test_admitting_several_rows_at_once_keeps_each_rows_results(tok, monkeypatch
     assert len(grouped) < len(each)
     # after the first batch, an admission takes 3 prompts or more, or the last ones waiting
     assert all(n >= 3 for n in grouped[1:-1])
-    with pytest.raises(ValueError, match="admit_min must be >= 1"):
-        generate(model, bank, tok, prompts, slots, GenerateSpec(params=SAMPLED, admit_min=0))
+    with pytest.raises(ValueError, match="admit_min must be >= 0"):
+        generate(model, bank, tok, prompts, slots, GenerateSpec(params=SAMPLED, admit_min=-1))
+
+
+def test_by_default_prompts_wait_for_a_sixteenth_of_the_batch():
+    assert [admit_at(0, b) for b in (1, 8, 16, 170, 292)] == [1, 1, 1, 10, 18]
+    assert admit_at(3, 292) == 3
 
 
 def test_row_keys_make_a_row_independent_of_its_call(tok):

@@ -147,8 +147,9 @@ class GenerateSpec:
     #: waiting prompts are admitted once at least this many rows are free (or all that wait
     #: fit, or no row runs): each admission is a prefill forward of its own, whose fixed cost
     #: at 7B (a forward's kernels, launched eagerly) outweighs a few rows idle for a few steps
-    #: when rows end one by one; 1 admits at every host check
-    admit_min: int = 1
+    #: when rows end one by one; 1 admits at every host check, 0 (default) once a sixteenth
+    #: of the batch is free (`decoder.admit_at`)
+    admit_min: int = 0
 
 
 def generate(
@@ -194,8 +195,8 @@ def generate(
     _check(model, bank, tokenizer, ids, slot_ids, keys, params, batch_size)
     if prefill_tokens < 1:
         raise ValueError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
-    if spec.admit_min < 1:
-        raise ValueError(f"admit_min must be >= 1, got {spec.admit_min}")
+    if spec.admit_min < 0:
+        raise ValueError(f"admit_min must be >= 0, got {spec.admit_min}")
     if feed is not None and (decoders is not None or not refill):
         raise ValueError("a feed needs refills and no kept decoders")
     if not ids:
