@@ -192,7 +192,7 @@ class SamplingConfig(Section):
     """Free rows that waiting prompts wait for before they are admitted (or until all that wait
     fit, or no row runs). Each admission is a prefill forward of its own: where rows end one by
     one (real answer lengths), a larger value makes fewer, larger prefills for a few idle
-    row-steps. 1 admits at every host check; 0 once a sixteenth of the batch is free. A row's
+    row-steps. 1 admits at every host check; 0 once an eighth of the batch is free. A row's
     results do not depend on it."""
     ignore_eos: bool = False
     """Always generate max_new_tokens (fixed lengths for benchmarks)."""

@@ -150,8 +150,8 @@ def test_admitting_several_rows_at_once_keeps_each_rows_results(tok, monkeypatch
         generate(model, bank, tok, prompts, slots, GenerateSpec(params=SAMPLED, admit_min=-1))
 
 
-def test_by_default_prompts_wait_for_a_sixteenth_of_the_batch():
-    assert [admit_at(0, b) for b in (1, 8, 16, 170, 292)] == [1, 1, 1, 10, 18]
+def test_by_default_prompts_wait_for_an_eighth_of_the_batch():
+    assert [admit_at(0, b) for b in (1, 8, 16, 170, 292)] == [1, 1, 2, 21, 36]
     assert admit_at(3, 292) == 3
 
 

@@ -105,11 +105,11 @@ WIDTH_STEP = 512  # decode attention widths are multiples of this (one graph per
 
 
 def admit_at(admit_min: int, batch: int) -> int:
-    """Free rows that waiting prompts wait for: `admit_min`, or with 0 a sixteenth of the batch
-    (at least 1). At 7B a prefill's fixed cost is ~30 ms; rows ending one by one would
-    otherwise cost one prefill each (the paper step, realistic lengths: 7.0 s of prefill for
-    the answers at 1, 4.9 s at 16)."""
-    return admit_min or max(1, batch // 16)
+    """Free rows that waiting prompts wait for: `admit_min`, or with 0 an eighth of the batch
+    (at least 1). At 7B a prefill's fixed cost is tens of milliseconds: rows that end one by
+    one would otherwise cost one prefill each (docs/performance.md: the paper step's
+    rollouts at realistic lengths, 90.7 s admitting at every check, 80.5-81.1 s at 16-32)."""
+    return admit_min or max(1, batch // 8)
 
 
 def route(bank: Any, slots: torch.Tensor) -> contextlib.AbstractContextManager[Any]:

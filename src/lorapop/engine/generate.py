@@ -147,8 +147,8 @@ class GenerateSpec:
     #: waiting prompts are admitted once at least this many rows are free (or all that wait
     #: fit, or no row runs): each admission is a prefill forward of its own, whose fixed cost
     #: at 7B (a forward's kernels, launched eagerly) outweighs a few rows idle for a few steps
-    #: when rows end one by one; 1 admits at every host check, 0 (default) once a sixteenth
-    #: of the batch is free (`decoder.admit_at`)
+    #: when rows end one by one; 1 admits at every host check, 0 (default) once an eighth of
+    #: the batch is free (`decoder.admit_at`)
     admit_min: int = 0
 
 
