@@ -550,3 +550,28 @@ def _feed_rows_equal_their_own_call(model, bank, tok, long_first, first_cap, cap
         row_keys=[p.key for p in fed]))
     assert timing["regrids"] >= 1
     assert timing["batch"] > (2 if long_first else 5)  # the first prompts had 2 or 5 rows
+
+
+def test_a_feed_with_bad_input_stops_with_one_line(setup, tok):
+    model, bank = setup
+    spec = GenerateSpec(params=SAMPLED, seed=1)
+
+    class Bad:
+        max_new_tokens = 12
+
+        def __init__(self, prompt) -> None:
+            self.prompt, self.sent = prompt, False
+
+        def __call__(self, done, wait):
+            if self.sent:
+                return None
+            self.sent = True
+            return [Prompt(self.prompt, 0, 12, 1, 99)]
+
+    with pytest.raises(ValueError, match=r"feed added \(key 99\): .*token ids outside"):
+        generate(model, bank, tok, PROMPTS[:2], [0, 1], spec, feed=Bad([10**7]))
+    with pytest.raises(ValueError, match=r"feed added \(key 99\): .*empty"):
+        generate(model, bank, tok, PROMPTS[:2], [0, 1], spec, feed=Bad([]))
+    with pytest.raises(ValueError, match="a feed needs refills and no kept decoders"):
+        generate(model, bank, tok, PROMPTS[:2], [0, 1],
+                 replace(spec, decoders=KeptDecoders(1)), feed=Bad("x"))

@@ -418,3 +418,22 @@ def test_overlapped_rollouts_equal_the_phases_in_turn(tmp_path, monkeypatch):
         assert row["generation"]["rollouts"]["regrids"] >= 1  # to the answers' batch
     for got, ref in zip(_rows(tmp_path / "overlap"), want, strict=True):
         assert _difference(got, ref) is None, _difference(got, ref)
+
+
+def test_a_verification_error_during_overlapped_rollouts_stops_the_step(tmp_path, monkeypatch):
+    """An error in the verifying thread reaches the step (nothing of it is written), and the
+    thread is gone."""
+    import threading
+
+    def broken(self, texts, runner, **kw):
+        raise RuntimeError("sandbox exploded")
+
+    monkeypatch.setattr(ProgramInputFamily, "verify", broken)
+    sp = SelfPlay(_cfg(), tmp_path)
+    try:
+        with pytest.raises(RuntimeError, match="sandbox exploded"):
+            sp.step()
+        assert sp.step_done == 0 and not (tmp_path / "metrics.jsonl").exists()
+        assert not [t for t in threading.enumerate() if t.name.startswith("verify")]
+    finally:
+        sp.close()

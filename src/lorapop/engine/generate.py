@@ -286,8 +286,12 @@ def _rows_of(feed: Feed, model: Any, bank: Any, tokenizer: Any, ids: list[list[i
             return None
         new = [_encode(tokenizer, [p.ids])[0] for p in added]
         for p, x in zip(added, new, strict=True):
-            _check(model, bank, tokenizer, [x], [p.slot], [p.key],
-                   replace(params, max_new_tokens=p.max_new_tokens), None)
+            try:
+                _check(model, bank, tokenizer, [x], [p.slot], [p.key],
+                       replace(params, max_new_tokens=p.max_new_tokens), None)
+            except ValueError as e:
+                why = str(e).replace("prompt 0: ", "").replace("prompt 0 ", "it ")
+                raise ValueError(f"a prompt the feed added (key {p.key}): {why}") from None
         rows = []
         for p, x in zip(added, new, strict=True):
             order.append(len(ids))
