@@ -230,7 +230,7 @@ class Decoder:
         self.out_lp = torch.zeros(batch, steps + 1, device=dev)
         self.col = torch.zeros(batch, dtype=torch.long, device=dev)  # tokens written per row
         self.done = torch.ones(batch, dtype=torch.bool, device=dev)
-        self.cap = torch.full((batch,), steps, dtype=torch.long, device=dev)  # each row's
+        self.cap = torch.full((batch,), steps, dtype=torch.long, device=dev)  # new tokens a row
         self.eos = torch.tensor(list(eos_ids), dtype=torch.long, device=dev)
         self.use_graph = cuda_graph and dev.type == "cuda" and steps > 3
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # per (rows, width)
@@ -407,10 +407,9 @@ class Decoder:
             new[: len(live)] = buf[src]
             return new
 
-        self.tok, self.slots, self.col, self.cap = (moved(x, 0) for x in (
-            self.tok, self.slots, self.col, self.cap))
-        self.u, self.out_tok, self.out_lp = (moved(x, 0) for x in (
-            self.u, self.out_tok, self.out_lp))
+        self.tok, self.slots, self.col, self.cap, self.u, self.out_tok, self.out_lp = (
+            moved(x, 0) for x in (self.tok, self.slots, self.col, self.cap, self.u, self.out_tok,
+                                  self.out_lp))
         self.done = moved(self.done, True)
         pad = batch - len(live)
         q.owner = [q.owner[b] for b in live] + [-1] * pad
@@ -532,7 +531,8 @@ class Decoder:
             take = [q.waiting.popleft() for _ in range(min(len(free), len(q.waiting)))]
         else:  # those too long for this cache wait for a re-grid, in order
             take = [i for i in q.waiting if self._fits(q, i)][: len(free)]
-            q.waiting = deque(i for i in q.waiting if i not in set(take))
+            taken = set(take)
+            q.waiting = deque(i for i in q.waiting if i not in taken)
         if not take:
             return
         rows = free[: len(take)]

@@ -284,16 +284,15 @@ def _rows_of(feed: Feed, model: Any, bank: Any, tokenizer: Any, ids: list[list[i
         added = feed(done, wait)
         if added is None:
             return None
-        new = [_encode(tokenizer, [p.ids])[0] for p in added]
-        for p, x in zip(added, new, strict=True):
+        rows = []
+        for p in added:
+            x = _encode(tokenizer, [p.ids])[0]
             try:
                 _check(model, bank, tokenizer, [x], [p.slot], [p.key],
                        replace(params, max_new_tokens=p.max_new_tokens), None)
             except ValueError as e:
                 why = str(e).replace("prompt 0: ", "").replace("prompt 0 ", "it ")
                 raise ValueError(f"a prompt the feed added (key {p.key}): {why}") from None
-        rows = []
-        for p, x in zip(added, new, strict=True):
             order.append(len(ids))
             ids.append(x)
             rows.append(Row(x, int(p.slot), row_uniforms(p.seed, [p.key], p.max_new_tokens)[0],

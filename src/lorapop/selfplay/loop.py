@@ -285,17 +285,24 @@ class SelfPlay:
                     have = sum(task.type == t for task, _ in per_teacher[teacher])
                     fill = self.parts.buffers[t].sample(max(0, want - have), rng)
                     per_teacher[teacher].extend((task, None) for task in fill)
-        n, asks = self.cfg.tasks.answers_per_task, []
+        asks = []
         for pair, (teacher, student) in enumerate(pairs):
             filled = 0
             for task, proposal in per_teacher[teacher]:
-                prompt = self.parts.families[task.type].student_prompt(task)
                 index = proposal if proposal is not None else len(teachers) + filled
                 filled += proposal is None
-                asks += [AnswerAsk(teacher, student, task, proposal is not None, prompt,
-                                   answer_key(pair, index, j, len(teachers), n))
-                         for j in range(n)]
+                asks += self._answers(pair, (teacher, student), task, index, len(teachers),
+                                      own=proposal is not None)
         return asks
+
+    def _answers(self, pair: int, match: tuple[str, str], task: Task, index: int,
+                 proposals: int, own: bool) -> list[AnswerAsk]:
+        """The n answers of pair `pair` (teacher, student) to a task: the step's proposal
+        `index`'s, or with `index` = proposals + j the j-th filled from the buffer."""
+        prompt = self.parts.families[task.type].student_prompt(task)
+        n = self.cfg.tasks.answers_per_task
+        return [AnswerAsk(*match, task, own, prompt, answer_key(pair, index, j, proposals, n))
+                for j in range(n)]
 
     def _attempts(self, asks: list[AnswerAsk], gens: list[Generation]) -> list[Attempt]:
         """The answers graded (the sandbox runs what a type's check needs)."""
@@ -317,7 +324,7 @@ class SelfPlay:
         keeps the three phases: proposal up to the last proposal's end, verification up to
         the last verdict, solving the rest (grading included); the generation's own timing
         is under `rollouts`."""
-        sp, n = self.cfg.sampling, self.cfg.tasks.answers_per_task
+        sp = self.cfg.sampling
         asks, prompts = self._proposal_asks(step)
         teachers = [teacher for teacher, _, _ in asks]
 
@@ -329,11 +336,8 @@ class SelfPlay:
         def answers_of(i: int, v: Validity) -> list[AnswerAsk]:
             if not v.valid or v.task is None:
                 return []
-            prompt = self.parts.families[v.task.type].student_prompt(v.task)
-            return [AnswerAsk(teacher, student, v.task, True, prompt,
-                              answer_key(pair, i, j, len(asks), n))
-                    for pair, (teacher, student) in enumerate(pairs) if teacher == teachers[i]
-                    for j in range(n)]
+            return [a for pair, match in enumerate(pairs) if match[0] == teachers[i]
+                    for a in self._answers(pair, match, v.task, i, len(asks), own=True)]
 
         verification: list[Verification] = []
 
