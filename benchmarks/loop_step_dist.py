@@ -8,7 +8,9 @@ for more. `--gpus 1+2,4` runs 1 and 2 GPUs at the same time on disjoint GPUs (0 
 4. Each run does a small warm-up step (`--warmup-tokens`, one proposal per type: lazy
 initialisation, allocator growth; 0 skips it), then `--steps` timed steps at full size. For the
 steady state give it the step's own length (e.g. 1024): the first update micro-batch at real
-widths costs 1-7 s once per process, which otherwise lands in the timed step.
+widths costs 1-7 s once per process, which otherwise lands in the timed step. Every GPU count
+runs the phases in turn (`sampling.overlap=false`): one batch across the phases needs one
+process, and the scaling compares like with like.
 
 Recorded per GPU count: the step's wall time and rank 0's per-phase times (they include
 waiting for the slowest rank at each gather), every rank's generation time, the bank-gradient
@@ -226,7 +228,7 @@ def main() -> None:
     start = time.perf_counter()
     tmp = Path(tempfile.mkdtemp())
     common = [*bench_overrides(Path(args.seed_dir) if args.seed_dir else tmp,
-                               args.tasks_per_cell), *args.overrides]
+                               args.tasks_per_cell), "sampling.overlap=false", *args.overrides]
     result = {
         "benchmark": "loop_step_dist",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
