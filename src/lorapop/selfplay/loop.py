@@ -358,9 +358,7 @@ class SelfPlay:
         by_key = dict(zip(feed.fed, gens[len(asks):], strict=True))
         assert feed.asks is not None
         attempts = self._attempts(feed.asks, [by_key[a.key] for a in feed.asks])
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        end = time.perf_counter()
+        end = _synced_now()
         clock.phase_s.update(proposal=feed.times["proposals"] - t0,
                              verification=feed.times["verified"] - feed.times["proposals"],
                              solving=end - feed.times["verified"])
@@ -517,6 +515,7 @@ class SelfPlay:
                                 max_new_tokens=max_new, eos_token_ids=() if sp.ignore_eos else None)
         ids = [list(p.tokenizer(x)["input_ids"]) for x in prompts]
         slots = [p.slot[m] for m in members]
+        idx_keys = list(range(len(prompts))) if keys is None else keys
 
         def run(idx: list[int]) -> list[Generation]:
             t0, timing = time.perf_counter(), {}
@@ -539,7 +538,6 @@ class SelfPlay:
                 acc[k] = acc.get(k, 0) + timing.get(k, 0)
             return out
 
-        idx_keys = list(range(len(prompts))) if keys is None else keys
         if feed is not None:  # the feed's rows come back after these
             gens = run(list(range(len(prompts))))
         else:
@@ -625,6 +623,13 @@ def _rng(seed: int, step: int, phase: str) -> random.Random:
     return random.Random(derive_seed(seed, step, phase))
 
 
+def _synced_now() -> float:
+    """The time once the GPU's queued work is done (a phase ends with its kernels)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
 @dataclass
 class _Clock:
     """Wall-clock time of a step's phases and of its generation."""
@@ -640,6 +645,4 @@ class _Clock:
         t0 = time.perf_counter()
         self.current = name
         yield
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        self.phase_s[name] = time.perf_counter() - t0
+        self.phase_s[name] = _synced_now() - t0
