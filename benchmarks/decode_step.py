@@ -7,7 +7,8 @@ step against the roofline bound at that shape (`loop_step.decode_cost` for one s
 with `--profile` the GPU kernels of a few replays by kind, with the number of kernels a step
 launches. No prefill runs: the cache holds zeros, which the attention reads at
 the same cost as keys. `--and-unfused` replays each case again with the fused inference passes
-off (`lorapop.engine.fused.INFERENCE`): a before/after of those passes in one process.
+off (`lorapop.engine.fused.INFERENCE`), `--and-plain-lora` with the LoRA terms as every
+slot's masked GEMMs (`lorapop.lora.decode_kernel.ENABLED`): before/afters in one process.
 
     python benchmarks/decode_step.py --cases 176:2600,266:1300,8:3500 --profile \\
         --out benchmarks/results/decode_step_h200.json
@@ -39,7 +40,8 @@ from loop_step import (  # noqa: E402
 )
 
 #: kernel kinds by name, first match wins (Triton kernels of the fused passes are "triton_")
-KINDS = {"attention": ("_split_kernel", "_combine_kernel", "attn", "fmha", "flash"),
+KINDS = {"lora": ("_shrink_kernel", "_expand_kernel"),
+         "attention": ("_split_kernel", "_combine_kernel", "attn", "fmha", "flash"),
          "sampler": ("_sample_kernel", "softmax", "scan", "search", "cumsum"),
          "gemm": ("gemm", "nvjet", "cutlass", "sm90_xmma", "splitk"),
          "fused_passes": ("triton_",),
@@ -140,6 +142,9 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="kernels of 10 replays by kind")
     ap.add_argument("--and-unfused", action="store_true",
                     help="each case again with the fused inference passes off")
+    ap.add_argument("--and-plain-lora", action="store_true",
+                    help="also replay each case with the LoRA terms as the masked GEMMs of "
+                         "every slot (lorapop.lora.decode_kernel.ENABLED off)")
     ap.add_argument("--out", default="benchmarks/results/decode_step.json")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU check of the script: tiny random model (pass small cases)")
@@ -151,6 +156,7 @@ def main() -> None:
         sys.exit("decode_step.py needs a CUDA GPU (or --smoke for a CPU check of the script)")
     from lorapop.config import load_config
     from lorapop.engine import fused
+    from lorapop.lora import decode_kernel
     from lorapop.selfplay.parts import build
 
     cfg = load_config(ROOT / args.config,
@@ -166,15 +172,18 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     for spec in filter(None, args.cases.split(",")):
         rows, context = map(int, spec.split(":"))
-        for on in (True, False) if args.and_unfused else (True,):
-            fused.INFERENCE = on
-            r = {"fused_inference": on, **case(parts, rows, context, args.reps, args.profile)}
+        variants = [(True, True)]
+        variants += [(False, True)] if args.and_unfused else []
+        variants += [(True, False)] if args.and_plain_lora else []
+        for fused.INFERENCE, decode_kernel.ENABLED in variants:
+            r = {"fused_inference": fused.INFERENCE, "lora_kernels": decode_kernel.ENABLED,
+                 **case(parts, rows, context, args.reps, args.profile)}
             if DEV == "cuda":  # the case's cache and graph pool
                 torch.cuda.empty_cache()
             print(json.dumps({k: v for k, v in r.items() if k != "top_kernels"}), flush=True)
             result["cases"].append(r)
             out.write_text(json.dumps(result, indent=2))
-    fused.INFERENCE = True
+    fused.INFERENCE = decode_kernel.ENABLED = True
 
 
 if __name__ == "__main__":

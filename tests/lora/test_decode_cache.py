@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
+from lorapop.lora import decode_kernel
 from lorapop.lora.routing import DecodeCache, Routing
 
 RANK, SCALING = 4, 1.5  # scaling folded into the cached B; not 1 so a lost factor shows
@@ -78,3 +81,122 @@ def test_refresh_follows_new_weights_and_keeps_buffers():
     assert q_block.shape == (2 * RANK, 12)
     big = cache.members["q"].group.b
     assert torch.count_nonzero(big[: 2 * RANK, 12:]) == 0
+
+
+
+def test_a_kernel_failure_warns_once_and_the_plain_path_takes_over(monkeypatch):
+    """Kernels that fail to build or launch leave the plain path in their place, with one
+    warning naming why; the LoRA terms are still added."""
+    class Broken:
+        def __getitem__(self, grid):
+            raise RuntimeError("no kernel here\nthe compiler's log")
+
+    monkeypatch.setattr(decode_kernel, "failure", None)
+    monkeypatch.setattr(decode_kernel, "_kernels", lambda: (Broken(), Broken()))
+    monkeypatch.setattr(decode_kernel, "usable", lambda x, out: decode_kernel.failure is None)
+    gen = torch.Generator().manual_seed(1)
+    groups = _groups(3, gen)
+    cache = DecodeCache(groups, torch.float32, SCALING)
+    cache.refresh_(0)
+    routing = Routing.empty(5, 3, torch.device("cpu"))
+    ids = torch.tensor([2, 0, 1, 2, 0])
+    routing.fill_(ids, False)
+    x = torch.randn(5, 1, 12, generator=gen)
+    with pytest.warns(UserWarning, match="LoRA decode kernels unavailable .*no kernel here"):
+        y = cache.add_delta("q", x, torch.zeros(5, 1, 12), routing, True)
+    assert decode_kernel.failure == "RuntimeError: no kernel here"
+    torch.testing.assert_close(y.double(), _reference(*groups[0][0][1:], x, ids),
+                               rtol=1e-5, atol=1e-5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        y = cache.add_delta("k", x, torch.zeros(5, 1, 4), routing, True)
+    torch.testing.assert_close(y.double(), _reference(*groups[0][1][1:], x, ids),
+                               rtol=1e-5, atol=1e-5)
+
+KERNELS = torch.cuda.is_available() and decode_kernel._kernels() is not None
+
+
+def _gpu_groups(n: int, rank: int, width: int, gen: torch.Generator):
+    """q/k/v, gate/up and o of a model `width` wide, weights on the GPU (float32 masters)."""
+    def ab(out: int, inp: int = width) -> tuple[torch.Tensor, torch.Tensor]:
+        a = torch.randn(n, rank, inp, generator=gen) / inp**0.5
+        return a.cuda(), (torch.randn(n, out, rank, generator=gen) / rank**0.5).cuda()
+
+    return [[("q", *ab(width)), ("k", *ab(width // 4)), ("v", *ab(width // 4))],
+            [("gate", *ab(3 * width)), ("up", *ab(3 * width))],
+            [("o", *ab(width))], [("down", *ab(width, 3 * width))]]
+
+
+def _deltas(cache: DecodeCache, groups, xs, routing: Routing) -> list[torch.Tensor]:
+    """Every member's LoRA term as `add_delta` adds it into its base output (a column slice
+    of the group's, as merged projections hand them over), members in order on one x."""
+    deltas = []
+    for group, x in zip(groups, xs, strict=True):
+        widths = [b.shape[1] for _, _, b in group]
+        merged = torch.randn(x.shape[0], 1, sum(widths), device="cuda").to(cache.dtype)
+        base = merged.clone()
+        for (name, _, _), out in zip(group, merged.split(widths, dim=-1), strict=True):
+            y = cache.add_delta(name, x, out, routing, True)
+            assert y.data_ptr() == out.data_ptr()  # in place into the base output
+        deltas += (merged.float() - base.float()).split(widths, dim=-1)
+    return deltas
+
+
+@pytest.mark.skipif(not KERNELS, reason="the Triton kernels need a GPU")
+@pytest.mark.parametrize("n_slots,rank,width,rows", [(1, 32, 256, 5), (3, 4, 300, 37),
+                                                     (8, 32, 1200, 176), (8, 16, 512, 1)])
+def test_kernels_equal_the_plain_path(monkeypatch, n_slots, rank, width, rows):
+    """Each row through its own slot's A and B only gives what every slot's masked GEMMs
+    give (up to float32 summation order), and the LoRA formula: rows in any slot order,
+    tiles cut mid-batch, ranks below the kernels' block, widths off their block."""
+    gen = torch.Generator().manual_seed(rows)
+    groups = _gpu_groups(n_slots, rank, width, gen)
+    cache = DecodeCache(groups, torch.bfloat16, SCALING)
+    cache.refresh_(0)
+    routing = Routing.empty(rows, n_slots, torch.device("cuda"))
+    ids = torch.randint(0, n_slots, (rows,), generator=gen)
+    routing.fill_(ids.cuda(), False)
+    xs = [torch.randn(rows, 1, group[0][1].shape[2], generator=gen).cuda().bfloat16()
+          for group in groups]
+    fast = _deltas(cache, groups, xs, routing)
+    monkeypatch.setattr(decode_kernel, "ENABLED", False)
+    plain = _deltas(cache, groups, xs, routing)
+    assert decode_kernel.failure is None
+    members = [(a.cpu(), b.cpu(), x.float().cpu()) for g, x in zip(groups, xs, strict=True)
+               for _, a, b in g]
+    for f, p, (a, b, x) in zip(fast, plain, members, strict=True):
+        scale = p.abs().max().item() + 1e-3
+        torch.testing.assert_close(f, p, atol=2e-2 * scale, rtol=0)
+        torch.testing.assert_close(f.cpu().double(), _reference(a, b, x, ids),
+                                   atol=3e-2 * scale, rtol=0)
+
+
+@pytest.mark.skipif(not KERNELS, reason="the Triton kernels need a GPU")
+def test_kernels_follow_the_routing_inside_a_cuda_graph():
+    """A captured step reads the routing in place: re-routed rows get their new slots."""
+    gen = torch.Generator().manual_seed(0)
+    groups = _gpu_groups(4, 32, 512, gen)[:1]
+    cache = DecodeCache(groups, torch.bfloat16, SCALING)
+    cache.refresh_(0)
+    rows = 40
+    routing = Routing.empty(rows, 4, torch.device("cuda"))
+    routing.fill_(torch.zeros(rows, dtype=torch.long, device="cuda"), False)
+    x = torch.randn(rows, 1, 512, generator=gen).cuda().bfloat16()
+    base = torch.randn(rows, 1, 768, generator=gen).cuda().bfloat16()
+    out = base.clone()
+
+    def step() -> None:
+        out.copy_(base)
+        for (name, _, _), o in zip(groups[0], out.split([512, 128, 128], dim=-1), strict=True):
+            cache.add_delta(name, x, o, routing, True)
+
+    step()  # warm-up (compiles the kernels)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    ids = torch.randint(0, 4, (rows,), generator=gen).cuda()
+    routing.fill_(ids, False)
+    graph.replay()
+    want = torch.cat([_reference(a, b, x.float().cpu(), ids.cpu()).float()
+                      for _, a, b in [(n, a.cpu(), b.cpu()) for n, a, b in groups[0]]], dim=-1)
+    torch.testing.assert_close((out.float() - base.float()).cpu(), want, atol=3e-2, rtol=2e-2)

@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from lorapop.lora import decode_kernel
+
 KERNELS = ("grouped", "gather", "dense")
 
 
@@ -405,7 +407,11 @@ class DecodeCache:
             )
         m = self.members[name]
         g, nr = m.group, self.n_slots * self.rank
-        if share and g.x is x:
+        out2 = out.reshape(rows, out.shape[-1])
+        if not fuse_add and decode_kernel.usable(x, out2) and self._kernel_add(m, x, out2,
+                                                                              routing, share):
+            return out
+        if share and g.x is x and g.h is not None and g.h.dim() == 2:
             h, d = g.h, g.d
             g.uses += 1
             if g.uses == g.size:
@@ -419,7 +425,6 @@ class DecodeCache:
             if share and g.size > 1:
                 g.x, g.h, g.d, g.uses = x, h, d, 1
         assert h is not None
-        out2 = out.reshape(rows, out.shape[-1])
         if d is not None:
             dm = d[m.index] if d.dim() == 3 else d[:, m.cols]
             return (out2 + dm.to(out2.dtype)).view(out.shape)
@@ -432,6 +437,28 @@ class DecodeCache:
             return out
         y = out2 + torch.mm(h, m.b).to(out2.dtype)
         return y.view(out.shape)
+
+    def _kernel_add(self, m: _Member, x: Tensor, out: Tensor, routing: Routing,
+                    share: bool) -> bool:
+        """out [B, out] += the member's LoRA term through `decode_kernel` (each row's own
+        slot only), the group's h shared as in `add_delta`; False if the kernels failed here
+        (nothing added: the caller takes the plain path)."""
+        g, nr = m.group, self.n_slots * self.rank
+        if share and g.x is x and g.h is not None and g.h.dim() == 3:
+            h = g.h
+            g.uses += 1
+            if g.uses == g.size:
+                g.x = g.h = None
+        else:
+            x2 = x.reshape(x.shape[0], x.shape[-1])
+            a = g.a if share else g.a[m.index * nr : (m.index + 1) * nr]
+            h = decode_kernel.shrink(x2, a, self.n_slots, self.rank, routing.perm, routing.ends)
+            if h is None:
+                return False
+            if share and g.size > 1:
+                g.x, g.h, g.d, g.uses = x, h, None, 1
+        return decode_kernel.expand(h, m.index if share else 0, m.b, out, routing.perm,
+                                    routing.ends, self.n_slots, self.rank)
 
     def _group_delta(self, h: Tensor, g: _Group) -> Tensor:
         """Every member's delta from the group's h: [G, B, out] or [B, sum of outs]."""

@@ -1,0 +1,196 @@
+"""The decode cache's LoRA terms as two Triton kernels that read only each row's own adapter.
+
+`DecodeCache`'s plain path runs every row through every slot's A (one GEMM over the
+[G x N x r, in] stack), masks the result to the row's own slot and adds `h @ B_all` over all
+N slots' B: at a decode step's few hundred rows each of those small GEMMs, their split-K
+reductions and the masks cost a launch and a ramp more than its bytes (~2.2 ms of a 16 ms 7B
+step at 176 rows, ~1.7 of 7.5 at 8 rows on an H200: `docs/performance.md`). Here the rows are
+taken in slot order (`Routing.perm`, `Routing.ends`, kept on the device, so a captured step
+follows the routing): each program holds up to `BM` rows of one slot and reads only that
+slot's A or B.
+
+- `shrink`: h = x @ A[slot]^T for every member of a group that reads one input (q/k/v,
+  gate/up), each row's own slot only; the input dimension is split over programs and the parts
+  kept in float32 ([splits, rows, members x r]).
+- `expand`: out += h @ B[slot] for one member, in place: the parts are summed and rounded to
+  the compute dtype (as the plain path's h is), and the product is added to the base output in
+  float32 and rounded once (as `addmm_` does).
+
+`usable` says where they run (CUDA, bf16/fp16, Triton importable, outside torch.compile);
+a kernel that fails to build or launch warns once and leaves the plain path in its place.
+tests/lora/test_decode_cache.py compares the two on the GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+from torch import Tensor
+
+BM = 16  # rows of one slot per program (the least tl.dot takes)
+BK = 64  # input features per inner step of the shrink
+BN = 128  # output features per expand program
+MIN_SPLIT = 512  # input features each shrink program reads at least
+
+#: False runs the plain path (a switch for before/after measurements)
+ENABLED = True
+#: why the kernels failed to build or run on this machine (the plain path runs from then on)
+failure: str | None = None
+
+
+def usable(x: Tensor, out: Tensor) -> bool:
+    """Whether `DecodeCache` adds the LoRA terms of input `x` [rows, in] into `out`
+    [rows, out] (last dim contiguous) with the kernels."""
+    return (ENABLED and failure is None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+            and out.dtype == x.dtype and out.stride(-1) == 1 and x.stride(-1) == 1
+            and not torch.compiler.is_compiling() and _kernels() is not None)
+
+
+def splits_for(width: int) -> int:
+    """Parts the shrink's input dimension is cut into: at least `MIN_SPLIT` features each, at
+    most 16 (a tail's few rows still fill the GPU; the expand sums the parts)."""
+    return max(1, min(16, width // MIN_SPLIT))
+
+
+def shrink(x: Tensor, a: Tensor, n_slots: int, rank: int, perm: Tensor, ends: Tensor
+           ) -> Tensor | None:
+    """h [splits, rows, members x rank] (float32 parts) of x [rows, in] through the group's
+    A [members x n_slots x rank, in] (rows: member, slot, rank), each row through its own
+    slot's only; None if the kernel failed here (it warns once)."""
+    rows, width = x.shape
+    members = a.shape[0] // (n_slots * rank)
+    splits = splits_for(width)
+    per_split = -(-width // splits)
+    per_split = -(-per_split // BK) * BK
+    h = torch.empty(splits, rows, members * rank, dtype=torch.float32, device=x.device)
+    grid = (-(-rows // BM) + n_slots, members, splits)
+    return _launch(lambda: _kernels()[0][grid](
+        x, a, perm, ends, h, rows, width, x.stride(0), per_split,
+        N=n_slots, R=rank, BR=_block(rank), BM=BM, BK=BK, num_warps=4), h)
+
+
+def expand(h: Tensor, member: int, b: Tensor, out: Tensor, perm: Tensor, ends: Tensor,
+           n_slots: int, rank: int) -> bool:
+    """out [rows, out] += h's `member` columns @ b [n_slots x rank, out] (rows: slot, rank;
+    any row stride), each row through its own slot's B, in place; False if the kernel failed
+    here (it warns once; `out` is then untouched)."""
+    splits, rows, width = h.shape
+    cols = out.shape[1]
+    grid = (-(-rows // BM) + n_slots, -(-cols // BN))
+    return _launch(lambda: _kernels()[1][grid](
+        h, b, out, perm, ends, rows, cols, width, member * rank, splits,
+        b.stride(0), out.stride(0),
+        N=n_slots, R=rank, BR=_block(rank), BM=BM, BN=BN, num_warps=4), True) is not None
+
+
+def _block(rank: int) -> int:
+    return max(16, 1 << (rank - 1).bit_length())
+
+
+def _launch(run, result):
+    global failure
+    try:
+        run()
+        return result
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any compiler or launch failure: the plain path
+        lines = str(e).strip().splitlines() or [""]
+        failure = f"{type(e).__name__}: {lines[0]}"
+        warnings.warn(f"LoRA decode kernels unavailable ({failure[:200]}); using GEMMs",
+                      stacklevel=3)
+        return None
+
+
+@functools.cache
+def _kernels():  # (shrink, expand), or None where Triton is not installed (CPU builds of torch)
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except ImportError:
+        return None
+    return _build()
+
+
+def _build():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _tile(Ends, t, N: tl.constexpr, BM: tl.constexpr):
+        """Program t's slot and rows [first, end) among the rows in slot order: each slot's
+        rows are cut into tiles of BM, the slots' tiles one after another (-1: no tile)."""
+        slot = -1
+        first = 0
+        end = 0
+        base = 0
+        lo = 0
+        for s in tl.static_range(N):
+            hi = tl.load(Ends + s)
+            tiles = (hi - lo + BM - 1) // BM
+            hit = (t >= base) & (t < base + tiles)
+            slot = tl.where(hit, s, slot)
+            first = tl.where(hit, lo + (t - base) * BM, first)
+            end = tl.where(hit, hi, end)
+            base += tiles
+            lo = hi
+        return slot, first, end
+
+    @triton.jit
+    def _shrink_kernel(X, A, Perm, Ends, H, rows_total, width, sx, per_split,
+                       N: tl.constexpr, R: tl.constexpr, BR: tl.constexpr, BM: tl.constexpr,
+                       BK: tl.constexpr):
+        slot, first, end = _tile(Ends, tl.program_id(0), N, BM)
+        member = tl.program_id(1)
+        part = tl.program_id(2)
+        if slot >= 0:
+            m = first + tl.arange(0, BM)
+            mmask = m < end
+            rows = tl.load(Perm + m, mask=mmask, other=0)
+            j = tl.arange(0, BR)
+            jmask = j < R
+            arow = ((member * N + slot) * R + j).to(tl.int64)
+            acc = tl.zeros([BM, BR], tl.float32)
+            start = part * per_split
+            stop = tl.minimum(start + per_split, width)
+            for k0 in range(start, stop, BK):
+                k = k0 + tl.arange(0, BK)
+                kmask = k < stop
+                xt = tl.load(X + rows[:, None] * sx + k[None, :],
+                             mask=mmask[:, None] & kmask[None, :], other=0.0)
+                at = tl.load(A + arow[:, None] * width + k[None, :],
+                             mask=jmask[:, None] & kmask[None, :], other=0.0)
+                acc += tl.dot(xt, tl.trans(at))
+            cols = tl.num_programs(1) * R
+            at_h = H + (part * rows_total + rows[:, None]).to(tl.int64) * cols + member * R
+            tl.store(at_h + j[None, :], acc, mask=mmask[:, None] & jmask[None, :])
+
+    @triton.jit
+    def _expand_kernel(H, B, Out, Perm, Ends, rows_total, cols, h_cols, h_first, splits,
+                       sb, so, N: tl.constexpr, R: tl.constexpr, BR: tl.constexpr,
+                       BM: tl.constexpr, BN: tl.constexpr):
+        slot, first, end = _tile(Ends, tl.program_id(0), N, BM)
+        if slot >= 0:
+            m = first + tl.arange(0, BM)
+            mmask = m < end
+            rows = tl.load(Perm + m, mask=mmask, other=0)
+            j = tl.arange(0, BR)
+            jmask = j < R
+            hmask = mmask[:, None] & jmask[None, :]
+            h = tl.zeros([BM, BR], tl.float32)
+            for p in range(0, splits):
+                h += tl.load(H + (p * rows_total + rows[:, None]).to(tl.int64) * h_cols
+                             + h_first + j[None, :], mask=hmask, other=0.0)
+            n = tl.program_id(1) * BN + tl.arange(0, BN)
+            nmask = n < cols
+            bt = tl.load(B + (slot * R + j)[:, None].to(tl.int64) * sb + n[None, :],
+                         mask=jmask[:, None] & nmask[None, :], other=0.0)
+            delta = tl.dot(h.to(bt.dtype), bt)
+            omask = mmask[:, None] & nmask[None, :]
+            at = Out + rows[:, None].to(tl.int64) * so + n[None, :]
+            base = tl.load(at, mask=omask, other=0.0)
+            tl.store(at, (base.to(tl.float32) + delta).to(Out.dtype.element_ty), mask=omask)
+
+    return _shrink_kernel, _expand_kernel
