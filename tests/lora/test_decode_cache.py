@@ -144,7 +144,8 @@ def _deltas(cache: DecodeCache, groups, xs, routing: Routing) -> list[torch.Tens
 
 @pytest.mark.skipif(not KERNELS, reason="the Triton kernels need a GPU")
 @pytest.mark.parametrize("n_slots,rank,width,rows", [(1, 32, 256, 5), (3, 4, 300, 37),
-                                                     (8, 32, 1200, 176), (8, 16, 512, 1)])
+                                                     (8, 32, 1200, 176), (8, 16, 512, 1),
+                                                     (4, 32, 512, 40)])
 def test_kernels_equal_the_plain_path(monkeypatch, n_slots, rank, width, rows):
     """Each row through its own slot's A and B only gives what every slot's masked GEMMs
     give (up to float32 summation order), and the LoRA formula: rows in any slot order,

@@ -30,9 +30,10 @@ import torch
 from torch import Tensor
 
 BM = 16  # rows of one slot per program (the least tl.dot takes)
-BK = 64  # input features per inner step of the shrink
+BK = 256  # input features per inner step of the shrink
 BN = 128  # output features per expand program
 MIN_SPLIT = 512  # input features each shrink program reads at least
+MAX_SPLITS = 16
 
 #: False runs the plain path (a switch for before/after measurements)
 ENABLED = True
@@ -50,8 +51,8 @@ def usable(x: Tensor, out: Tensor) -> bool:
 
 def splits_for(width: int) -> int:
     """Parts the shrink's input dimension is cut into: at least `MIN_SPLIT` features each, at
-    most 16 (a tail's few rows still fill the GPU; the expand sums the parts)."""
-    return max(1, min(16, width // MIN_SPLIT))
+    most `MAX_SPLITS` (a tail's few rows still fill the GPU; the expand sums the parts)."""
+    return max(1, min(MAX_SPLITS, width // MIN_SPLIT))
 
 
 def shrink(x: Tensor, a: Tensor, n_slots: int, rank: int, perm: Tensor, ends: Tensor
@@ -76,17 +77,37 @@ def expand(h: Tensor, member: int, b: Tensor, out: Tensor, perm: Tensor, ends: T
     """out [rows, out] += h's `member` columns @ b [n_slots x rank, out] (rows: slot, rank;
     any row stride), each row through its own slot's B, in place; False if the kernel failed
     here (it warns once; `out` is then untouched)."""
+    return _expand(h, b, out, perm, ends, n_slots, rank, member * rank, None, 0, 0)
+
+
+def expand_group(h: Tensor, b: Tensor, out: Tensor, perm: Tensor, ends: Tensor,
+                 n_slots: int, rank: int, col_member: Tensor) -> bool:
+    """Every member's term at once into the group's output out [rows, sum of outs] (members'
+    columns side by side): b is the group's B, block-diagonal [members x n_slots x rank, sum
+    of outs] or stacked [members, n_slots x rank, out]; `col_member` [column blocks of `BN`]
+    int32 names each block's member (no block spans two). As `expand` otherwise."""
+    if b.dim() == 2:  # column n of member m: row m x N x r + s x r + j, column n
+        member_stride, member_cols = b.shape[1] * n_slots * rank, 0
+    else:  # stacked: member m's own [N x r, out] block, column n - m x out
+        member_stride, member_cols = b.stride(0), b.shape[2]
+    return _expand(h, b, out, perm, ends, n_slots, rank, 0, col_member, member_stride,
+                   member_cols)
+
+
+def _expand(h, b, out, perm, ends, n_slots, rank, h_first, col_member, member_stride,
+            member_cols) -> bool:
     splits, rows, width = h.shape
     cols = out.shape[1]
     grid = (-(-rows // BM) + n_slots, -(-cols // BN))
     return _launch(lambda: _kernels()[1][grid](
-        h, b, out, perm, ends, rows, cols, width, member * rank, splits,
-        b.stride(0), out.stride(0),
-        N=n_slots, R=rank, BR=_block(rank), BM=BM, BN=BN, num_warps=4), True) is not None
+        h, b, out, perm, ends, h if col_member is None else col_member, rows, cols, width,
+        h_first, splits, b.stride(-2), out.stride(0), member_stride, member_cols,
+        N=n_slots, R=rank, BR=_block(rank), BM=BM, BN=BN, SP=_block(splits, 2),
+        MAPPED=col_member is not None, num_warps=4), True) is not None
 
 
-def _block(rank: int) -> int:
-    return max(16, 1 << (rank - 1).bit_length())
+def _block(n: int, least: int = 16) -> int:
+    return max(least, 1 << (n - 1).bit_length())
 
 
 def _launch(run, result):
@@ -168,25 +189,29 @@ def _build():
             tl.store(at_h + j[None, :], acc, mask=mmask[:, None] & jmask[None, :])
 
     @triton.jit
-    def _expand_kernel(H, B, Out, Perm, Ends, rows_total, cols, h_cols, h_first, splits,
-                       sb, so, N: tl.constexpr, R: tl.constexpr, BR: tl.constexpr,
-                       BM: tl.constexpr, BN: tl.constexpr):
+    def _expand_kernel(H, B, Out, Perm, Ends, ColMember, rows_total, cols, h_cols, h_first,
+                       splits, sb, so, sm, cm, N: tl.constexpr, R: tl.constexpr,
+                       BR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SP: tl.constexpr,
+                       MAPPED: tl.constexpr):
         slot, first, end = _tile(Ends, tl.program_id(0), N, BM)
         if slot >= 0:
+            member = tl.load(ColMember + tl.program_id(1)) if MAPPED else 0
             m = first + tl.arange(0, BM)
             mmask = m < end
             rows = tl.load(Perm + m, mask=mmask, other=0)
             j = tl.arange(0, BR)
             jmask = j < R
-            hmask = mmask[:, None] & jmask[None, :]
-            h = tl.zeros([BM, BR], tl.float32)
-            for p in range(0, splits):
-                h += tl.load(H + (p * rows_total + rows[:, None]).to(tl.int64) * h_cols
-                             + h_first + j[None, :], mask=hmask, other=0.0)
+            p = tl.arange(0, SP)
+            # every part at once ([parts, rows, rank]), summed in float32
+            at_h = ((p[:, None, None] * rows_total + rows[None, :, None]).to(tl.int64) * h_cols
+                    + h_first + member * R + j[None, None, :])
+            hmask = (p < splits)[:, None, None] & mmask[None, :, None] & jmask[None, None, :]
+            h = tl.sum(tl.load(H + at_h, mask=hmask, other=0.0), axis=0)
             n = tl.program_id(1) * BN + tl.arange(0, BN)
             nmask = n < cols
-            bt = tl.load(B + (slot * R + j)[:, None].to(tl.int64) * sb + n[None, :],
-                         mask=jmask[:, None] & nmask[None, :], other=0.0)
+            at_b = B + member * sm + (slot * R + j)[:, None].to(tl.int64) * sb \
+                + (n - member * cm)[None, :]
+            bt = tl.load(at_b, mask=jmask[:, None] & nmask[None, :], other=0.0)
             delta = tl.dot(h.to(bt.dtype), bt)
             omask = mmask[:, None] & nmask[None, :]
             at = Out + rows[:, None].to(tl.int64) * so + n[None, :]

@@ -314,6 +314,10 @@ class _Group:
     h: Tensor | None = None
     d: Tensor | None = None  # every member's delta from one GEMM (`fuse_add`)
     uses: int = 0
+    offsets: list[int] = field(default_factory=list)  # each member's first output column
+    # the member of each `decode_kernel.BN` block of output columns (None: a block spans two)
+    col_member: Tensor | None = None
+    whole: Tensor | None = None  # the group's output [B, sum of outs] the held h went into
 
 
 @dataclass
@@ -353,6 +357,11 @@ class DecodeCache:
             else:  # zeros off the diagonal blocks: one GEMM gives every member's delta
                 b_all = torch.zeros(len(group) * n * r, sum(outs), dtype=dtype, device=dev)
             g = _Group(a, b_all, len(group))
+            g.offsets = [sum(outs[:i]) for i in range(len(outs))]
+            if len(group) > 1 and all(o % decode_kernel.BN == 0 for o in outs):
+                g.col_member = torch.tensor(
+                    [i for i, o in enumerate(outs) for _ in range(o // decode_kernel.BN)],
+                    dtype=torch.int32, device=dev)
             off = 0
             for i, (name, a_src, b_src) in enumerate(group):
                 out = outs[i]
@@ -378,7 +387,7 @@ class DecodeCache:
             b_t = b_src.transpose(1, 2)
             b_t = b_t * self.scaling if self.scaling != 1.0 else b_t  # one rounding to dtype
             m.b.unflatten(0, (b_src.shape[0], self.rank)).copy_(b_t)
-            m.group.x = m.group.h = m.group.d = None
+            m.group.x = m.group.h = m.group.d = m.group.whole = None
         self.stamp = stamp
 
     def add_delta(
@@ -445,10 +454,12 @@ class DecodeCache:
         (nothing added: the caller takes the plain path)."""
         g, nr = m.group, self.n_slots * self.rank
         if share and g.x is x and g.h is not None and g.h.dim() == 3:
-            h = g.h
+            h, whole = g.h, g.whole
             g.uses += 1
             if g.uses == g.size:
-                g.x = g.h = None
+                g.x = g.h = g.whole = None
+            if whole is not None and _is_columns(out, whole, g.offsets[m.index]):
+                return True  # the group's first member added every member's term
         else:
             x2 = x.reshape(x.shape[0], x.shape[-1])
             a = g.a if share else g.a[m.index * nr : (m.index + 1) * nr]
@@ -456,7 +467,15 @@ class DecodeCache:
             if h is None:
                 return False
             if share and g.size > 1:
-                g.x, g.h, g.d, g.uses = x, h, None, 1
+                g.x, g.h, g.d, g.uses, g.whole = x, h, None, 1, None
+                whole = None if g.col_member is None or m.index else \
+                    _whole_output(out, g.col_member.numel() * decode_kernel.BN)
+                if (whole is not None
+                        and decode_kernel.expand_group(h, g.b, whole, routing.perm,
+                                                       routing.ends, self.n_slots, self.rank,
+                                                       g.col_member)):
+                    g.whole = whole
+                    return True
         return decode_kernel.expand(h, m.index if share else 0, m.b, out, routing.perm,
                                     routing.ends, self.n_slots, self.rank)
 
@@ -477,6 +496,22 @@ class DecodeCache:
         if self.n_slots > 1:
             h.mul_(routing.col_mask(self.rank, tiles, self.dtype))
         return h
+
+
+def _whole_output(out: Tensor, width: int) -> Tensor | None:
+    """The [rows, width] output whose first columns `out` [rows, out] is, where `out` is a
+    column slice of it (as merged projections hand a group's outputs over), else None."""
+    base = out._base
+    if (base is None or not base.is_contiguous() or base.numel() != out.shape[0] * width
+            or base.data_ptr() != out.data_ptr() or out.stride(0) != width):
+        return None
+    return base.view(out.shape[0], width)
+
+
+def _is_columns(out: Tensor, whole: Tensor, first: int) -> bool:
+    """Whether `out` is the columns of `whole` from `first` on."""
+    return (out.stride(0) == whole.stride(0) and out.shape[0] == whole.shape[0]
+            and out.data_ptr() == whole.data_ptr() + first * whole.element_size())
 
 
 def grouped_probe(device: torch.device, dtype: torch.dtype) -> str | None:
