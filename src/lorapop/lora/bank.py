@@ -469,7 +469,9 @@ class AdapterBank:
             kind = next((i for i, s in enumerate(SHARED_INPUT) if leaf in s), -1)
             key = (parent, kind, t.module.in_features) if kind >= 0 else (name, -1, 0)
             groups.setdefault(key, []).append((name, t.a.detach(), t.b.detach()))  # type: ignore[arg-type]
-        return list(groups.values())
+        # members by name: the order `engine.merged` lays a group's outputs out in, so the
+        # decode kernels add every member's term into the merged output at once
+        return [sorted(g, key=lambda m: m[0]) for g in groups.values()]
 
     # ------------------------------------------------------------------ slots
     @property

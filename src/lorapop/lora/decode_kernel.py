@@ -32,7 +32,7 @@ from torch import Tensor
 BM = 16  # rows of one slot per program (the least tl.dot takes)
 BK = 256  # input features per inner step of the shrink
 BN = 128  # output features per expand program
-MIN_SPLIT = 512  # input features each shrink program reads at least
+MIN_SPLIT = 1024  # input features each shrink program reads at least
 MAX_SPLITS = 16
 
 #: False runs the plain path (a switch for before/after measurements)
@@ -102,12 +102,12 @@ def _expand(h, b, out, perm, ends, n_slots, rank, h_first, col_member, member_st
     return _launch(lambda: _kernels()[1][grid](
         h, b, out, perm, ends, h if col_member is None else col_member, rows, cols, width,
         h_first, splits, b.stride(-2), out.stride(0), member_stride, member_cols,
-        N=n_slots, R=rank, BR=_block(rank), BM=BM, BN=BN, SP=_block(splits, 2),
+        N=n_slots, R=rank, BR=_block(rank), BM=BM, BN=BN,
         MAPPED=col_member is not None, num_warps=4), True) is not None
 
 
-def _block(n: int, least: int = 16) -> int:
-    return max(least, 1 << (n - 1).bit_length())
+def _block(rank: int) -> int:
+    return max(16, 1 << (rank - 1).bit_length())
 
 
 def _launch(run, result):
@@ -191,7 +191,7 @@ def _build():
     @triton.jit
     def _expand_kernel(H, B, Out, Perm, Ends, ColMember, rows_total, cols, h_cols, h_first,
                        splits, sb, so, sm, cm, N: tl.constexpr, R: tl.constexpr,
-                       BR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SP: tl.constexpr,
+                       BR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                        MAPPED: tl.constexpr):
         slot, first, end = _tile(Ends, tl.program_id(0), N, BM)
         if slot >= 0:
@@ -201,12 +201,11 @@ def _build():
             rows = tl.load(Perm + m, mask=mmask, other=0)
             j = tl.arange(0, BR)
             jmask = j < R
-            p = tl.arange(0, SP)
-            # every part at once ([parts, rows, rank]), summed in float32
-            at_h = ((p[:, None, None] * rows_total + rows[None, :, None]).to(tl.int64) * h_cols
-                    + h_first + member * R + j[None, None, :])
-            hmask = (p < splits)[:, None, None] & mmask[None, :, None] & jmask[None, None, :]
-            h = tl.sum(tl.load(H + at_h, mask=hmask, other=0.0), axis=0)
+            hmask = mmask[:, None] & jmask[None, :]
+            at_h = H + rows[:, None].to(tl.int64) * h_cols + h_first + member * R + j[None, :]
+            h = tl.zeros([BM, BR], tl.float32)
+            for p in range(0, splits):  # the parts in order: the same sum at every run
+                h += tl.load(at_h + p * rows_total * h_cols, mask=hmask, other=0.0)
             n = tl.program_id(1) * BN + tl.arange(0, BN)
             nmask = n < cols
             at_b = B + member * sm + (slot * R + j)[:, None].to(tl.int64) * sb \
