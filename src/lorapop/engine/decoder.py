@@ -8,7 +8,8 @@ listed in `engine/patches.py`) and samples the next one (`sampling.sample`):
       RMSNorm                      one `F.rms_norm` kernel, weight inside (`fused`)
       q, k, v                      one GEMM for the three (`merged`) + each row's LoRA delta,
                                    its slot's B @ A @ x (`lora.bank` hooks, decode cache:
-                                   q/k/v share the A GEMM)
+                                   q/k/v share the shrink; on GPU two Triton kernels
+                                   reading the row's own slot only, `lora.decode_kernel`)
       rotary embedding             one fused pass on CUDA (`fused`), the model's own on CPU
       attention                    the new key/value written at the row's position in the
                                    static cache, the query over the row's own cached keys

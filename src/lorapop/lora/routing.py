@@ -23,7 +23,10 @@ gate/up) share one A GEMM, and the LoRA scaling is folded into the cached B, so 
 masks, 7 expands) instead of ~50, and no cast of the fp32 master weights on every step; under
 torch.compile (`fuse_add`) q/k/v and gate/up each get their deltas from one GEMM, and the adds
 fuse into the kernels that read the outputs. At decode sizes each of these kernels costs a
-launch (5-10 us on an H100/H200) more than its bytes, so fewer kernels is what counts.
+launch (5-10 us on an H100/H200) more than its bytes, so fewer kernels is what counts. On
+CUDA in bf16/fp16 the shrink and the expand run as `decode_kernel`'s two Triton kernels
+instead, each row through its own slot's A and B only and one expand per merged output; the
+GEMMs above are their reference and their fallback.
 """
 
 from __future__ import annotations
