@@ -8,7 +8,9 @@ with `--profile` the GPU kernels of a few replays by kind, with the number of ke
 launches. No prefill runs: the cache holds zeros, which the attention reads at
 the same cost as keys. `--and-unfused` replays each case again with the fused inference passes
 off (`lorapop.engine.fused.INFERENCE`), `--and-plain-lora` with the LoRA terms as every
-slot's masked GEMMs (`lorapop.lora.decode_kernel.ENABLED`): before/afters in one process.
+slot's masked GEMMs (`lorapop.lora.decode_kernel.ENABLED`), `--and-scatter-write` with the
+step's key and value scattered before the attention kernel rather than written by it
+(`lorapop.engine.decode_attention.WRITE_IN_KERNEL`): before/afters in one process.
 
     python benchmarks/decode_step.py --cases 176:2600,266:1300,8:3500 --profile \\
         --out benchmarks/results/decode_step_h200.json
@@ -145,6 +147,10 @@ def main() -> None:
     ap.add_argument("--and-plain-lora", action="store_true",
                     help="also replay each case with the LoRA terms as the masked GEMMs of "
                          "every slot (lorapop.lora.decode_kernel.ENABLED off)")
+    ap.add_argument("--and-scatter-write", action="store_true",
+                    help="also replay each case with the step's key and value scattered into "
+                         "the cache before the attention kernel (decode_attention."
+                         "WRITE_IN_KERNEL off)")
     ap.add_argument("--out", default="benchmarks/results/decode_step.json")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU check of the script: tiny random model (pass small cases)")
@@ -155,7 +161,7 @@ def main() -> None:
     elif DEV != "cuda":
         sys.exit("decode_step.py needs a CUDA GPU (or --smoke for a CPU check of the script)")
     from lorapop.config import load_config
-    from lorapop.engine import fused
+    from lorapop.engine import decode_attention, fused
     from lorapop.lora import decode_kernel
     from lorapop.selfplay.parts import build
 
@@ -172,18 +178,20 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     for spec in filter(None, args.cases.split(",")):
         rows, context = map(int, spec.split(":"))
-        variants = [(True, True)]
-        variants += [(False, True)] if args.and_unfused else []
-        variants += [(True, False)] if args.and_plain_lora else []
-        for fused.INFERENCE, decode_kernel.ENABLED in variants:
+        variants = [(True, True, True)]
+        variants += [(False, True, True)] if args.and_unfused else []
+        variants += [(True, False, True)] if args.and_plain_lora else []
+        variants += [(True, True, False)] if args.and_scatter_write else []
+        for fused.INFERENCE, decode_kernel.ENABLED, decode_attention.WRITE_IN_KERNEL in variants:
             r = {"fused_inference": fused.INFERENCE, "lora_kernels": decode_kernel.ENABLED,
+                 "write_in_kernel": decode_attention.WRITE_IN_KERNEL,
                  **case(parts, rows, context, args.reps, args.profile)}
             if DEV == "cuda":  # the case's cache and graph pool
                 torch.cuda.empty_cache()
             print(json.dumps({k: v for k, v in r.items() if k != "top_kernels"}), flush=True)
             result["cases"].append(r)
             out.write_text(json.dumps(result, indent=2))
-    fused.INFERENCE = decode_kernel.ENABLED = True
+    fused.INFERENCE = decode_kernel.ENABLED = decode_attention.WRITE_IN_KERNEL = True
 
 
 if __name__ == "__main__":

@@ -109,6 +109,56 @@ def test_kernel_equals_the_reference(rows, heads, kv_heads, width, d, dtype):
     assert (got.float() - want).abs().max() <= 2 * (ref_low - want).abs().max() + 1e-3
 
 
+def _with_new(rows, heads, kv_heads, length, d, dtype, device, width):
+    """A case whose step key/value are given apart, its rows below `width` but the last
+    (a row that no longer runs, at a position past the width)."""
+    q, k, v, pos = _case(rows, heads, kv_heads, length, d, dtype, device, seed=1)
+    pos = pos.clamp(max=width - 1)
+    pos[-1] = length - 1
+    gen = torch.Generator(device=device).manual_seed(2)
+    key, value = (torch.randn(rows, kv_heads, 1, d, generator=gen, device=device, dtype=dtype)
+                  for _ in range(2))
+    return q, k, v, pos, key, value
+
+
+def _written(k, v, pos, key, value):
+    """The cache with the step's key and value at each row's position (a copy)."""
+    k, v = k.clone(), v.clone()
+    rows = torch.arange(k.shape[0], device=k.device)
+    k[rows, :, pos], v[rows, :, pos] = key[:, :, 0], value[:, :, 0]
+    return k, v
+
+
+@pytest.mark.parametrize("kernel", ["auto", "sdpa"])
+def test_the_step_key_and_value_are_written_at_each_rows_position(kernel):
+    """`new` goes into the cache at every row's position, past the width too, and the rows
+    attend over it as if it had been written first; the reference reads `width` positions."""
+    q, k, v, pos, key, value = _with_new(5, 4, 2, 48, 8, torch.float32, "cpu", width=32)
+    want_k, want_v = _written(k, v, pos, key, value)
+    want = reference(q, want_k[:, :, :32], want_v[:, :, :32], pos.clamp(max=31), 0.3)
+    got = attend(q, k, v, pos, 0.3, kernel, new=(key, value), width=32)
+    torch.testing.assert_close(k, want_k)
+    torch.testing.assert_close(v, want_v)
+    torch.testing.assert_close(got[:-1], want.transpose(1, 2)[:-1])  # (the last: not running)
+
+
+@pytest.mark.skipif(not KERNEL, reason="the Triton kernel needs a GPU")
+@pytest.mark.parametrize("rows,length,width", [(64, 1536, 1024), (3, 4608, 4096)])
+def test_kernel_writes_the_step_key_and_value(rows, length, width):
+    """The kernel writes the step's key and value where the rows run (one part or split in
+    parts) and attends as the reference does after a scatter."""
+    q, k, v, pos, key, value = _with_new(rows, 28, 4, length, 128, torch.bfloat16, "cuda",
+                                         width)
+    want_k, want_v = _written(k, v, pos, key, value)
+    want = reference(q.float(), want_k.float(), want_v.float(), pos, 128**-0.5).transpose(1, 2)
+    got = attend(q, k, v, pos, 128**-0.5, new=(key, value), width=width)
+    assert decode_attention.failure is None
+    running = pos < width
+    torch.testing.assert_close(k[running], want_k[running], atol=0, rtol=0)
+    torch.testing.assert_close(v[running], want_v[running], atol=0, rtol=0)
+    torch.testing.assert_close(got.float()[running], want[running], atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.skipif(not KERNEL, reason="the Triton kernel needs a GPU")
 def test_generations_with_the_kernel_equal_the_reference_path():
     """Whole generations (CUDA graphs, refills, the tail's shrinking) sample what the SDPA

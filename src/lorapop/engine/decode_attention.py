@@ -59,6 +59,9 @@ def reference(
 
 #: why the kernel failed to build or run on this machine (the reference runs from then on)
 failure: str | None = None
+#: False: `attend` scatters the step's key and value before the kernel runs (a switch for
+#: before/after measurements of the kernel's own write)
+WRITE_IN_KERNEL = True
 
 
 def applies(device: torch.device, dtype: torch.dtype, head_dim: int,
@@ -83,17 +86,25 @@ def attend(
     scale: float,
     kernel: Kernel = "auto",
     mask: torch.Tensor | None = None,
+    new: tuple[torch.Tensor, torch.Tensor] | None = None,
+    width: int | None = None,
 ) -> torch.Tensor:
-    """One decode step's attention: q [B, H, 1, D] (any strides), k, v [B, Hkv, W, D] with
-    the last dim contiguous, row b over positions [0, pos[b]] (its new key already written
-    at pos[b]). Returns out [B, 1, H, D] contiguous (the layout the output projection
-    reads). `kernel="sdpa"` forces the reference (`mask`: its mask, see `reference`). A kernel that fails to compile or launch
-    here (an older GPU, a Triton without a feature it needs) warns once and leaves the
+    """One decode step's attention: q [B, H, 1, D] (any strides), the cache k, v [B, Hkv, L,
+    D] with the last dim contiguous, row b over positions [0, pos[b]], every running row's
+    below `width` (default L: the reference reads that many). `new`: the step's key and value
+    [B, Hkv, 1, D], written into k, v at pos[b] here, whatever the width (by the kernel itself
+    where it runs: two scatter kernels a layer fewer); without it they are already there. Returns out
+    [B, 1, H, D] contiguous (the layout the output projection reads). `kernel="sdpa"` forces
+    the reference (`mask`: its mask, see `reference`). A kernel that fails to compile or
+    launch here (an older GPU, a Triton without a feature it needs) warns once and leaves the
     reference in its place for the rest of the process: generation is slower, not stopped."""
     global failure
     if usable(q, kernel):
+        if new is not None and not WRITE_IN_KERNEL:
+            write(k, v, pos, *new)
+            new = None
         try:
-            return _triton_attend(q, k, v, pos, scale)
+            return _triton_attend(q, k, v, pos, scale, new, width)
         except torch.OutOfMemoryError:
             raise
         except Exception as e:  # noqa: BLE001 - any compiler or launch failure: the reference
@@ -101,7 +112,20 @@ def attend(
             failure = f"{type(e).__name__}: {lines[0]}"
             warnings.warn(f"decode attention kernel unavailable ({failure[:200]}); using SDPA",
                           stacklevel=2)
+    if new is not None:
+        write(k, v, pos, *new)
+    if width is not None and width < k.shape[2]:  # a view: only the last dim is contiguous
+        k, v = k[:, :, :width], v[:, :, :width]
     return reference(q, k, v, pos, scale, mask).transpose(1, 2).contiguous()
+
+
+def write(k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, key: torch.Tensor,
+          value: torch.Tensor) -> None:
+    """The step's key and value [B, Hkv, 1, D] into the cache k, v [B, Hkv, W, D] at each
+    row's position."""
+    at = pos.view(-1, 1, 1, 1).expand(-1, k.shape[1], 1, k.shape[3])
+    k.scatter_(2, at, key)
+    v.scatter_(2, at, value)
 
 
 def splits_for(rows: int, kv_heads: int, width: int, processors: int) -> int:
@@ -121,12 +145,15 @@ def _triton():  # the module, or None where Triton is not installed (CPU builds 
     return _build()
 
 
-def _triton_attend(q, k, v, pos, scale):
+def _triton_attend(q, k, v, pos, scale, new=None, width=None):
     kern, combine = _triton()
     if q.stride(-1) != 1:
         q = q.contiguous()
+    nk, nv = new if new is not None else (k, v)  # (unread without `new`)
+    if nk.stride(-1) != 1 or nv.stride(-1) != 1:
+        nk, nv = nk.contiguous(), nv.contiguous()
     b, heads, _, d = q.shape
-    kv_heads, width = k.shape[1], k.shape[2]
+    kv_heads, width = k.shape[1], width or k.shape[2]
     group = heads // kv_heads
     props = torch.cuda.get_device_properties(q.device)
     splits = splits_for(b, kv_heads, width, props.multi_processor_count)
@@ -140,13 +167,14 @@ def _triton_attend(q, k, v, pos, scale):
         mx = torch.empty(b, heads, splits, dtype=torch.float32, device=q.device)
         total = torch.empty(b, heads, splits, dtype=torch.float32, device=q.device)
     kern[(b, kv_heads, splits)](
-        q, k, v, pos, out, acc, mx, total,
+        q, k, v, pos, out, acc, mx, total, nk, nv,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(2),
+        nk.stride(0), nk.stride(1), nv.stride(0), nv.stride(1),
         split_len, splits, scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
         GROUP=group, BLOCK_G=max(16, triton_next_pow2(group)), D=d,
         BLOCK_D=triton_next_pow2(d), BLOCK_N=BLOCK_N, ONE_PART=splits == 1,
-        num_warps=4, num_stages=2,
+        NEW=new is not None, num_warps=4, num_stages=2,
     )
     if splits > 1:  # one program per (row, head) weighs its parts: one launch, not six
         combine[(b, heads)](acc, mx, total, out, out.stride(0), out.stride(2), splits,
@@ -164,15 +192,17 @@ def _build():
     import triton.language as tl
 
     @triton.jit
-    def _split_kernel(Q, K, V, Pos, Out, Acc, M, L,
-                      sqb, sqh, skb, skh, skn, svb, svh, svn, sob, soh,
+    def _split_kernel(Q, K, V, Pos, Out, Acc, M, L, NewK, NewV,
+                      sqb, sqh, skb, skh, skn, svb, svh, svn, sob, soh, snkb, snkh, snvb, snvh,
                       split_len, splits, qk_scale,
                       GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
-                      BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PART: tl.constexpr):
+                      BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PART: tl.constexpr,
+                      NEW: tl.constexpr):
         row = tl.program_id(0)
         kvh = tl.program_id(1)
         part = tl.program_id(2)
-        length = tl.load(Pos + row).to(tl.int32) + 1
+        last = tl.load(Pos + row).to(tl.int32)  # the step's own position
+        length = last + 1
         start = part * split_len
         end = tl.minimum(start + split_len, length)
         g = tl.arange(0, BLOCK_G)
@@ -187,11 +217,19 @@ def _build():
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
         kbase = K + row.to(tl.int64) * skb + kvh * skh
         vbase = V + row.to(tl.int64) * svb + kvh * svh
+        if NEW:  # the part holding the step's position writes its key and value to the cache
+            nk = tl.load(NewK + row.to(tl.int64) * snkb + kvh * snkh + d, mask=dmask, other=0.0)
+            nv = tl.load(NewV + row.to(tl.int64) * snvb + kvh * snvh + d, mask=dmask, other=0.0)
+            mine = (start <= last) & (last < end)
+            tl.store(kbase + last * skn + d, nk, mask=dmask & mine)
+            tl.store(vbase + last * svn + d, nv, mask=dmask & mine)
         for n0 in range(start, end, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             nmask = n < end
             kt = tl.load(kbase + n[:, None] * skn + d[None, :],
                          mask=nmask[:, None] & dmask[None, :], other=0.0)
+            if NEW:  # (the load may predate the store above: take the new key from registers)
+                kt = tl.where((n == last)[:, None], nk[None, :], kt)
             s = tl.dot(q, tl.trans(kt)) * qk_scale  # [BLOCK_G, BLOCK_N], log2 units
             s = tl.where(nmask[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
@@ -200,6 +238,8 @@ def _build():
             total = total * alpha + tl.sum(p, 1)
             vt = tl.load(vbase + n[:, None] * svn + d[None, :],
                          mask=nmask[:, None] & dmask[None, :], other=0.0)
+            if NEW:
+                vt = tl.where((n == last)[:, None], nv[None, :], vt)
             acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
             m = m_new
         omask = gmask[:, None] & dmask[None, :]

@@ -163,14 +163,10 @@ def _attention(
         return out.transpose(1, 2).contiguous(), None
     # decode: one query token per row, written at the row's own position
     k, v, pos = kv.k[i][: kv.rows], kv.v[i][: kv.rows], kv.pos[: kv.rows]
-    at = pos.view(-1, 1, 1, 1).expand(-1, k.shape[1], 1, k.shape[3])
-    k.scatter_(2, at, key)
-    v.scatter_(2, at, value)
-    if kv.width < kv.length:  # a view: the kernels need only the last dim contiguous
-        k, v = k[:, :, : kv.width], v[:, :, : kv.width]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     # the decoder passes the reference's mask, made once a step, where the kernel does not run
-    return decode_attention.attend(query, k, v, pos, scale, kv.kernel, attention_mask), None
+    return decode_attention.attend(query, k, v, pos, scale, kv.kernel, attention_mask,
+                                   new=(key, value), width=kv.width), None
 
 
 AttentionInterface.register(NAME, _attention)
