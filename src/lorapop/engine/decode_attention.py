@@ -223,13 +223,14 @@ def _build():
             mine = (start <= last) & (last < end)
             tl.store(kbase + last * skn + d, nk, mask=dmask & mine)
             tl.store(vbase + last * svn + d, nv, mask=dmask & mine)
-        for n0 in range(start, end, BLOCK_N):
+        # with NEW the loop stops below the step's position, whose key is taken from registers
+        # after it (the loop's loads may predate the store above)
+        stop = tl.minimum(end, last) if NEW else end
+        for n0 in range(start, stop, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
-            nmask = n < end
+            nmask = n < stop
             kt = tl.load(kbase + n[:, None] * skn + d[None, :],
                          mask=nmask[:, None] & dmask[None, :], other=0.0)
-            if NEW:  # (the load may predate the store above: take the new key from registers)
-                kt = tl.where((n == last)[:, None], nk[None, :], kt)
             s = tl.dot(q, tl.trans(kt)) * qk_scale  # [BLOCK_G, BLOCK_N], log2 units
             s = tl.where(nmask[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
@@ -238,10 +239,17 @@ def _build():
             total = total * alpha + tl.sum(p, 1)
             vt = tl.load(vbase + n[:, None] * svn + d[None, :],
                          mask=nmask[:, None] & dmask[None, :], other=0.0)
-            if NEW:
-                vt = tl.where((n == last)[:, None], nv[None, :], vt)
             acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
             m = m_new
+        if NEW:  # noqa: SIM102 - a compile-time branch: `mine` exists only with NEW
+            if mine:  # the step's own key and value: one more online-softmax update
+                s_new = tl.sum(q.to(tl.float32) * nk.to(tl.float32)[None, :], 1) * qk_scale
+                m_new = tl.maximum(m, s_new)
+                alpha = tl.exp2(m - m_new)
+                p_new = tl.exp2(s_new - m_new)
+                total = total * alpha + p_new
+                acc = acc * alpha[:, None] + p_new[:, None] * nv.to(tl.float32)[None, :]
+                m = m_new
         omask = gmask[:, None] & dmask[None, :]
         if ONE_PART:
             o = acc / total[:, None]
