@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 
 import pytest
 import torch
+from lora_fixtures import VOCAB, randomize_b, tiny_model
 
+from lorapop.engine.merged import merge_projections
 from lorapop.lora import decode_kernel
+from lorapop.lora.bank import AdapterBank
 from lorapop.lora.routing import DecodeCache, Routing
 
 RANK, SCALING = 4, 1.5  # scaling folded into the cached B; not 1 so a lost factor shows
@@ -201,3 +205,67 @@ def test_kernels_follow_the_routing_inside_a_cuda_graph():
     want = torch.cat([_reference(a, b, x.float().cpu(), ids.cpu()).float()
                       for _, a, b in [(n, a.cpu(), b.cpu()) for n, a, b in groups[0]]], dim=-1)
     torch.testing.assert_close((out.float() - base.float()).cpu(), want, atol=3e-2, rtol=2e-2)
+
+
+def _kernels_in_torch(calls: Counter):
+    """`decode_kernel`'s shrink, expand and expand_group as torch ops (their formulas, any
+    device): the decode cache's side of the kernel path (which h, which columns, which B
+    layout, which members are skipped) runs where Triton does not."""
+
+    def slots(perm: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        ids = torch.empty_like(perm)
+        ids[perm] = torch.searchsorted(ends.long(), torch.arange(perm.numel()), right=True)
+        return ids
+
+    def shrink(x, a, n, r, perm, ends):
+        calls["shrink"] += 1
+        a = a.view(a.shape[0] // (n * r), n, r, -1)[:, slots(perm, ends)]  # [G, B, r, in]
+        return torch.einsum("bi,gbri->bgr", x.float(), a.float()).flatten(1)[None]
+
+    def add(h, b, out, perm, ends, r):  # out += h [B, r] @ b[slot] ([N * r, out] rows)
+        b = b.unflatten(0, (-1, r))[slots(perm, ends)]
+        out += torch.einsum("br,bro->bo", h.to(out.dtype).float(), b.float()).to(out.dtype)
+
+    def expand(h, member, b, out, perm, ends, n, r):
+        calls["expand"] += 1
+        add(h.sum(0)[:, member * r : (member + 1) * r], b, out, perm, ends, r)
+        return True
+
+    def expand_group(h, b, out, perm, ends, n, r, col_member):
+        calls["expand_group"] += 1
+        for m in col_member.unique().tolist():
+            blocks = (col_member == m).nonzero().flatten()
+            bn = decode_kernel.BN
+            cols = slice(int(blocks[0]) * bn, (int(blocks[-1]) + 1) * bn)
+            b_m = b[m * n * r : (m + 1) * n * r, cols] if b.dim() == 2 else b[m]
+            add(h.sum(0)[:, m * r : (m + 1) * r], b_m, out[:, cols], perm, ends, r)
+        return True
+
+    return shrink, expand, expand_group
+
+
+def test_the_kernel_path_adds_every_term_once_into_merged_outputs(monkeypatch):
+    """With q/k/v and gate/up merged (`engine.merged`), the kernel path's group expand
+    finds each group's whole output and its other members add nothing more; o and down
+    expand alone. A decode forward then gives the plain path's logits."""
+    monkeypatch.setattr(decode_kernel, "BN", 8)  # the tiny model's widths: 16, 32, 48
+    model = tiny_model().requires_grad_(False)
+    layers = model.config.num_hidden_layers
+    assert merge_projections(model) == 2 * layers
+    bank = AdapterBank(model, n_slots=3, rank=4, alpha=8.0)
+    randomize_b(bank)
+    ids = torch.randint(0, VOCAB, (7, 1), generator=torch.Generator().manual_seed(0))
+    slots = [2, 0, 1, 2, 0, 1, 1]
+
+    def logits() -> torch.Tensor:
+        with torch.no_grad(), bank.route(slots):
+            return model(ids, position_ids=torch.zeros_like(ids)).logits
+    plain = logits()
+    calls: Counter = Counter()
+    shrink, expand, expand_group = _kernels_in_torch(calls)
+    monkeypatch.setattr(decode_kernel, "usable", lambda x, out: True)
+    monkeypatch.setattr(decode_kernel, "shrink", shrink)
+    monkeypatch.setattr(decode_kernel, "expand", expand)
+    monkeypatch.setattr(decode_kernel, "expand_group", expand_group)
+    torch.testing.assert_close(logits(), plain, rtol=1e-5, atol=1e-5)
+    assert calls == {"shrink": 4 * layers, "expand_group": 2 * layers, "expand": 2 * layers}

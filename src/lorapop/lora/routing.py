@@ -471,8 +471,8 @@ class DecodeCache:
                 return False
             if share and g.size > 1:
                 g.x, g.h, g.d, g.uses, g.whole = x, h, None, 1, None
-                whole = None if g.col_member is None or m.index else \
-                    _whole_output(out, g.col_member.numel() * decode_kernel.BN)
+                whole = None if g.col_member is None else _whole_output(
+                    out, g.col_member.numel() * decode_kernel.BN, g.offsets[m.index])
                 if (whole is not None
                         and decode_kernel.expand_group(h, g.b, whole, routing.perm,
                                                        routing.ends, self.n_slots, self.rank,
@@ -501,12 +501,14 @@ class DecodeCache:
         return h
 
 
-def _whole_output(out: Tensor, width: int) -> Tensor | None:
-    """The [rows, width] output whose first columns `out` [rows, out] is, where `out` is a
-    column slice of it (as merged projections hand a group's outputs over), else None."""
+def _whole_output(out: Tensor, width: int, first: int) -> Tensor | None:
+    """The [rows, width] output whose columns from `first` on `out` [rows, out] is, where
+    `out` is such a column slice (as merged projections hand a group's outputs over: the
+    first member called need not be the first in the output), else None."""
     base = out._base
     if (base is None or not base.is_contiguous() or base.numel() != out.shape[0] * width
-            or base.data_ptr() != out.data_ptr() or out.stride(0) != width):
+            or base.data_ptr() != out.data_ptr() - first * out.element_size()
+            or out.stride(0) != width):
         return None
     return base.view(out.shape[0], width)
 
