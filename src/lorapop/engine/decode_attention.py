@@ -92,8 +92,9 @@ def attend(
     """One decode step's attention: q [B, H, 1, D] (any strides), the cache k, v [B, Hkv, L,
     D] with the last dim contiguous, row b over positions [0, pos[b]], every running row's
     below `width` (default L: the reference reads that many). `new`: the step's key and value
-    [B, Hkv, 1, D], written into k, v at pos[b] here, whatever the width (by the kernel itself
-    where it runs: two scatter kernels a layer fewer); without it they are already there. Returns out
+    [B, Hkv, 1, D], written into k, v at pos[b] here: by the kernel itself where it runs (two
+    scatter kernels a layer fewer), for the rows below `width` (the others do not run), else
+    scattered for every row; without `new` they are already there. Returns out
     [B, 1, H, D] contiguous (the layout the output projection reads). `kernel="sdpa"` forces
     the reference (`mask`: its mask, see `reference`). A kernel that fails to compile or
     launch here (an older GPU, a Triton without a feature it needs) warns once and leaves the
@@ -223,8 +224,8 @@ def _build():
             mine = (start <= last) & (last < end)
             tl.store(kbase + last * skn + d, nk, mask=dmask & mine)
             tl.store(vbase + last * svn + d, nv, mask=dmask & mine)
-        # with NEW the loop stops below the step's position, whose key is taken from registers
-        # after it (the loop's loads may predate the store above)
+        # with NEW the loop stops below the step's position: its key and value come from
+        # registers after the loop (a load in the loop could see the cache before the store)
         stop = tl.minimum(end, last) if NEW else end
         for n0 in range(start, stop, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)

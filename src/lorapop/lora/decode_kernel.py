@@ -12,9 +12,10 @@ slot's A or B.
 - `shrink`: h = x @ A[slot]^T for every member of a group that reads one input (q/k/v,
   gate/up), each row's own slot only; the input dimension is split over programs and the parts
   kept in float32 ([splits, rows, members x r]).
-- `expand`: out += h @ B[slot] for one member, in place: the parts are summed and rounded to
-  the compute dtype (as the plain path's h is), and the product is added to the base output in
-  float32 and rounded once (as `addmm_` does).
+- `expand`: out += h @ B[slot] for one member, in place: the parts are summed in order and
+  rounded to the compute dtype (as the plain path's h is), and the product is added to the base
+  output in float32 and rounded once (as `addmm_` does). `expand_group` does every member of a
+  group at once into the group's merged output (`engine.merged`), one launch for q/k/v.
 
 `usable` says where they run (CUDA, bf16/fp16, Triton importable, outside torch.compile);
 a kernel that fails to build or launch warns once and leaves the plain path in its place.
@@ -25,6 +26,8 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -34,6 +37,7 @@ BK = 256  # input features per inner step of the shrink
 BN = 128  # output features per expand program
 MIN_SPLIT = 1024  # input features each shrink program reads at least
 MAX_SPLITS = 16
+T = TypeVar("T")
 
 #: False runs the plain path (a switch for before/after measurements)
 ENABLED = True
@@ -87,15 +91,16 @@ def expand_group(h: Tensor, b: Tensor, out: Tensor, perm: Tensor, ends: Tensor,
     of outs] or stacked [members, n_slots x rank, out]; `col_member` [column blocks of `BN`]
     int32 names each block's member (no block spans two). As `expand` otherwise."""
     if b.dim() == 2:  # column n of member m: row m x N x r + s x r + j, column n
-        member_stride, member_cols = b.shape[1] * n_slots * rank, 0
+        member_stride, member_cols = b.stride(0) * n_slots * rank, 0
     else:  # stacked: member m's own [N x r, out] block, column n - m x out
         member_stride, member_cols = b.stride(0), b.shape[2]
     return _expand(h, b, out, perm, ends, n_slots, rank, 0, col_member, member_stride,
                    member_cols)
 
 
-def _expand(h, b, out, perm, ends, n_slots, rank, h_first, col_member, member_stride,
-            member_cols) -> bool:
+def _expand(h: Tensor, b: Tensor, out: Tensor, perm: Tensor, ends: Tensor, n_slots: int,
+            rank: int, h_first: int, col_member: Tensor | None, member_stride: int,
+            member_cols: int) -> bool:
     splits, rows, width = h.shape
     cols = out.shape[1]
     grid = (-(-rows // BM) + n_slots, -(-cols // BN))
@@ -110,7 +115,7 @@ def _block(rank: int) -> int:
     return max(16, 1 << (rank - 1).bit_length())
 
 
-def _launch(run, result):
+def _launch(run: Callable[[], object], result: T) -> T | None:
     global failure
     try:
         run()
