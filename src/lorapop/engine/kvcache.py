@@ -63,8 +63,9 @@ class StaticKV:
     the in-place cache write mutates a whole graph input rather than a view of a shared one.
     `pos` [batch] is each row's cache index for the next decoded token; decode runs over the
     first `rows` rows (the decoder moves the last running rows there) and attends over
-    the first `width` positions (every running row's must lie below it; keys are written at
-    `pos` whatever the width), of which `decode_attention` reads only each row's own. While
+    the first `width` positions (every running row's must lie below it; a row past it does
+    not run, and its key may not be written), of which `decode_attention` reads only each
+    row's own. While
     `prefill` is set, forwards fill those rows instead of decoding.
     """
 
