@@ -15,13 +15,13 @@ tests/engine/test_decode_attention.py compares the two.
 
 from __future__ import annotations
 
-import functools
 import math
-import warnings
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
+
+from lorapop.kernels import built, failed
 
 Kernel = Literal["auto", "sdpa"]
 BLOCK_N = 64  # cached positions per inner step
@@ -109,10 +109,7 @@ def attend(
         except torch.OutOfMemoryError:
             raise
         except Exception as e:  # noqa: BLE001 - any compiler or launch failure: the reference
-            lines = str(e).strip().splitlines() or [""]
-            failure = f"{type(e).__name__}: {lines[0]}"
-            warnings.warn(f"decode attention kernel unavailable ({failure[:200]}); using SDPA",
-                          stacklevel=2)
+            failure = failed(e, "decode attention kernel", "using SDPA")
     if new is not None:
         write(k, v, pos, *new)
     if width is not None and width < k.shape[2]:  # a view: only the last dim is contiguous
@@ -136,14 +133,7 @@ def splits_for(rows: int, kv_heads: int, width: int, processors: int) -> int:
     return max(1, min(want, width // MIN_SPLIT))
 
 
-@functools.cache
-def _triton():  # the module, or None where Triton is not installed (CPU builds of torch)
-    try:
-        import triton  # noqa: F401
-        import triton.language  # noqa: F401
-    except ImportError:
-        return None
-    return _build()
+_triton = built(lambda: _build())  # (split kernel, combine kernel), or None without Triton
 
 
 def _triton_attend(q, k, v, pos, scale, new=None, width=None):

@@ -15,10 +15,9 @@ two on the GPU.
 
 from __future__ import annotations
 
-import functools
-import warnings
-
 import torch
+
+from lorapop.kernels import built, failed
 
 BLOCK = 4096  # vocabulary entries per inner step
 
@@ -26,13 +25,7 @@ BLOCK = 4096  # vocabulary entries per inner step
 failure: str | None = None
 
 
-@functools.cache
-def _kernel():  # the kernel, or None where Triton is not installed (CPU builds of torch)
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return None
-    return _build()
+_kernel = built(lambda: _build())  # the kernel, or None without Triton
 
 
 def usable(logits: torch.Tensor, temperature: float, top_p: float) -> bool:
@@ -61,10 +54,7 @@ def sample(logits: torch.Tensor, u: torch.Tensor, temperature: float
     except torch.OutOfMemoryError:
         raise
     except Exception as e:  # noqa: BLE001 - any compiler or launch failure: the plain sampler
-        lines = str(e).strip().splitlines() or [""]
-        failure = f"{type(e).__name__}: {lines[0]}"
-        warnings.warn(f"sampling kernel unavailable ({failure[:200]}); sampling with torch",
-                      stacklevel=2)
+        failure = failed(e, "sampling kernel", "sampling with torch")
         return None
 
 

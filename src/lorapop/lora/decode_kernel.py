@@ -24,13 +24,13 @@ tests/lora/test_decode_cache.py compares the two on the GPU.
 
 from __future__ import annotations
 
-import functools
-import warnings
 from collections.abc import Callable
 from typing import TypeVar
 
 import torch
 from torch import Tensor
+
+from lorapop.kernels import built, failed
 
 BM = 16  # rows of one slot per program (the least tl.dot takes)
 BK = 256  # input features per inner step of the shrink
@@ -123,21 +123,11 @@ def _launch(run: Callable[[], object], result: T) -> T | None:
     except torch.OutOfMemoryError:
         raise
     except Exception as e:  # noqa: BLE001 - any compiler or launch failure: the plain path
-        lines = str(e).strip().splitlines() or [""]
-        failure = f"{type(e).__name__}: {lines[0]}"
-        warnings.warn(f"LoRA decode kernels unavailable ({failure[:200]}); using GEMMs",
-                      stacklevel=3)
+        failure = failed(e, "LoRA decode kernels", "using GEMMs", stacklevel=3)
         return None
 
 
-@functools.cache
-def _kernels():  # (shrink, expand), or None where Triton is not installed (CPU builds of torch)
-    try:
-        import triton  # noqa: F401
-        import triton.language  # noqa: F401
-    except ImportError:
-        return None
-    return _build()
+_kernels = built(lambda: _build())  # (shrink, expand), or None without Triton
 
 
 def _build():
