@@ -65,8 +65,7 @@ class StaticKV:
     first `rows` rows (the decoder moves the last running rows there) and attends over
     the first `width` positions (every running row's must lie below it; a row past it does
     not run, and its key may not be written), of which `decode_attention` reads only each
-    row's own. While
-    `prefill` is set, forwards fill those rows instead of decoding.
+    row's own. While `prefill` is set, forwards fill those rows instead of decoding.
     """
 
     def __init__(
