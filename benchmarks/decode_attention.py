@@ -144,13 +144,49 @@ def case(rows: int, width: int, reps: int) -> dict:
     return out
 
 
+def tune(rows: int, width: int, reps: int, grid: dict[str, list[int]]) -> dict:
+    """The kernel as the decoder calls it (the step's key and value written by it) under
+    each launch in `grid` (`decode_attention`'s BLOCK_N, NUM_WARPS, NUM_STAGES, WAVES):
+    ms a call, fastest first; the module's values are restored after."""
+    import itertools
+
+    from lorapop.engine import decode_attention as da
+
+    x = inputs(rows, width)
+    q = x["q"].reshape(rows, KV_HEADS * GROUPS, 1, HEAD_DIM)
+    new = (x["k"][:, :, :1].clone(), x["v"][:, :, :1].clone())
+    names = list(grid)
+    before = {n: getattr(da, n) for n in names}
+    out = {"rows": rows, "width": width, "launches": []}
+    try:
+        for values in itertools.product(*grid.values()):
+            for n, val in zip(names, values, strict=True):
+                setattr(da, n, val)
+            ms, how = timed(lambda: da.attend(q, x["k"], x["v"], x["pos"], HEAD_DIM**-0.5,
+                                              new=new), reps)
+            out["launches"].append({**dict(zip(names, values, strict=True)), "ms": ms})
+    finally:
+        for n, val in before.items():
+            setattr(da, n, val)
+    out["launches"].sort(key=lambda r: r["ms"])
+    out["current"] = next(r["ms"] for r in out["launches"]
+                          if all(r[n] == before[n] for n in names))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="8:4096,48:3072,192:3072,176:4544,384:1536,266:2816",
                     help="ROWS:WIDTH,... (width: cache positions attended)")
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--tune", action="store_true",
+                    help="time lorapop's kernel under a grid of launches instead (--grid)")
+    ap.add_argument("--grid", default="BLOCK_N=32,64,128;NUM_WARPS=2,4,8;NUM_STAGES=1,2,3,4;"
+                    "WAVES=1,2,4", help="NAME=V,V;... of engine/decode_attention.py")
     ap.add_argument("--out", default="benchmarks/results/decode_attention.json")
     args = ap.parse_args()
+    grid = {k: [int(v) for v in vals.split(",")]
+            for k, vals in (part.split("=") for part in args.grid.split(";"))}
     if not torch.cuda.is_available():
         sys.exit("decode_attention.py needs a CUDA GPU")
     result = {"benchmark": "decode_attention", "command": " ".join([Path(sys.executable).name, *sys.argv]),
@@ -160,7 +196,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     for shape in args.shapes.split(","):
         rows, width = map(int, shape.split(":"))
-        r = case(rows, width, args.reps)
+        r = tune(rows, width, args.reps, grid) if args.tune else case(rows, width, args.reps)
         print(json.dumps(r), flush=True)
         result["cases"].append(r)
         out.write_text(json.dumps(result, indent=1))

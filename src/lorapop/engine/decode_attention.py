@@ -24,7 +24,11 @@ import torch.nn.functional as F
 from lorapop.kernels import built, failed
 
 Kernel = Literal["auto", "sdpa"]
+# the split kernel's launch (read at each call: `benchmarks/decode_attention.py --tune` times
+# other values at the paper's shapes)
 BLOCK_N = 64  # cached positions per inner step
+NUM_WARPS, NUM_STAGES = 4, 3
+WAVES = 2  # a row is split until its programs fill the multiprocessors this many times over
 MIN_SPLIT = 512  # a split reads at least this many positions
 
 
@@ -127,9 +131,9 @@ def write(k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, key: torch.Tensor
 
 
 def splits_for(rows: int, kv_heads: int, width: int, processors: int) -> int:
-    """Parts each row's length is split into: enough programs for about two waves over the
-    GPU's multiprocessors, each part at least `MIN_SPLIT` positions of the width."""
-    want = -(-2 * processors // max(1, rows * kv_heads))
+    """Parts each row's length is split into: enough programs for about `WAVES` waves over
+    the GPU's multiprocessors, each part at least `MIN_SPLIT` positions of the width."""
+    want = math.ceil(WAVES * processors / max(1, rows * kv_heads))
     return max(1, min(want, width // MIN_SPLIT))
 
 
@@ -165,7 +169,7 @@ def _triton_attend(q, k, v, pos, scale, new=None, width=None):
         split_len, splits, scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
         GROUP=group, BLOCK_G=max(16, triton_next_pow2(group)), D=d,
         BLOCK_D=triton_next_pow2(d), BLOCK_N=BLOCK_N, ONE_PART=splits == 1,
-        NEW=new is not None, num_warps=4, num_stages=2,
+        NEW=new is not None, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     if splits > 1:  # one program per (row, head) weighs its parts: one launch, not six
         combine[(b, heads)](acc, mx, total, out, out.stride(0), out.stride(2), splits,
@@ -208,14 +212,8 @@ def _build():
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
         kbase = K + row.to(tl.int64) * skb + kvh * skh
         vbase = V + row.to(tl.int64) * svb + kvh * svh
-        if NEW:  # the part holding the step's position writes its key and value to the cache
-            nk = tl.load(NewK + row.to(tl.int64) * snkb + kvh * snkh + d, mask=dmask, other=0.0)
-            nv = tl.load(NewV + row.to(tl.int64) * snvb + kvh * snvh + d, mask=dmask, other=0.0)
-            mine = (start <= last) & (last < end)
-            tl.store(kbase + last * skn + d, nk, mask=dmask & mine)
-            tl.store(vbase + last * svn + d, nv, mask=dmask & mine)
-        # with NEW the loop stops below the step's position: its key and value come from
-        # registers after the loop (a load in the loop could see the cache before the store)
+        # with NEW the loop stops below the step's position, whose key and value are read
+        # and written after it (nothing held in registers through the loop)
         stop = tl.minimum(end, last) if NEW else end
         for n0 in range(start, stop, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
@@ -233,7 +231,14 @@ def _build():
             acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
             m = m_new
         if NEW:  # noqa: SIM102 - a compile-time branch: `mine` exists only with NEW
-            if mine:  # the step's own key and value: one more online-softmax update
+            mine = (start <= last) & (last < end)  # this part holds the step's position
+            if mine:  # its key and value into the cache, and one more online-softmax update
+                nk = tl.load(NewK + row.to(tl.int64) * snkb + kvh * snkh + d, mask=dmask,
+                             other=0.0)
+                nv = tl.load(NewV + row.to(tl.int64) * snvb + kvh * snvh + d, mask=dmask,
+                             other=0.0)
+                tl.store(kbase + last * skn + d, nk, mask=dmask)
+                tl.store(vbase + last * svn + d, nv, mask=dmask)
                 s_new = tl.sum(q.to(tl.float32) * nk.to(tl.float32)[None, :], 1) * qk_scale
                 m_new = tl.maximum(m, s_new)
                 alpha = tl.exp2(m - m_new)
