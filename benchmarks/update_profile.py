@@ -200,6 +200,8 @@ def paper_case(parts, args, write) -> dict:
              ("student", False, "auto", True), ("student", True, "auto", True),
              ("teacher", False, True, True), ("teacher", False, "auto", True),
              ("student", True, "auto", False), ("teacher", False, "auto", False)]
+    if args.default_only:
+        cases = [("student", True, "auto", True), ("teacher", False, "auto", True)]
     for name, share, mode, held in cases:
         rows = student if name == "student" else teacher
         profile = mode == "auto" and held and (share or name == "teacher")
@@ -217,13 +219,14 @@ def paper_case(parts, args, write) -> dict:
     def predicted(teacher: tuple, student: tuple) -> float:
         return t_tok / tps[("teacher", *teacher)] + s_tok / tps[("student", *student)]
 
+    runs = {"checkpointing_unshared": ((False, True, True), (False, True, True)),
+            "checkpointing_shared": ((False, True, True), (True, True, True)),
+            "auto_unshared": ((False, "auto", True), (False, "auto", True)),
+            "auto_shared, bank cast per forward": ((False, "auto", False), (True, "auto", False)),
+            "auto_shared (default)": ((False, "auto", True), (True, "auto", True))}
     out["paper_step"] = {"teacher_tokens": t_tok, "student_tokens": s_tok, "predicted_update_s": {
-        "checkpointing_unshared": predicted((False, True, True), (False, True, True)),
-        "checkpointing_shared": predicted((False, True, True), (True, True, True)),
-        "auto_unshared": predicted((False, "auto", True), (False, "auto", True)),
-        "auto_shared, bank cast per forward": predicted((False, "auto", False), (True, "auto", False)),
-        "auto_shared (default)": predicted((False, "auto", True), (True, "auto", True)),
-    }}
+        name: predicted(*modes) for name, modes in runs.items()
+        if ("teacher", *modes[0]) in tps and ("student", *modes[1]) in tps}}
     print(json.dumps(out["paper_step"]), flush=True)
     return out
 
@@ -296,6 +299,9 @@ def main() -> None:
     ap.add_argument("--teachers", type=int, default=8, help="teacher rows in the paper case")
     ap.add_argument("--teacher-prompt", type=int, default=1960)
     ap.add_argument("--max-tokens", type=int, default=16384, help="train.micro_batch_tokens")
+    ap.add_argument("--default-only", action="store_true",
+                    help="the paper case in the loop's default mode only (auto, prompts shared, "
+                         "bank held): student and teacher rows")
     ap.add_argument("--budgets", default="", help="tokens,... one micro-batch per budget")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--card-gib", type=float, default=None,
