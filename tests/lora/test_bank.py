@@ -171,8 +171,9 @@ def test_one_input_gradient_gives_the_same_gradients(checkpointing, monkeypatch)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     calls = []
-    real = bank_mod.frozen_linear_lora
-    monkeypatch.setattr(bank_mod, "frozen_linear_lora", lambda *a: calls.append(1) or real(*a))
+    real = bank_mod.add_delta_frozen_linear
+    monkeypatch.setattr(bank_mod, "add_delta_frozen_linear",
+                        lambda *a: calls.append(1) or real(*a))
     embeds = torch.randn(4, 6, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
 
     def step(fused: bool, slots: list[int]) -> tuple[torch.Tensor, ...]:
@@ -362,12 +363,10 @@ def test_held_copy_gives_the_cast_results_and_follows_weight_changes():
 
 
 @pytest.mark.parametrize("grad", [True, False])
-def test_one_slot_forwards_write_each_output_once(grad):
-    """A one-slot batch's projections make their output without a second full-width pass.
-    Without grad the LoRA term goes into the frozen linear's output in place (an out-of-place
-    addmm first copies that output whole: 13 ms of a 7B student micro-batch). Under grad (the
-    "one_slot" path) the rank-r term is written first and the base GEMM accumulates into it,
-    where adding the term into the base's output would read and write it once more."""
+def test_one_slot_forwards_add_the_lora_term_without_copying_the_output(grad):
+    """A one-slot batch's projections add their LoRA term into the frozen linear's output in
+    place (under grad: the "one_slot" path): an out-of-place addmm first copies that output
+    whole, a full-width tensor per projection (13 ms of a 7B student micro-batch)."""
     model = tiny_model().train()
     bank = AdapterBank(model, n_slots=3, rank=4, alpha=8)
     randomize_b(bank)
@@ -379,19 +378,10 @@ def test_one_slot_forwards_write_each_output_once(grad):
         with torch.profiler.profile(record_shapes=True) as prof:
             got = model(ids).logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    tokens = ids.numel()
-    widths = {t.module.in_features for t in bank.targets.values()}
-    in_place = [e.input_shapes[1] for e in prof.events() if e.name == "aten::addmm_"]
-    rank_terms_added = [s for s in in_place if s == [tokens, bank.rank]]
-    base_accumulated = [s for s in in_place if s[0] == tokens and s[1] in widths]
-    # an out-of-place add of the rank-r term to a whole output (a bias is no whole output)
-    copied = [e for e in prof.events() if e.name == "aten::addmm"
-              and e.input_shapes[1] == [tokens, bank.rank] and len(e.input_shapes[0]) == 2]
-    if grad:  # every projection's base GEMM into its written LoRA term
-        assert len(base_accumulated) == len(bank.targets) and not rank_terms_added
-    else:
-        assert len(rank_terms_added) == len(bank.targets) and not base_accumulated
-    assert not copied
+    # the LoRA's expands (their first factor is [tokens, rank]): in place, none out of place
+    expands = [e.name for e in prof.events() if e.name in ("aten::addmm", "aten::addmm_")
+               and e.input_shapes[1] == [ids.numel(), bank.rank]]
+    assert expands and set(expands) == {"aten::addmm_"}
 
 
 def test_the_hook_names_the_path_each_forward_takes(monkeypatch):

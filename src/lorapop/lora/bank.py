@@ -19,7 +19,6 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -30,7 +29,7 @@ from lorapop.lora.routing import (
     DecodeCache,
     Routing,
     add_delta_by_runs,
-    frozen_linear_lora,
+    add_delta_frozen_linear,
     grouped_supported,
     lora_delta,
     slot_runs,
@@ -70,8 +69,6 @@ class _Target:
     a_slice: slice  # columns of the flat storage holding A
     b_slice: slice
     handle: torch.utils.hooks.RemovableHandle | None = None
-    forward: Any = None  # the module's forward before the bank's (`AdapterBank._forward`)
-    done: Tensor | None = None  # an output that forward made whole (the hook passes it on)
 
 
 @dataclass
@@ -227,9 +224,6 @@ class AdapterBank:
             self.reset_slot(i, seed + i)
         for t in self.targets.values():
             t.handle = t.module.register_forward_hook(self._hook(t))
-            if type(t.module) is nn.Linear:
-                t.forward = t.module.forward
-                t.module.forward = self._forward(t)
         model._lorapop_bank = self  # type: ignore[assignment]
 
     # ------------------------------------------------------------------ routing
@@ -311,35 +305,8 @@ class AdapterBank:
             raise RuntimeError(_NO_ROUTE)
         return self._active
 
-    def _forward(self, target: _Target):
-        """The target linear's forward: on the "one_slot" path, the base and LoRA terms as one
-        (`frozen_linear_lora`: each full-width tensor written once), else the module's own
-        forward, the hook adding the term after it."""
-        inner = target.forward
-
-        def forward(x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-            module = target.module
-            if (args or kwargs or self._disabled or not torch.is_grad_enabled()
-                    or torch.is_autocast_enabled(x.device.type)):
-                return inner(x, *args, **kwargs)
-            dropout = self.dropout > 0 and module.training
-            grad = any(t.requires_grad for t in (x, target.a, target.b))
-            routing = self._routing()
-            if self._path(module, x, x.dtype, routing, x.dtype, dropout, grad) != "one_slot":
-                return inner(x)
-            s = routing.runs[0][0]  # type: ignore[index]
-            target.done = frozen_linear_lora(x, module.weight, module.bias,
-                                             *self._slot_weights(target, x.dtype, s),
-                                             self.scaling)
-            return target.done
-
-        return forward
-
     def _hook(self, target: _Target):
         def hook(module: nn.Module, args: tuple, output: Tensor) -> Tensor:
-            if target.done is not None and output is target.done:  # made whole by _forward
-                target.done = None
-                return output
             if self._disabled:
                 return output
             routing = self._routing()
@@ -351,7 +318,7 @@ class AdapterBank:
             dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
             grad = torch.is_grad_enabled() and any(
                 t.requires_grad for t in (output, x, target.a, target.b))
-            path = self._path(module, x, output.dtype, routing, dt, dropout, grad)
+            path = self._path(module, x, output, routing, dt, dropout, grad)
             if path == "decode_cache":
                 # while torch.compile traces, version counters can't be read (the decoder
                 # refreshes before each batch); sharing h between q/k/v (gate/up) is a
@@ -360,7 +327,11 @@ class AdapterBank:
                 tracing = torch.compiler.is_compiling()
                 cache = self.decode_cache(dt, check=not tracing)
                 return cache.add_delta(target.name, x, output, routing, True, tracing)
-            if path == "runs" or path == "one_slot":  # (one_slot: the base already ran)
+            if path == "one_slot":
+                s = routing.runs[0][0]  # type: ignore[index]
+                return add_delta_frozen_linear(output, x, module.weight,
+                                               *self._slot_weights(target, dt, s), self.scaling)
+            if path == "runs":
                 return add_delta_by_runs(output, x.to(dt), partial(self._slot_weights, target, dt),
                                          routing.runs, self.scaling, grad)  # type: ignore[arg-type]
             a, b = self._compute_weights(target, dt)
@@ -369,7 +340,7 @@ class AdapterBank:
 
         return hook
 
-    def _path(self, module: nn.Module, x: Tensor, out_dtype: torch.dtype, routing: Routing,
+    def _path(self, module: nn.Module, x: Tensor, output: Tensor, routing: Routing,
               dt: torch.dtype, dropout: bool, grad: bool) -> str:
         """The one place that picks how a projection adds its LoRA term. The batched kernels
         ("grouped", "gather", "dense": `lora_delta`) are the reference and serve any batch;
@@ -379,8 +350,8 @@ class AdapterBank:
         - "decode_cache": one token a row, no grad, no dropout: the decode cache's kernels
           (a compute-dtype copy of the bank; q/k/v and gate/up share their A GEMM).
         - "one_slot": every row of one slot under grad, through a frozen plain linear, all in
-          the compute dtype, no dropout: the linear's forward computes base and LoRA terms as
-          one (`frozen_linear_lora`), its input's gradient too.
+          the compute dtype, no dropout: the input's gradient is formed as one tensor, base
+          and LoRA (`add_delta_frozen_linear`), not two summed.
         - "runs": several tokens a row, rows in runs of one slot that the host knows (routed
           by `route` in slot order), output in the compute dtype, one run if under grad: the
           add goes into the expand GEMM (`add_delta_by_runs`), no delta tensor. Several runs
@@ -396,7 +367,7 @@ class AdapterBank:
             fits = x.dim() == 3 and not torch.is_grad_enabled() and not dropout
             return "decode_cache" if fits else "dense"
         runs = routing.runs
-        if runs is not None and out_dtype == dt:
+        if runs is not None and output.dtype == dt:
             if (grad and len(runs) == 1 and runs[0][2] == x.shape[0] and not dropout
                     and type(module) is nn.Linear and not module.weight.requires_grad
                     and module.weight.device == x.device
@@ -621,9 +592,6 @@ class AdapterBank:
             if t.handle is not None:
                 t.handle.remove()
                 t.handle = None
-            if t.forward is not None:
-                t.module.forward = t.forward
-                t.forward = None
         if getattr(self.model, "_lorapop_bank", None) is self:
             self.model._lorapop_bank = None  # type: ignore[assignment]
 
