@@ -11,6 +11,7 @@ off (`lorapop.engine.fused.INFERENCE`), `--and-plain-lora` with the LoRA terms a
 slot's masked GEMMs (`lorapop.lora.decode_kernel.ENABLED`), `--and-scatter-write` with the
 step's key and value scattered before the attention kernel rather than written by it
 (`lorapop.engine.decode_attention.WRITE_IN_KERNEL`): before/afters in one process.
+`--prefill ROWS:LENGTH,...` times one admission's prefill too (tokens/s, MFU, kernels).
 
     python benchmarks/decode_step.py --cases 176:2600,266:1300,8:3500 --profile \\
         --out benchmarks/results/decode_step_h200.json
@@ -33,10 +34,12 @@ from torch import profiler
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from loop_step import (  # noqa: E402
     DEV,
+    PEAK_TFLOPS,
     ROOT,
     SMOKE,
     bench_overrides,
     decode_cost,
+    flop_params,
     roofline_s,
     sync_cuda,
 )
@@ -134,12 +137,63 @@ def case(parts, rows: int, context: int, reps: int, profile: bool) -> dict:
     return out
 
 
+def prefill_case(parts, rows: int, length: int, reps: int, profile: bool,
+                 prefill_tokens: int) -> dict:
+    """One admission's prefill: `rows` prompts of `length` random tokens over 4 adapters in
+    slot order, fed as the decoder feeds them (`prefill_tokens` a forward): seconds, tokens/s
+    and MFU (2N FLOPs a position against the GPU's peak), `profile` its kernels by kind."""
+    from lorapop.engine.decoder import Decoder
+    from lorapop.engine.patches import static_kv
+    from lorapop.engine.sampling import SamplingParams
+
+    model, bank = parts.model, parts.bank
+    model.eval()
+    params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=2, eos_token_ids=())
+    dec = Decoder(model, bank, rows, length + 64, params, eos_ids=(),
+                  prefill_tokens=prefill_tokens)
+    g = torch.Generator().manual_seed(rows)
+    prompts = torch.randint(0, model.config.vocab_size, (rows, length), generator=g).tolist()
+    adapters = min(4, len(parts.slot))
+    slots = [i * adapters // rows for i in range(rows)]
+    out: dict = {"prefill_rows": rows, "length": length, "tokens": rows * length,
+                 "adapters": adapters, "prefill_tokens": prefill_tokens}
+    with torch.no_grad(), static_kv(model, dec.kv):
+        def fill() -> None:
+            dec._prefill(prompts, slots, list(range(rows)))
+
+        for _ in range(2):
+            fill()
+        sync_cuda()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fill()
+        sync_cuda()
+        s = (time.perf_counter() - t0) / reps
+        out.update(ms=1e3 * s, tokens_per_s=rows * length / s)
+        name = torch.cuda.get_device_name() if DEV == "cuda" else ""
+        peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+        if peak:
+            out["mfu"] = 2 * flop_params(model) * rows * length / s / (peak * 1e12)
+        if profile:
+            activity = profiler.ProfilerActivity.CUDA if DEV == "cuda" else \
+                profiler.ProfilerActivity.CPU
+            with profiler.profile(activities=[activity]) as prof:
+                fill()
+                sync_cuda()
+            out["kernel_ms"], out["kernels"], out["top_kernels"] = kinds_of(prof, 1)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/qwen2.5-coder-7b-4v4.yaml")
     ap.add_argument("--cases", default="176:2600,266:1300,8:3500",
                     help="ROWS:CONTEXT,... (default: the proposals' and answers' full batches "
                          "at their mean cached length, and a tail of 8 long rows)")
+    ap.add_argument("--prefill", default="",
+                    help="ROWS:LENGTH,... also time one admission's prefill of ROWS prompts of "
+                         "LENGTH tokens (e.g. 4:1960,9:700: the paper's proposals and a group "
+                         "of answers' tasks)")
     ap.add_argument("--reps", type=int, default=50, help="replays timed per case")
     ap.add_argument("--profile", action="store_true", help="kernels of 10 replays by kind")
     ap.add_argument("--and-unfused", action="store_true",
@@ -192,6 +246,16 @@ def main() -> None:
             result["cases"].append(r)
             out.write_text(json.dumps(result, indent=2))
     fused.INFERENCE = decode_kernel.ENABLED = decode_attention.WRITE_IN_KERNEL = True
+    result["prefills"] = []
+    for spec in filter(None, args.prefill.split(",")):
+        rows, length = map(int, spec.split(":"))
+        r = prefill_case(parts, rows, length, max(3, args.reps // 10), args.profile,
+                         cfg.sampling.prefill_tokens)
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
+        print(json.dumps({k: v for k, v in r.items() if k != "top_kernels"}), flush=True)
+        result["prefills"].append(r)
+        out.write_text(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":

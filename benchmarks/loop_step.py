@@ -534,23 +534,29 @@ def roofline_s(nbytes: int, flops: int) -> float | None:
 def decode_roofline(model, bank, calls: list[dict]) -> dict[str, dict]:
     """Per phase, the decode steps' time against their roofline bound (`decode_cost`,
     `roofline_s`), summed over the phase's steps before the maximum is taken (max of sums <=
-    sum of per-step maxima: a lower bound)."""
+    sum of per-step maxima: a lower bound), and the prefills' positions and MFU."""
     out: dict[str, dict] = {}
     for c in calls:
-        ph = out.setdefault(c["phase"] or "other", {"prefill_s": 0.0, "capture_s": 0.0,
+        ph = out.setdefault(c["phase"] or "other", {"prefill_s": 0.0, "prefill_tokens": 0,
+                                                     "prefills": 0, "capture_s": 0.0,
                                                      "decode_s": 0.0, "steps": 0, "bytes": 0,
                                                      "flops": 0, "rows": 0})
         steps = c.get("steps", 0)
-        for k in ("prefill_s", "capture_s", "decode_s"):
-            ph[k] += c.get(k, 0.0)
+        for k in ("prefill_s", "prefill_tokens", "prefills", "capture_s", "decode_s"):
+            ph[k] += c.get(k, 0)
         ph["steps"] += steps
         ph["rows"] += c["rows"]
         nbytes, flops = decode_cost(model, bank, steps, c["slots"] or 1, c.get("row_steps", 0),
                                     c["kv_token_reads"])
         ph["bytes"] += nbytes
         ph["flops"] += flops
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+    peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
     for ph in out.values():
         ph["ms_per_step"] = 1e3 * ph["decode_s"] / max(1, ph["steps"])
+        if peak and ph["prefill_s"]:  # the prompts' positions (2N FLOPs each) against the peak
+            ph["prefill_mfu"] = (2 * flop_params(model) * ph["prefill_tokens"]
+                                 / ph["prefill_s"] / (peak * 1e12))
         bound = roofline_s(ph["bytes"], ph["flops"])
         if bound is not None:
             ph["bound_ms_per_step"] = 1e3 * bound / max(1, ph["steps"])

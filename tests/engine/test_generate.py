@@ -88,6 +88,14 @@ def test_timing_accounts_for_the_run(setup, tok):
     assert min(timing["prefill_s"], timing["capture_s"], timing["decode_s"]) >= 0
     assert timing["prefill_s"] > 0 and timing["decode_s"] > 0
     assert [len(g.token_ids) for g in out] == [SAMPLED.max_new_tokens] * 5
+    # every prompt fed once (a forward per admission here: rows end together), padding included
+    assert timing["prefill_tokens"] >= sum(len(g.prompt_ids) for g in out)
+    assert 3 <= timing["prefills"] <= 5
+    # copies of one prompt and slot admitted together: one prefill of the prompt alone
+    shared: dict[str, float] = {}
+    out = generate(model, bank, tok, [PROMPTS[0]] * 4, [1] * 4,
+                   GenerateSpec(params=SAMPLED, seed=3), timing=shared)
+    assert (shared["prefills"], shared["prefill_tokens"]) == (1, len(out[0].prompt_ids))
 
 
 def test_logprobs_equal_teacher_forced_forward(setup, tok):

@@ -120,8 +120,10 @@ def test_single_agent_baseline_three_steps(tmp_path, monkeypatch):
     for t in timing:  # proposals and answers in one batch (`sampling.overlap`)
         assert set(t) == {"rollouts"}
         p = t["rollouts"]
-        assert set(p) == {"prefill_s", "capture_s", "decode_s", "steps", "feed_s", "regrids"}
+        assert set(p) == {"prefill_s", "prefill_tokens", "capture_s", "decode_s", "steps",
+                          "feed_s", "regrids"}
         assert p["steps"] > 0 and p["capture_s"] == 0 and min(p.values()) >= 0  # CPU: no graphs
+        assert p["prefill_tokens"] > 0
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert set(rows[0]["members"]) == {"A0"}
     assert rows[0]["matchups"][0] == {**rows[0]["matchups"][0], "teacher": "A0", "student": "A0"}

@@ -619,6 +619,8 @@ class Decoder:
                         ).last_hidden_state
                     finally:
                         self.kv.prefill = None
+                    self.timing["prefills"] += 1
+                    self.timing["prefill_tokens"] += len(group) * (e - s)  # padding included
                     ends = (last >= s) & (last < e)  # rows whose last prompt token is here
                     pick = h[torch.arange(len(group), device=dev), (last - s).clamp(0, e - s - 1)]
                     hidden = pick if s == 0 else torch.where(ends[:, None], pick, hidden)

@@ -182,9 +182,10 @@ def generate(
     feed is done, to what the rows left allow (`Decoder.run`). Not with `spec.decoders`.
 
     `timing`, if given, receives where the time went: `batch` (rows decoding at once),
-    `prefill_s`, `capture_s` (CUDA graphs, compiles), `decode_s` (the steps and host checks),
-    `steps` and `row_steps` (steps times the rows each ran over), `feed_s` (in the feed,
-    while rows waited) and `regrids`.
+    `prefill_s`, `prefills` and `prefill_tokens` (forwards over prompts and the positions
+    they fed, padding included), `capture_s` (CUDA graphs, compiles), `decode_s` (the steps
+    and host checks), `steps` and `row_steps` (steps times the rows each ran over), `feed_s`
+    (in the feed, while rows waited) and `regrids`.
     """
     spec = spec or GenerateSpec()
     params, batch_size, compile = spec.params, spec.batch_size, spec.compile
@@ -260,7 +261,8 @@ def generate(
         t.subtract(before)
         timing.update(batch=decoder.batch, prefill_s=t["prefill_s"], capture_s=t["capture_s"],
                       decode_s=t["run_s"] - t["prefill_s"] - t["capture_s"] - t["feed_wait_s"],
-                      steps=t["steps"], row_steps=t["row_steps"],
+                      steps=t["steps"], row_steps=t["row_steps"], prefills=t["prefills"],
+                      prefill_tokens=t["prefill_tokens"],
                       feed_s=t["feed_s"] + t["feed_wait_s"], regrids=decoder.regrids)
     if decoders is None:
         del decoder  # its cache and graph pool go back before the caller's next phase

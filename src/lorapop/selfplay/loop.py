@@ -533,7 +533,7 @@ class SelfPlay:
             if training:  # tokens_per_s is the training's; the solver's time is its phase's
                 clock.generation_s += time.perf_counter() - t0
             acc = clock.generation.setdefault(clock.current, {})
-            for k in ("prefill_s", "capture_s", "decode_s", "steps",
+            for k in ("prefill_s", "prefill_tokens", "capture_s", "decode_s", "steps",
                       *(("feed_s", "regrids") if feed is not None else ())):
                 acc[k] = acc.get(k, 0) + timing.get(k, 0)
             return out

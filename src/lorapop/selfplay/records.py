@@ -107,7 +107,8 @@ class StepRecord:
     generated_tokens: int
     generation_s: float
     # per phase, where this rank's generation time went (`generate(timing=...)`: prefill_s,
-    # capture_s, decode_s, steps): a small model's steps can be mostly graph captures
+    # prefill_tokens, capture_s, decode_s, steps): a small model's steps can be mostly graph
+    # captures
     generation: dict[str, dict[str, float]] = field(default_factory=dict)
     difficulty: Difficulty | None = None  # None: not measured at this step
 
