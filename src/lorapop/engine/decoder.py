@@ -113,6 +113,12 @@ def admit_at(admit_min: int, batch: int) -> int:
     return admit_min or max(1, batch // 8)
 
 
+def _prefill_weights(bank: Any, dtype: torch.dtype) -> contextlib.AbstractContextManager[Any]:
+    """The bank's prefill weights (`AdapterBank.prefill_weights`): the decode steps' own."""
+    fn = getattr(bank, "prefill_weights", None)
+    return contextlib.nullcontext() if fn is None else fn(dtype)
+
+
 def route(bank: Any, slots: torch.Tensor) -> contextlib.AbstractContextManager[Any]:
     return contextlib.nullcontext() if bank is None else bank.route(slots)
 
@@ -607,7 +613,8 @@ class Decoder:
             at = torch.tensor([rows[i] for i in group], device=dev)
             last = torch.tensor([widths[i] - 1 for i in group], device=dev)
             hidden = torch.empty(0)
-            with route(self.bank, torch.tensor([slots[i] for i in group])):
+            with route(self.bank, torch.tensor([slots[i] for i in group])), \
+                    _prefill_weights(self.bank, self.dtype):
                 for s in range(0, width, chunk):
                     e = min(s + chunk, width)
                     self.kv.prefill = Prefill(at, s)

@@ -219,6 +219,7 @@ class AdapterBank:
         self._caches: dict[torch.dtype, DecodeCache] = {}
         self._stale = 0  # bumped by invalidate_caches(): part of the cache stamp
         self._held: _HeldCopy | None = None
+        self._prefill_cache: DecodeCache | None = None  # inside `prefill_weights`
 
         for i in range(n_slots):
             self.reset_slot(i, seed + i)
@@ -332,8 +333,13 @@ class AdapterBank:
                 return add_delta_frozen_linear(output, x, module.weight,
                                                *self._slot_weights(target, dt, s), self.scaling)
             if path == "runs":
-                return add_delta_by_runs(output, x.to(dt), partial(self._slot_weights, target, dt),
-                                         routing.runs, self.scaling, grad)  # type: ignore[arg-type]
+                cache = self._prefill_cache
+                if cache is not None and not grad and cache.dtype == dt:  # B holds the scaling
+                    weights, scaling = partial(cache.slot_weights, target.name), 1.0
+                else:
+                    weights, scaling = partial(self._slot_weights, target, dt), self.scaling
+                return add_delta_by_runs(output, x.to(dt), weights, routing.runs,  # type: ignore[arg-type]
+                                         scaling, grad)
             a, b = self._compute_weights(target, dt)
             delta = lora_delta(x.to(dt), a, b, routing, path, self.scaling)
             return output + delta.to(output.dtype)
@@ -355,7 +361,8 @@ class AdapterBank:
         - "runs": several tokens a row, rows in runs of one slot that the host knows (routed
           by `route` in slot order), output in the compute dtype, one run if under grad: the
           add goes into the expand GEMM (`add_delta_by_runs`), no delta tensor. Several runs
-          under grad would make autograd copy the output's whole gradient for each.
+          under grad would make autograd copy the output's whole gradient for each. Inside
+          `prefill_weights` the weights come from the decode cache (no casts).
         - otherwise the batched kernel asked for; with "auto", "dense" for one token a row,
           "grouped" for rows in slot order where this torch runs grouped_mm for the dtype,
           else "gather" (row permutations cost more than per-row weight gathers)."""
@@ -444,6 +451,21 @@ class AdapterBank:
         if check and cache.stamp != self._stamp():
             cache.refresh_(self._stamp())
         return cache
+
+    @contextmanager
+    def prefill_weights(self, dtype: torch.dtype) -> Iterator[None]:
+        """Forwards of several tokens a row without grad inside the block (a decoder's
+        prefills) take slot weights from the decode cache in `dtype`, made fresh here: no
+        cast of each slot's factors per projection and run, and the weights the decode steps
+        use. Without the decode cache path (`decode_kernel` set to a batched kernel), a no-op."""
+        if self.decode_kernel not in ("auto", "fused"):
+            yield
+            return
+        self._prefill_cache = self.decode_cache(dtype)
+        try:
+            yield
+        finally:
+            self._prefill_cache = None
 
     def sync_caches(self) -> None:
         """Refresh every existing decode cache whose weights changed (no-op otherwise)."""

@@ -381,6 +381,14 @@ class DecodeCache:
         self.n_slots, self.rank = n, r
         self.stamp = -1
 
+    def slot_weights(self, name: str, s: int) -> tuple[Tensor, Tensor]:
+        """Slot s's A [r, in] and scaling * B [out, r] of projection `name`: views of the
+        cache, for forwards of several tokens a row without grad (a prefill's), which then
+        cast nothing and compute with the weights the decode steps use."""
+        m, nr, r = self.members[name], self.n_slots * self.rank, self.rank
+        first = m.index * nr + s * r
+        return m.group.a[first : first + r], m.b[s * r : (s + 1) * r].t()
+
     @torch.no_grad()
     def refresh_(self, stamp: int) -> None:
         """Copy (and cast) the bank's current A and scaling * B into the cache."""
