@@ -39,7 +39,7 @@ from loop_step import (  # noqa: E402
     SMOKE,
     bench_overrides,
     decode_cost,
-    flop_params,
+    prefill_flop_params,
     roofline_s,
     sync_cuda,
 )
@@ -141,7 +141,8 @@ def prefill_case(parts, rows: int, length: int, reps: int, profile: bool,
                  prefill_tokens: int) -> dict:
     """One admission's prefill: `rows` prompts of `length` random tokens over 4 adapters in
     slot order, fed as the decoder feeds them (`prefill_tokens` a forward): seconds, tokens/s
-    and MFU (2N FLOPs a position against the GPU's peak), `profile` its kernels by kind."""
+    and MFU (2N FLOPs a position, N without the LM head, against the GPU's peak), `profile`
+    its kernels by kind."""
     from lorapop.engine.decoder import Decoder
     from lorapop.engine.patches import static_kv
     from lorapop.engine.sampling import SamplingParams
@@ -173,7 +174,7 @@ def prefill_case(parts, rows: int, length: int, reps: int, profile: bool,
         name = torch.cuda.get_device_name() if DEV == "cuda" else ""
         peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
         if peak:
-            out["mfu"] = 2 * flop_params(model) * rows * length / s / (peak * 1e12)
+            out["mfu"] = 2 * prefill_flop_params(model) * rows * length / s / (peak * 1e12)
         if profile:
             activity = profiler.ProfilerActivity.CUDA if DEV == "cuda" else \
                 profiler.ProfilerActivity.CPU

@@ -555,7 +555,7 @@ def decode_roofline(model, bank, calls: list[dict]) -> dict[str, dict]:
     for ph in out.values():
         ph["ms_per_step"] = 1e3 * ph["decode_s"] / max(1, ph["steps"])
         if peak and ph["prefill_s"]:  # the prompts' positions (2N FLOPs each) against the peak
-            ph["prefill_mfu"] = (2 * flop_params(model) * ph["prefill_tokens"]
+            ph["prefill_mfu"] = (2 * prefill_flop_params(model) * ph["prefill_tokens"]
                                  / ph["prefill_s"] / (peak * 1e12))
         bound = roofline_s(ph["bytes"], ph["flops"])
         if bound is not None:
@@ -569,6 +569,12 @@ def flop_params(model) -> int:
     emb = model.get_input_embeddings().weight
     tied = emb is model.get_output_embeddings().weight
     return sum(p.numel() for p in model.parameters()) - (0 if tied else emb.numel())
+
+
+def prefill_flop_params(model) -> int:
+    """Parameters that do a multiply-add per prompt position in a prefill: all but the
+    embeddings (the LM head runs for each prompt's last position only)."""
+    return flop_params(model) - model.get_output_embeddings().weight.numel()
 
 
 def _save_so_far(save: Callable[[dict], None] | None, rows: list[dict], ab: list[dict]) -> None:
