@@ -75,6 +75,26 @@ def kinds_of(prof, steps: int) -> tuple[dict[str, float], int, list[dict]]:
     return kinds, round(sum(e.count for e in events) / steps), top
 
 
+def seconds(fn, reps: int) -> float:
+    """Mean seconds a call of `fn` takes over `reps` calls, its GPU work included."""
+    sync_cuda()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    sync_cuda()
+    return (time.perf_counter() - t0) / reps
+
+
+def kernels(fn, calls: int) -> tuple[dict[str, float], int, list[dict]]:
+    """`kinds_of` `calls` calls of `fn`: GPU ms per call by kind, kernels, the costliest."""
+    activity = profiler.ProfilerActivity.CUDA if DEV == "cuda" else profiler.ProfilerActivity.CPU
+    with profiler.profile(activities=[activity]) as prof:
+        for _ in range(calls):
+            fn()
+        sync_cuda()
+    return kinds_of(prof, calls)
+
+
 def case(parts, rows: int, context: int, reps: int, profile: bool) -> dict:
     """One (rows, context) decoder: its captured step replayed `reps` times."""
     from lorapop.engine.decoder import Decoder, route
@@ -115,25 +135,13 @@ def case(parts, rows: int, context: int, reps: int, profile: bool) -> dict:
         for _ in range(3):
             step()
         reset()
-        sync_cuda()
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            step()
-        sync_cuda()
-        out["ms_per_step"] = 1e3 * (time.perf_counter() - t0) / reps
+        out["ms_per_step"] = 1e3 * seconds(step, reps)
         if out["bound_ms"]:
             out["fraction_of_bound"] = out["bound_ms"] / out["ms_per_step"]
         if profile:
             reset()
-            n = min(reps, 10)
-            activity = profiler.ProfilerActivity.CUDA if DEV == "cuda" else \
-                profiler.ProfilerActivity.CPU
-            with profiler.profile(activities=[activity]) as prof:
-                for _ in range(n):
-                    step()
-                sync_cuda()
             out["kernel_ms_per_step"], out["kernels_per_step"], out["top_kernels"] = \
-                kinds_of(prof, n)
+                kernels(step, min(reps, 10))
     return out
 
 
@@ -164,24 +172,14 @@ def prefill_case(parts, rows: int, length: int, reps: int, profile: bool,
 
         for _ in range(2):
             fill()
-        sync_cuda()
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fill()
-        sync_cuda()
-        s = (time.perf_counter() - t0) / reps
+        s = seconds(fill, reps)
         out.update(ms=1e3 * s, tokens_per_s=rows * length / s)
         name = torch.cuda.get_device_name() if DEV == "cuda" else ""
         peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
         if peak:
             out["mfu"] = 2 * prefill_flop_params(model) * rows * length / s / (peak * 1e12)
         if profile:
-            activity = profiler.ProfilerActivity.CUDA if DEV == "cuda" else \
-                profiler.ProfilerActivity.CPU
-            with profiler.profile(activities=[activity]) as prof:
-                fill()
-                sync_cuda()
-            out["kernel_ms"], out["kernels"], out["top_kernels"] = kinds_of(prof, 1)
+            out["kernel_ms"], out["kernels"], out["top_kernels"] = kernels(fill, 1)
     return out
 
 
