@@ -34,3 +34,18 @@ def test_records_each_case_with_and_without_the_fused_passes(tmp_path) -> None:
         assert sum(c["kernel_ms_per_step"].values()) > 0 and c["top_kernels"]
         assert c["bound_ms"] is None  # no roofline without a known GPU
     assert fused.INFERENCE
+
+
+@pytest.mark.filterwarnings("ignore:CUDA is not available")
+def test_records_one_admissions_prefill_at_each_shape(tmp_path) -> None:
+    """`--prefill ROWS:LENGTH,...`: one admission's prompts fed as the decoder feeds them,
+    timed and profiled, with the positions it fed (no MFU without a known GPU)."""
+    out = tmp_path / "prefill.json"
+    assert run_main(main, ROOT / "benchmarks" / "decode_step.py", "--smoke", "--cases", "",
+                    "--prefill", "2:24,3:16", "--reps", "3", "--profile",
+                    "--out", str(out)) == 0  # fmt: skip
+    prefills = json.loads(out.read_text())["prefills"]
+    assert [(p["prefill_rows"], p["length"], p["tokens"]) for p in prefills] == [
+        (2, 24, 48), (3, 16, 48)]
+    for p in prefills:
+        assert p["ms"] > 0 and p["tokens_per_s"] > 0 and p["kernels"] > 0 and "mfu" not in p

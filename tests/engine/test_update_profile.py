@@ -37,3 +37,17 @@ def test_says_when_a_slots_rows_fit_one_micro_batch(tmp_path, capsys) -> None:
     warning = next(line for line in stderr.splitlines() if line.startswith("warning:"))
     assert "teacher rows fit one micro-batch of --max-tokens 60" in warning
     assert "student" not in warning
+
+
+@pytest.mark.filterwarnings("ignore:CUDA is not available")
+def test_default_only_times_the_loops_own_mode(tmp_path) -> None:
+    """`--default-only`: the student and teacher rows in the loop's default mode alone (auto
+    memory plan, prompts shared, bank held), and the update predicted from those two."""
+    out = tmp_path / "profile.json"
+    assert run_main(main, ROOT / "benchmarks" / "update_profile.py", "--smoke", "--tasks", "2",
+                    "--teachers", "2", "--student-prompt", "12", "--teacher-prompt", "30",
+                    "--completion", "16", "--default-only", "--out", str(out)) == 0  # fmt: skip
+    paper = json.loads(out.read_text())["paper"]
+    assert [(r["rows"], r["share"], r["mode"], r["held_copy"]) for r in paper["runs"]] == [
+        ("student", True, "auto", True), ("teacher", False, "auto", True)]
+    assert list(paper["paper_step"]["predicted_update_s"]) == ["auto_shared (default)"]
