@@ -230,7 +230,7 @@ def _build():
                          mask=nmask[:, None] & dmask[None, :], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
             m = m_new
-        if NEW:  # noqa: SIM102 - a compile-time branch: `mine` exists only with NEW
+        if NEW:  # a compile-time branch: without NEW, NewK and NewV are not read
             mine = (start <= last) & (last < end)  # this part holds the step's position
             if mine:  # its key and value into the cache, and one more online-softmax update
                 nk = tl.load(NewK + row.to(tl.int64) * snkb + kvh * snkh + d, mask=dmask,
