@@ -11,7 +11,9 @@ off (`lorapop.engine.fused.INFERENCE`), `--and-plain-lora` with the LoRA terms a
 slot's masked GEMMs (`lorapop.lora.decode_kernel.ENABLED`), `--and-scatter-write` with the
 step's key and value scattered before the attention kernel rather than written by it
 (`lorapop.engine.decode_attention.WRITE_IN_KERNEL`): before/afters in one process.
-`--prefill ROWS:LENGTH,...` times one admission's prefill too (tokens/s, MFU, kernels).
+`--prefill ROWS:LENGTH,...` times one admission's prefill too (tokens/s, MFU, kernels), and
+`--and-cast-prefill` each again with the slots' factors cast per projection and run
+(`lorapop.lora.bank.PREFILL_FROM_CACHE`).
 
     python benchmarks/decode_step.py --cases 176:2600,266:1300,8:3500 --profile \\
         --out benchmarks/results/decode_step_h200.json
@@ -193,6 +195,10 @@ def main() -> None:
                     help="ROWS:LENGTH,... also time one admission's prefill of ROWS prompts of "
                          "LENGTH tokens (e.g. 4:1960,9:700: the paper's proposals and a group "
                          "of answers' tasks)")
+    ap.add_argument("--and-cast-prefill", action="store_true",
+                    help="also run each --prefill with each slot's factors cast per projection "
+                         "and run rather than taken from the decode cache (lorapop.lora.bank."
+                         "PREFILL_FROM_CACHE off)")
     ap.add_argument("--reps", type=int, default=50, help="replays timed per case")
     ap.add_argument("--profile", action="store_true", help="kernels of 10 replays by kind")
     ap.add_argument("--and-unfused", action="store_true",
@@ -215,6 +221,7 @@ def main() -> None:
         sys.exit("decode_step.py needs a CUDA GPU (or --smoke for a CPU check of the script)")
     from lorapop.config import load_config
     from lorapop.engine import decode_attention, fused
+    from lorapop.lora import bank as bank_mod
     from lorapop.lora import decode_kernel
     from lorapop.selfplay.parts import build
 
@@ -248,13 +255,16 @@ def main() -> None:
     result["prefills"] = []
     for spec in filter(None, args.prefill.split(",")):
         rows, length = map(int, spec.split(":"))
-        r = prefill_case(parts, rows, length, max(3, args.reps // 10), args.profile,
-                         cfg.sampling.prefill_tokens)
-        if DEV == "cuda":
-            torch.cuda.empty_cache()
-        print(json.dumps({k: v for k, v in r.items() if k != "top_kernels"}), flush=True)
-        result["prefills"].append(r)
-        out.write_text(json.dumps(result, indent=2))
+        for bank_mod.PREFILL_FROM_CACHE in (True, False) if args.and_cast_prefill else (True,):
+            r = {"from_decode_cache": bank_mod.PREFILL_FROM_CACHE,
+                 **prefill_case(parts, rows, length, max(3, args.reps // 10), args.profile,
+                                cfg.sampling.prefill_tokens)}
+            if DEV == "cuda":
+                torch.cuda.empty_cache()
+            print(json.dumps({k: v for k, v in r.items() if k != "top_kernels"}), flush=True)
+            result["prefills"].append(r)
+            out.write_text(json.dumps(result, indent=2))
+    bank_mod.PREFILL_FROM_CACHE = True
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from lorapop.engine import fused
+from lorapop.lora import bank as bank_mod
 from script_env import run_main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,13 +40,17 @@ def test_records_each_case_with_and_without_the_fused_passes(tmp_path) -> None:
 @pytest.mark.filterwarnings("ignore:CUDA is not available")
 def test_records_one_admissions_prefill_at_each_shape(tmp_path) -> None:
     """`--prefill ROWS:LENGTH,...`: one admission's prompts fed as the decoder feeds them,
-    timed and profiled, with the positions it fed (no MFU without a known GPU)."""
+    timed and profiled, with the positions it fed (no MFU without a known GPU); with
+    `--and-cast-prefill` again with each slot's factors cast, the switch back on after."""
     out = tmp_path / "prefill.json"
     assert run_main(main, ROOT / "benchmarks" / "decode_step.py", "--smoke", "--cases", "",
-                    "--prefill", "2:24,3:16", "--reps", "3", "--profile",
+                    "--prefill", "2:24,3:16", "--reps", "3", "--profile", "--and-cast-prefill",
                     "--out", str(out)) == 0  # fmt: skip
     prefills = json.loads(out.read_text())["prefills"]
-    assert [(p["prefill_rows"], p["length"], p["tokens"]) for p in prefills] == [
-        (2, 24, 48), (3, 16, 48)]
+    assert [(p["prefill_rows"], p["length"], p["from_decode_cache"]) for p in prefills] == [
+        (2, 24, True), (2, 24, False), (3, 16, True), (3, 16, False)]
     for p in prefills:
-        assert p["ms"] > 0 and p["tokens_per_s"] > 0 and p["kernels"] > 0 and "mfu" not in p
+        assert p["tokens"] == 48 and p["ms"] > 0 and p["kernels"] > 0 and "mfu" not in p
+    # the smoke model is bf16 over an fp32 bank: cast factors are kernels the cache saves
+    assert prefills[0]["kernels"] < prefills[1]["kernels"]
+    assert bank_mod.PREFILL_FROM_CACHE

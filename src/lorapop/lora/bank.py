@@ -47,6 +47,9 @@ DEFAULT_TARGETS: tuple[str, ...] = (
 
 SlotState = dict[str, dict[str, Tensor]]
 DECODE_KERNELS = (*KERNELS, "fused")
+#: False: prefills cast each slot's factors as other forwards do (`prefill_weights` a no-op; a
+#: switch for before/after measurements)
+PREFILL_FROM_CACHE = True
 # Projections of one parent module that read the same input: their decode LoRA shares one GEMM.
 SHARED_INPUT: tuple[frozenset[str], ...] = (
     frozenset({"q_proj", "k_proj", "v_proj"}),
@@ -458,7 +461,7 @@ class AdapterBank:
         prefills) take slot weights from the decode cache in `dtype`, made fresh here: no
         cast of each slot's factors per projection and run, and the weights the decode steps
         use. Without the decode cache path (`decode_kernel` set to a batched kernel), a no-op."""
-        if self.decode_kernel not in ("auto", "fused"):
+        if not PREFILL_FROM_CACHE or self.decode_kernel not in ("auto", "fused"):
             yield
             return
         self._prefill_cache = self.decode_cache(dtype)
