@@ -36,12 +36,11 @@ from torch import profiler
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from loop_step import (  # noqa: E402
     DEV,
-    PEAK_TFLOPS,
     ROOT,
     SMOKE,
     bench_overrides,
     decode_cost,
-    prefill_flop_params,
+    prefill_mfu,
     roofline_s,
     sync_cuda,
 )
@@ -151,8 +150,7 @@ def prefill_case(parts, rows: int, length: int, reps: int, profile: bool,
                  prefill_tokens: int) -> dict:
     """One admission's prefill: `rows` prompts of `length` random tokens over 4 adapters in
     slot order, fed as the decoder feeds them (`prefill_tokens` a forward): seconds, tokens/s
-    and MFU (2N FLOPs a position, N without the LM head, against the GPU's peak), `profile`
-    its kernels by kind."""
+    and MFU (`loop_step.prefill_mfu`), `profile` its kernels by kind."""
     from lorapop.engine.decoder import Decoder
     from lorapop.engine.patches import static_kv
     from lorapop.engine.sampling import SamplingParams
@@ -176,10 +174,8 @@ def prefill_case(parts, rows: int, length: int, reps: int, profile: bool,
             fill()
         s = seconds(fill, reps)
         out.update(ms=1e3 * s, tokens_per_s=rows * length / s)
-        name = torch.cuda.get_device_name() if DEV == "cuda" else ""
-        peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
-        if peak:
-            out["mfu"] = 2 * prefill_flop_params(model) * rows * length / s / (peak * 1e12)
+        if (mfu := prefill_mfu(model, rows * length, s)) is not None:
+            out["mfu"] = mfu
         if profile:
             out["kernel_ms"], out["kernels"], out["top_kernels"] = kernels(fill, 1)
     return out

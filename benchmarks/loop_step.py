@@ -522,13 +522,27 @@ def decode_cost(model, bank, steps: int, adapters: int, row_steps: int,
     return nbytes, flops
 
 
+def _datasheet(table: dict[str, float]) -> float | None:
+    """This GPU's figure in `table` (PEAK_TFLOPS, PEAK_HBM_TBS; None off the GPUs listed)."""
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+    return next((v for k, v in table.items() if k in name), None)
+
+
 def roofline_s(nbytes: int, flops: int) -> float | None:
     """max(bytes / HBM bandwidth, FLOPs / peak dense bf16 FLOP/s) on this GPU (None off the
     GPUs whose datasheet figures are listed)."""
-    name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
-    bw = next((v for k, v in PEAK_HBM_TBS.items() if k in name), None)
-    peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+    bw, peak = _datasheet(PEAK_HBM_TBS), _datasheet(PEAK_TFLOPS)
     return max(nbytes / (bw * 1e12), flops / (peak * 1e12)) if bw and peak else None
+
+
+def prefill_mfu(model, positions: int, seconds: float) -> float | None:
+    """A prefill's MFU: 2N FLOPs a prompt position, N the weights without the embeddings (the
+    LM head runs for each prompt's last position only), against this GPU's peak."""
+    peak = _datasheet(PEAK_TFLOPS)
+    if not peak or not seconds:
+        return None
+    n = flop_params(model) - model.get_output_embeddings().weight.numel()
+    return 2 * n * positions / seconds / (peak * 1e12)
 
 
 def decode_roofline(model, bank, calls: list[dict]) -> dict[str, dict]:
@@ -550,13 +564,10 @@ def decode_roofline(model, bank, calls: list[dict]) -> dict[str, dict]:
                                     c["kv_token_reads"])
         ph["bytes"] += nbytes
         ph["flops"] += flops
-    name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
-    peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
     for ph in out.values():
         ph["ms_per_step"] = 1e3 * ph["decode_s"] / max(1, ph["steps"])
-        if peak and ph["prefill_s"]:  # the prompts' positions (2N FLOPs each) against the peak
-            ph["prefill_mfu"] = (2 * prefill_flop_params(model) * ph["prefill_tokens"]
-                                 / ph["prefill_s"] / (peak * 1e12))
+        if (mfu := prefill_mfu(model, ph["prefill_tokens"], ph["prefill_s"])) is not None:
+            ph["prefill_mfu"] = mfu
         bound = roofline_s(ph["bytes"], ph["flops"])
         if bound is not None:
             ph["bound_ms_per_step"] = 1e3 * bound / max(1, ph["steps"])
@@ -569,12 +580,6 @@ def flop_params(model) -> int:
     emb = model.get_input_embeddings().weight
     tied = emb is model.get_output_embeddings().weight
     return sum(p.numel() for p in model.parameters()) - (0 if tied else emb.numel())
-
-
-def prefill_flop_params(model) -> int:
-    """Parameters that do a multiply-add per prompt position in a prefill: all but the
-    embeddings (the LM head runs for each prompt's last position only)."""
-    return flop_params(model) - model.get_output_embeddings().weight.numel()
 
 
 def _save_so_far(save: Callable[[dict], None] | None, rows: list[dict], ab: list[dict]) -> None:
@@ -665,8 +670,7 @@ def measure(config: str, overrides: list[str], warmup: int, steps: int, run_dir:
     counter.real, counter.forward, counter.padded, counter.micro_batches, counter.checkpointed = timed
     phases = {p: median(r["phase_s"].get(p, 0.0) for r in rows) for p in rows[0]["phase_s"]}
     update_s = sum(r["phase_s"].get("update", 0.0) for r in rows)
-    name = torch.cuda.get_device_name() if cuda else ""
-    peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+    peak = _datasheet(PEAK_TFLOPS)
     ckpt = cfg.model.gradient_checkpointing
     model_flops = 4 * n_params * counter.real  # forward 2N + backward 2N (input grads only)
     return {

@@ -97,7 +97,7 @@ def test_decode_roofline_counts_weights_adapters_and_cache_per_phase(monkeypatch
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     calls = [{"phase": "proposal", "rows": 2, "steps": 10, "row_steps": 15, "decode_s": 1.0,
-              "kv_token_reads": 100, "slots": 2},
+              "kv_token_reads": 100, "slots": 2, "prefill_s": 0.5, "prefill_tokens": 40},
              {"phase": "solving", "rows": 4, "steps": 5, "row_steps": 20, "decode_s": 2.0,
               "kv_token_reads": 300, "slots": 1}]
     out = ls.decode_roofline(model, bank, calls)
@@ -107,3 +107,7 @@ def test_decode_roofline_counts_weights_adapters_and_cache_per_phase(monkeypatch
     assert out["proposal"]["ms_per_step"] == 100.0 and out["solving"]["ms_per_step"] == 400.0
     bound = max(want / 4.8e12, out["proposal"]["flops"] / 989e12)
     assert out["proposal"]["fraction_of_bound"] == bound / 1.0
+    # prefill positions run every weight but the embeddings (the head: the last one only)
+    body = n - model.get_output_embeddings().weight.numel()
+    assert out["proposal"]["prefill_mfu"] == 2 * body * 40 / 0.5 / 989e12
+    assert "prefill_mfu" not in out["solving"]  # no prefill time: nothing to rate
