@@ -12,8 +12,9 @@ slot's masked GEMMs (`lorapop.lora.decode_kernel.ENABLED`), `--and-scatter-write
 step's key and value scattered before the attention kernel rather than written by it
 (`lorapop.engine.decode_attention.WRITE_IN_KERNEL`): before/afters in one process.
 `--prefill ROWS:LENGTH,...` times one admission's prefill too (tokens/s, MFU, kernels), and
-`--and-cast-prefill` each again with the slots' factors cast per projection and run
-(`lorapop.lora.bank.PREFILL_FROM_CACHE`).
+`--and-other-prefills` each again through the paths the default replaced: the decode cache's
+factors as one GEMM pair per slot and projection (`runs`: `decode_kernel.ENABLED` off), and
+the slots' factors cast per projection and run (`cast`: `bank.PREFILL_FROM_CACHE` off).
 
     python benchmarks/decode_step.py --cases 176:2600,266:1300,8:3500 --profile \\
         --out benchmarks/results/decode_step_h200.json
@@ -191,9 +192,10 @@ def main() -> None:
                     help="ROWS:LENGTH,... also time one admission's prefill of ROWS prompts of "
                          "LENGTH tokens (e.g. 4:1960,9:700: the paper's proposals and a group "
                          "of answers' tasks)")
-    ap.add_argument("--and-cast-prefill", action="store_true",
-                    help="also run each --prefill with each slot's factors cast per projection "
-                         "and run rather than taken from the decode cache (lorapop.lora.bank."
+    ap.add_argument("--and-other-prefills", action="store_true",
+                    help="also run each --prefill with the LoRA terms as a GEMM pair per slot "
+                         "and projection (runs: the decode kernels off), and with each slot's "
+                         "factors cast per projection and run (cast: lorapop.lora.bank."
                          "PREFILL_FROM_CACHE off)")
     ap.add_argument("--reps", type=int, default=50, help="replays timed per case")
     ap.add_argument("--profile", action="store_true", help="kernels of 10 replays by kind")
@@ -251,8 +253,10 @@ def main() -> None:
     result["prefills"] = []
     for spec in filter(None, args.prefill.split(",")):
         rows, length = map(int, spec.split(":"))
-        for bank_mod.PREFILL_FROM_CACHE in (True, False) if args.and_cast_prefill else (True,):
-            r = {"from_decode_cache": bank_mod.PREFILL_FROM_CACHE,
+        for path in ("kernels", "runs", "cast") if args.and_other_prefills else ("kernels",):
+            decode_kernel.ENABLED = path == "kernels"
+            bank_mod.PREFILL_FROM_CACHE = path != "cast"
+            r = {"path": path,
                  **prefill_case(parts, rows, length, max(3, args.reps // 10), args.profile,
                                 cfg.sampling.prefill_tokens)}
             if DEV == "cuda":
@@ -260,7 +264,7 @@ def main() -> None:
             print(json.dumps({k: v for k, v in r.items() if k != "top_kernels"}), flush=True)
             result["prefills"].append(r)
             out.write_text(json.dumps(result, indent=2))
-    bank_mod.PREFILL_FROM_CACHE = True
+    bank_mod.PREFILL_FROM_CACHE = decode_kernel.ENABLED = True
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import pytest
 
 from lorapop.engine import fused
 from lorapop.lora import bank as bank_mod
+from lorapop.lora import decode_kernel
 from script_env import run_main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,16 +42,18 @@ def test_records_each_case_with_and_without_the_fused_passes(tmp_path) -> None:
 def test_records_one_admissions_prefill_at_each_shape(tmp_path) -> None:
     """`--prefill ROWS:LENGTH,...`: one admission's prompts fed as the decoder feeds them,
     timed and profiled, with the positions it fed (no MFU without a known GPU); with
-    `--and-cast-prefill` again with each slot's factors cast, the switch back on after."""
+    `--and-other-prefills` again as GEMM pairs and with each slot's factors cast, the
+    switches back on after."""
     out = tmp_path / "prefill.json"
     assert run_main(main, ROOT / "benchmarks" / "decode_step.py", "--smoke", "--cases", "",
-                    "--prefill", "2:24,3:16", "--reps", "3", "--profile", "--and-cast-prefill",
+                    "--prefill", "2:24,3:16", "--reps", "3", "--profile", "--and-other-prefills",
                     "--out", str(out)) == 0  # fmt: skip
     prefills = json.loads(out.read_text())["prefills"]
-    assert [(p["prefill_rows"], p["length"], p["from_decode_cache"]) for p in prefills] == [
-        (2, 24, True), (2, 24, False), (3, 16, True), (3, 16, False)]
+    paths = ["kernels", "runs", "cast"]
+    assert [(p["prefill_rows"], p["length"], p["path"]) for p in prefills] == [
+        (2, 24, path) for path in paths] + [(3, 16, path) for path in paths]
     for p in prefills:
         assert p["tokens"] == 48 and p["ms"] > 0 and p["kernels"] > 0 and "mfu" not in p
     # the smoke model is bf16 over an fp32 bank: cast factors are kernels the cache saves
-    assert prefills[0]["kernels"] < prefills[1]["kernels"]
-    assert bank_mod.PREFILL_FROM_CACHE
+    assert prefills[1]["kernels"] < prefills[2]["kernels"]
+    assert bank_mod.PREFILL_FROM_CACHE and decode_kernel.ENABLED

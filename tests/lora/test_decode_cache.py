@@ -207,6 +207,35 @@ def test_kernels_follow_the_routing_inside_a_cuda_graph():
     torch.testing.assert_close((out.float() - base.float()).cpu(), want, atol=3e-2, rtol=2e-2)
 
 
+@pytest.mark.skipif(not KERNELS, reason="the Triton kernels need a GPU")
+@pytest.mark.parametrize("n_slots,rank,width,rows,tokens", [(4, 32, 512, 5, 300),
+                                                            (8, 16, 1200, 3, 77)])
+def test_kernels_over_a_prefills_tokens_equal_the_lora_formula(n_slots, rank, width, rows,
+                                                               tokens):
+    """A prefill's rows in slot order, their tokens through the kernels (`add_delta_tokens`,
+    tiles of `BM_TOKENS`, cut mid-slot): each token gets its row's slot's term, in place."""
+    gen = torch.Generator().manual_seed(tokens)
+    groups = _gpu_groups(n_slots, rank, width, gen)
+    cache = DecodeCache(groups, torch.bfloat16, SCALING)
+    cache.refresh_(0)
+    ids = torch.randint(0, n_slots, (rows,), generator=gen).sort().values
+    routing = Routing.empty(rows, n_slots, torch.device("cuda"))
+    routing.fill_(ids.cuda(), True)
+    perm = torch.arange(rows * tokens, device="cuda")
+    for group in groups:
+        x = torch.randn(rows, tokens, group[0][1].shape[2], generator=gen).cuda().bfloat16()
+        flat = x.float().cpu().reshape(-1, 1, x.shape[-1])
+        for name, a, b in group:
+            out = torch.randn(rows, tokens, b.shape[1], generator=gen).cuda().bfloat16()
+            base = out.clone()
+            assert cache.add_delta_tokens(name, x, out, perm, routing.ends * tokens)
+            want = _reference(a.cpu(), b.cpu(), flat, ids.repeat_interleave(tokens))
+            got = (out.float() - base.float()).cpu().reshape(want.shape).double()
+            scale = want.abs().max().item() + 1e-3
+            torch.testing.assert_close(got, want, atol=3e-2 * scale, rtol=0)
+    assert decode_kernel.failure is None
+
+
 def _kernels_in_torch(calls: Counter):
     """`decode_kernel`'s shrink, expand and expand_group as torch ops (their formulas, any
     device): the decode cache's side of the kernel path (which h, which columns, which B
@@ -217,7 +246,7 @@ def _kernels_in_torch(calls: Counter):
         ids[perm] = torch.searchsorted(ends.long(), torch.arange(perm.numel()), right=True)
         return ids
 
-    def shrink(x, a, n, r, perm, ends):
+    def shrink(x, a, n, r, perm, ends, bm=decode_kernel.BM):
         calls["shrink"] += 1
         a = a.view(a.shape[0] // (n * r), n, r, -1)[:, slots(perm, ends)]  # [G, B, r, in]
         return torch.einsum("bi,gbri->bgr", x.float(), a.float()).flatten(1)[None]
@@ -226,7 +255,7 @@ def _kernels_in_torch(calls: Counter):
         b = b.unflatten(0, (-1, r))[slots(perm, ends)]
         out += torch.einsum("br,bro->bo", h.to(out.dtype).float(), b.float()).to(out.dtype)
 
-    def expand(h, member, b, out, perm, ends, n, r):
+    def expand(h, member, b, out, perm, ends, n, r, bm=decode_kernel.BM):
         calls["expand"] += 1
         add(h.sum(0)[:, member * r : (member + 1) * r], b, out, perm, ends, r)
         return True
@@ -269,3 +298,38 @@ def test_the_kernel_path_adds_every_term_once_into_merged_outputs(monkeypatch):
     monkeypatch.setattr(decode_kernel, "expand_group", expand_group)
     torch.testing.assert_close(logits(), plain, rtol=1e-5, atol=1e-5)
     assert calls == {"shrink": 4 * layers, "expand_group": 2 * layers, "expand": 2 * layers}
+
+
+def test_a_prefill_in_slot_order_takes_the_kernels_over_its_tokens(monkeypatch):
+    """Inside `prefill_weights`, rows of several tokens in slot order take the decode cache's
+    kernels over their tokens: one shrink per group (q/k/v's h shared), one expand per
+    projection, the plain path's logits, at every chunk width; rows out of slot order keep
+    the batched path (the kernels' tiles need each slot's tokens together)."""
+    model = tiny_model().eval()
+    layers = model.config.num_hidden_layers
+    bank = AdapterBank(model, n_slots=3, rank=4, alpha=8.0)
+    randomize_b(bank)
+    ids = torch.randint(0, VOCAB, (3, 9), generator=torch.Generator().manual_seed(0))
+
+    def logits(slots: list[int], tokens: int) -> torch.Tensor:
+        with torch.no_grad(), bank.route(slots), bank.prefill_weights(torch.float32):
+            return model(ids[:, :tokens]).logits
+
+    plain = {t: logits([0, 2, 2], t) for t in (9, 4)}
+    calls: Counter = Counter()
+    shrink, expand, expand_group = _kernels_in_torch(calls)
+    monkeypatch.setattr(decode_kernel, "usable", lambda x, out: True)
+    monkeypatch.setattr(decode_kernel, "shrink", shrink)
+    monkeypatch.setattr(decode_kernel, "expand", expand)
+    monkeypatch.setattr(decode_kernel, "expand_group", expand_group)
+    for tokens, want in plain.items():
+        calls.clear()
+        got = logits([0, 2, 2], tokens)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert calls == {"shrink": 4 * layers, "expand": 7 * layers}
+    with bank.route([0, 2, 2]):  # tokens in slot order: slot 0's 4, none of 1, 8 of slot 2
+        perm, ends = bank._token_routing(bank._active, torch.empty(3, 4, 1))
+    assert perm.tolist() == list(range(12)) and ends.tolist() == [4, 4, 12]
+    calls.clear()
+    logits([2, 0, 2], 9)
+    assert calls == {}

@@ -223,6 +223,9 @@ class AdapterBank:
         self._stale = 0  # bumped by invalidate_caches(): part of the cache stamp
         self._held: _HeldCopy | None = None
         self._prefill_cache: DecodeCache | None = None  # inside `prefill_weights`
+        # a prefill's token routing (`_token_routing`): ((routing version, tokens), perm, ends)
+        self._tokens_routed: tuple[tuple[int, int], Tensor, Tensor] | None = None
+        self._iota = torch.arange(0)
 
         for i in range(n_slots):
             self.reset_slot(i, seed + i)
@@ -338,6 +341,11 @@ class AdapterBank:
             if path == "runs":
                 cache = self._prefill_cache
                 if cache is not None and not grad and cache.dtype == dt:  # B holds the scaling
+                    if (routing.is_sorted and x.dim() == 3 and x.is_contiguous()
+                            and output.is_contiguous()
+                            and cache.add_delta_tokens(target.name, x, output,
+                                                       *self._token_routing(routing, x))):
+                        return output
                     weights, scaling = partial(cache.slot_weights, target.name), 1.0
                 else:
                     weights, scaling = partial(self._slot_weights, target, dt), self.scaling
@@ -348,6 +356,21 @@ class AdapterBank:
             return output + delta.to(output.dtype)
 
         return hook
+
+    def _token_routing(self, routing: Routing, x: Tensor) -> tuple[Tensor, Tensor]:
+        """(perm, ends) over the tokens of x [B, T, in] whose rows are in slot order: the
+        identity, and each slot's end in tokens; made once per routing and T (a forward's
+        every projection reads them)."""
+        tokens = x.shape[1]
+        key = (self._version, tokens)
+        held = self._tokens_routed
+        if held is None or held[0] != key:
+            n = x.shape[0] * tokens
+            if self._iota.numel() < n or self._iota.device != x.device:
+                self._iota = torch.arange(max(n, 2 * self._iota.numel()), device=x.device)
+            held = (key, self._iota[:n], routing.ends * tokens)
+            self._tokens_routed = held
+        return held[1], held[2]
 
     def _path(self, module: nn.Module, x: Tensor, output: Tensor, routing: Routing,
               dt: torch.dtype, dropout: bool, grad: bool) -> str:
@@ -365,7 +388,8 @@ class AdapterBank:
           by `route` in slot order), output in the compute dtype, one run if under grad: the
           add goes into the expand GEMM (`add_delta_by_runs`), no delta tensor. Several runs
           under grad would make autograd copy the output's whole gradient for each. Inside
-          `prefill_weights` the weights come from the decode cache (no casts).
+          `prefill_weights` the weights come from the decode cache (no casts), and rows in
+          slot order take its kernels over their tokens (`DecodeCache.add_delta_tokens`).
         - otherwise the batched kernel asked for; with "auto", "dense" for one token a row,
           "grouped" for rows in slot order where this torch runs grouped_mm for the dtype,
           else "gather" (row permutations cost more than per-row weight gathers)."""

@@ -33,6 +33,9 @@ from torch import Tensor
 from lorapop.kernels import built, failed
 
 BM = 16  # rows of one slot per program (the least tl.dot takes)
+#: rows per program for a prefill's tokens: each program reads its slot's A whole, so a
+#: prefill's thousands of tokens in tiles of `BM` would read it thousands of times
+BM_TOKENS = 64
 BK = 256  # input features per inner step of the shrink
 BN = 128  # output features per expand program
 MIN_SPLIT = 1024  # input features each shrink program reads at least
@@ -59,29 +62,29 @@ def splits_for(width: int) -> int:
     return max(1, min(MAX_SPLITS, width // MIN_SPLIT))
 
 
-def shrink(x: Tensor, a: Tensor, n_slots: int, rank: int, perm: Tensor, ends: Tensor
-           ) -> Tensor | None:
+def shrink(x: Tensor, a: Tensor, n_slots: int, rank: int, perm: Tensor, ends: Tensor,
+           bm: int = BM) -> Tensor | None:
     """h [splits, rows, members x rank] (float32 parts) of x [rows, in] through the group's
     A [members x n_slots x rank, in] (rows: member, slot, rank), each row through its own
-    slot's only; None if the kernel failed here (it warns once)."""
+    slot's only, `bm` rows a program; None if the kernel failed here (it warns once)."""
     rows, width = x.shape
     members = a.shape[0] // (n_slots * rank)
     splits = splits_for(width)
     per_split = -(-width // splits)
     per_split = -(-per_split // BK) * BK
     h = torch.empty(splits, rows, members * rank, dtype=torch.float32, device=x.device)
-    grid = (-(-rows // BM) + n_slots, members, splits)
+    grid = (-(-rows // bm) + n_slots, members, splits)
     return _launch(lambda: _kernels()[0][grid](
         x, a, perm, ends, h, rows, width, x.stride(0), per_split,
-        N=n_slots, R=rank, BR=_block(rank), BM=BM, BK=BK, num_warps=4), h)
+        N=n_slots, R=rank, BR=_block(rank), BM=bm, BK=BK, num_warps=4), h)
 
 
 def expand(h: Tensor, member: int, b: Tensor, out: Tensor, perm: Tensor, ends: Tensor,
-           n_slots: int, rank: int) -> bool:
+           n_slots: int, rank: int, bm: int = BM) -> bool:
     """out [rows, out] += h's `member` columns @ b [n_slots x rank, out] (rows: slot, rank;
-    any row stride), each row through its own slot's B, in place; False if the kernel failed
-    here (it warns once; `out` is then untouched)."""
-    return _expand(h, b, out, perm, ends, n_slots, rank, member * rank, None, 0, 0)
+    any row stride), each row through its own slot's B, in place, `bm` rows a program (as
+    the shrink's); False if the kernel failed here (it warns once; `out` is then untouched)."""
+    return _expand(h, b, out, perm, ends, n_slots, rank, member * rank, None, 0, 0, bm)
 
 
 def expand_group(h: Tensor, b: Tensor, out: Tensor, perm: Tensor, ends: Tensor,
@@ -95,19 +98,19 @@ def expand_group(h: Tensor, b: Tensor, out: Tensor, perm: Tensor, ends: Tensor,
     else:  # stacked: member m's own [N x r, out] block, column n - m x out
         member_stride, member_cols = b.stride(0), b.shape[2]
     return _expand(h, b, out, perm, ends, n_slots, rank, 0, col_member, member_stride,
-                   member_cols)
+                   member_cols, BM)
 
 
 def _expand(h: Tensor, b: Tensor, out: Tensor, perm: Tensor, ends: Tensor, n_slots: int,
             rank: int, h_first: int, col_member: Tensor | None, member_stride: int,
-            member_cols: int) -> bool:
+            member_cols: int, bm: int) -> bool:
     splits, rows, width = h.shape
     cols = out.shape[1]
-    grid = (-(-rows // BM) + n_slots, -(-cols // BN))
+    grid = (-(-rows // bm) + n_slots, -(-cols // BN))
     return _launch(lambda: _kernels()[1][grid](
         h, b, out, perm, ends, h if col_member is None else col_member, rows, cols, width,
         h_first, splits, b.stride(-2), out.stride(0), member_stride, member_cols,
-        N=n_slots, R=rank, BR=_block(rank), BM=BM, BN=BN,
+        N=n_slots, R=rank, BR=_block(rank), BM=bm, BN=BN,
         MAPPED=col_member is not None, num_warps=4), True) is not None
 
 

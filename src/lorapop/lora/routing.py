@@ -428,8 +428,8 @@ class DecodeCache:
         m = self.members[name]
         g, nr = m.group, self.n_slots * self.rank
         out2 = out.reshape(rows, out.shape[-1])
-        if not fuse_add and decode_kernel.usable(x, out2) and self._kernel_add(m, x, out2,
-                                                                              routing, share):
+        if not fuse_add and decode_kernel.usable(x, out2) and self._kernel_add(
+                m, x, out2, routing.perm, routing.ends, share):
             return out
         if share and g.x is x and g.h is not None and g.h.dim() == 2:
             h, d = g.h, g.d
@@ -458,11 +458,26 @@ class DecodeCache:
         y = out2 + torch.mm(h, m.b).to(out2.dtype)
         return y.view(out.shape)
 
-    def _kernel_add(self, m: _Member, x: Tensor, out: Tensor, routing: Routing,
-                    share: bool) -> bool:
-        """out [B, out] += the member's LoRA term through `decode_kernel` (each row's own
-        slot only), the group's h shared as in `add_delta`; False if the kernels failed here
-        (nothing added: the caller takes the plain path)."""
+    def add_delta_tokens(self, name: str, x: Tensor, out: Tensor, perm: Tensor,
+                         ends: Tensor) -> bool:
+        """out += scaling * B[s] A[s] x in place for rows of several tokens without grad (a
+        prefill's) through `decode_kernel`, x [B, T, in] and out [B, T, out] contiguous, its
+        B x T tokens in slot order (`perm` the identity over them, `ends` each slot's end in
+        tokens); the group's h shared as in `add_delta`. One shrink a group and one expand a
+        projection, where one GEMM pair per slot and projection launched 7 x 2 x slots
+        kernels a layer (a small prefill waited on the host). False where the kernels do not
+        run (nothing added)."""
+        x2, out2 = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])
+        if not decode_kernel.usable(x2, out2):
+            return False
+        return self._kernel_add(self.members[name], x, out2, perm, ends, True,
+                                decode_kernel.BM_TOKENS)
+
+    def _kernel_add(self, m: _Member, x: Tensor, out: Tensor, perm: Tensor, ends: Tensor,
+                    share: bool, bm: int = decode_kernel.BM) -> bool:
+        """out [rows, out] += the member's LoRA term through `decode_kernel` (each row's own
+        slot only; rows: x's rows, or its tokens), the group's h shared as in `add_delta`;
+        False if the kernels failed here (nothing added: the caller takes the plain path)."""
         g, nr = m.group, self.n_slots * self.rank
         if share and g.x is x and g.h is not None and g.h.dim() == 3:
             h, whole = g.h, g.whole
@@ -472,9 +487,9 @@ class DecodeCache:
             if whole is not None and _is_columns(out, whole, g.offsets[m.index]):
                 return True  # the group's first member added every member's term
         else:
-            x2 = x.reshape(x.shape[0], x.shape[-1])
+            x2 = x.reshape(-1, x.shape[-1])
             a = g.a if share else g.a[m.index * nr : (m.index + 1) * nr]
-            h = decode_kernel.shrink(x2, a, self.n_slots, self.rank, routing.perm, routing.ends)
+            h = decode_kernel.shrink(x2, a, self.n_slots, self.rank, perm, ends, bm)
             if h is None:
                 return False
             if share and g.size > 1:
@@ -482,13 +497,12 @@ class DecodeCache:
                 whole = None if g.col_member is None else _whole_output(
                     out, g.col_member.numel() * decode_kernel.BN, g.offsets[m.index])
                 if (whole is not None
-                        and decode_kernel.expand_group(h, g.b, whole, routing.perm,
-                                                       routing.ends, self.n_slots, self.rank,
-                                                       g.col_member)):
+                        and decode_kernel.expand_group(h, g.b, whole, perm, ends, self.n_slots,
+                                                       self.rank, g.col_member)):
                     g.whole = whole
                     return True
-        return decode_kernel.expand(h, m.index if share else 0, m.b, out, routing.perm,
-                                    routing.ends, self.n_slots, self.rank)
+        return decode_kernel.expand(h, m.index if share else 0, m.b, out, perm, ends,
+                                    self.n_slots, self.rank, bm)
 
     def _group_delta(self, h: Tensor, g: _Group) -> Tensor:
         """Every member's delta from the group's h: [G, B, out] or [B, sum of outs]."""
