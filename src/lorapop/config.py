@@ -36,13 +36,11 @@ class ModelConfig(Section):
     """Recompute activations in the update's backward (less memory, 1.4-1.6x the time); `auto`
     decides at each update from the memory free on the GPU (`engine/memory.plan_update`)."""
     trust_remote_code: bool = False
-    cudnn_attention: bool | Literal["long_rows"] = "long_rows"
-    """cuDNN's attention kernel, 1.8x FlashAttention's speed on long causal rows, but it builds
-    an execution plan for each new shape (~150-240 ms on an H100/H200). long_rows: only the
-    update's lone rows of >= 1,024 tokens (a teacher's), their length padded to a multiple of
-    256 so that a run builds a few dozen plans once (`engine/pack_attention`). true: SDPA may
-    choose it for every call, process-wide (a loop step's lengths are new at every step: the
-    paper step at 128 tokens took 88.2 s with it, 73.9 s without). false: never."""
+    cudnn_attention: bool = False
+    """Let SDPA choose cuDNN's attention kernel, process-wide. Off by default: cuDNN builds an
+    execution plan for each new shape (120-240 ms on H100), and a loop step's prompt and
+    completion lengths are new at every step, so its 1.7x faster kernel on long causal rows
+    loses overall (the paper step at 128 tokens: 88.2 s with it, 73.9 s without)."""
 
 
 class LoraConfig(Section):

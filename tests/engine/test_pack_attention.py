@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend
 
-from lorapop.engine import pack_attention
-from lorapop.engine.pack_attention import PackLayout, attend, long_rows, lower_right_attention
+from lorapop.engine.pack_attention import PackLayout, attend, lower_right_attention
 
 # three sequences of width 16: two packs with a 5-token prompt (one group), one with a 3-token
 # prompt, completions of different lengths (one empty), right padding after each pack
@@ -145,67 +142,3 @@ def test_buckets_bound_the_padding_the_backward_keeps():
             assert len(g) * max(lengths[i] for i in g) <= PAD_SLACK * sum(lengths[i] for i in g)
     assert buckets([2048, 64, 64, 64]) == [[0], [1, 2, 3]]
     assert buckets([100, 100, 100, 100]) == [[0, 1, 2, 3]]  # equal lengths: one call
-
-
-LONG_ROWS_CASES = [("cpu", torch.float64, 8, (SDPBackend.MATH,), {}),
-                   pytest.param("cuda", torch.bfloat16, 128,
-                                (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION),
-                                {"atol": 2e-2, "rtol": 2e-2},
-                                marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                         reason="no CUDA"))]
-
-
-@pytest.mark.parametrize(("device", "dtype", "dim", "backends", "tol"), LONG_ROWS_CASES)
-@pytest.mark.parametrize("pad", [1, 4, 7])
-def test_long_rows_padded_for_their_kernel_equal_causal_attention(device, dtype, dim, backends,
-                                                                  tol, pad):
-    """`long_rows` (the update's long lone rows: cuDNN's kernel on CUDA) pads the rows'
-    length to a multiple of `pad` for the call: output [B, S, heads, d] and every gradient as
-    causal attention's without padding, grouped-query heads kept."""
-    g = torch.Generator().manual_seed(pad)
-    q, k, v = (torch.randn(2, h, 10, dim, generator=g, dtype=torch.float64)
-               .to(device, dtype).requires_grad_() for h in (4, 2, 2))
-    grad = torch.randn(2, 10, 4, dim, generator=g, dtype=torch.float64).to(device, dtype)
-    out = long_rows(q, k, v, 0.3, pad=pad, backends=backends)
-    got = [out, *torch.autograd.grad(out, (q, k, v), grad)]
-    qf, kf, vf = (x.detach().float().requires_grad_() for x in (q, k, v))
-    ref = F.scaled_dot_product_attention(qf, kf, vf, is_causal=True, scale=0.3,
-                                         enable_gqa=True).transpose(1, 2)
-    want = [ref, *torch.autograd.grad(ref, (qf, kf, vf), grad.float())]
-    assert out.shape == (2, 10, 4, dim)
-    for a, b in zip(got, want, strict=True):
-        torch.testing.assert_close(a.float(), b, **tol)
-
-
-def test_only_the_updates_long_lone_cuda_rows_take_cudnn(monkeypatch):
-    """cuDNN's kernel is asked for only inside `maskless` (the update), under grad, on CUDA,
-    for rows of at least `LONG_ROW` tokens without a mask, and never in deterministic mode
-    or with `CUDNN_LONG_ROWS` off."""
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    module = torch.nn.Module()
-    x = torch.zeros(1, 4, pack_attention.LONG_ROW, 8, device=dev)
-
-    def takes(**kw) -> bool:
-        args = dict(query=x, key=x, attention_mask=None, dropout=0.0, window=None) | kw
-        return pack_attention._takes_long_rows(module, **args)
-
-    with pack_attention.maskless(), torch.enable_grad():
-        assert takes() == (dev == "cuda")
-        short = x[:, :, :-1]
-        assert not takes(query=short, key=short)
-        assert not takes(attention_mask=torch.ones(1))
-        assert not takes(dropout=0.1)
-        assert not takes(window=pack_attention.LONG_ROW // 2)
-        was = torch.are_deterministic_algorithms_enabled()
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        try:
-            assert not takes()
-        finally:
-            torch.use_deterministic_algorithms(was)
-        monkeypatch.setattr(pack_attention, "CUDNN_LONG_ROWS", False)
-        assert not takes()
-    monkeypatch.setattr(pack_attention, "CUDNN_LONG_ROWS", True)
-    with torch.enable_grad():
-        assert not takes()  # outside the update's forwards
-    with pack_attention.maskless(), torch.no_grad():
-        assert not takes()

@@ -16,15 +16,6 @@ real query ever sees a padding key, and padding outputs are written to a scratch
 dropped (selecting the real ones first cost an atomic index_add_ over them in the backward:
 ~1% of a 7B student micro-batch).
 
-Lone causal rows of a training forward at least `LONG_ROW` tokens long (a teacher's
-proposal: a ~2k-token prompt and its completion) take cuDNN's kernel instead (`long_rows`), at
-1.8x FlashAttention's speed forward + backward on an H100/H200. cuDNN builds an execution
-plan per new shape (~150-180 ms), so the rows' length is padded up to a multiple of
-`CUDNN_PAD` for the call: a few dozen shapes in a run, each built once. Right padding is
-exact under the causal mask (no real query sees a padding key); it costs up to `CUDNN_PAD`
-positions of attention a row. `CUDNN_LONG_ROWS` (`model.cudnn_attention`) turns it off;
-deterministic mode keeps FlashAttention.
-
 The layout travels as the `pack_layout` keyword of the model call: transformers hands extra
 keywords to the attention function, and its activation checkpointing replays them, so the
 recomputed forward attends exactly as the first one. The attention function is registered
@@ -43,7 +34,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -56,12 +46,6 @@ NAME = "lorapop_packs"
 
 #: Padded completion tokens of one attention call stay within this factor of the real ones
 PAD_SLACK = 1.25
-#: Lone causal rows of a training forward this long or longer take cuDNN's kernel (`long_rows`)
-LONG_ROW = 1024
-#: ... with their length padded up to a multiple of this (one cuDNN plan per padded shape)
-CUDNN_PAD = 256
-#: Whether they do (`model.cudnn_attention: long_rows`, the default)
-CUDNN_LONG_ROWS = True
 
 
 @dataclass
@@ -199,44 +183,11 @@ def attend(layout: PackLayout, query: torch.Tensor, key: torch.Tensor,
     return out[:-1].view(n, w, heads, d)
 
 
-def long_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-              scaling: float | None, pad: int = CUDNN_PAD,
-              backends: Sequence[SDPBackend] = (SDPBackend.CUDNN_ATTENTION,
-                                                SDPBackend.FLASH_ATTENTION)) -> torch.Tensor:
-    """Causal attention output [B, S, heads, d] of query [B, heads, S, d] over key/value [B,
-    kv_heads, S, d], through `backends` in that order at the length padded up to a multiple
-    of `pad` (padding after every real position: no real query sees it)."""
-    s = query.shape[2]
-    extra = -s % pad
-    if extra:
-        query, key, value = (F.pad(x, (0, 0, 0, extra)) for x in (query, key, value))
-    with sdpa_kernel(list(backends), set_priority=True):
-        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
-                                             enable_gqa=query.shape[1] != key.shape[1])
-    return out[:, :, :s].transpose(1, 2).contiguous()
-
-
-def _takes_long_rows(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                     attention_mask: torch.Tensor | None, dropout: float,
-                     window: int | None) -> bool:
-    """Whether a forward's attention is the update's over lone causal rows long enough for
-    `long_rows` (on CUDA, under grad, no mask, no dropout, not in deterministic mode)."""
-    s = query.shape[2]
-    return (CUDNN_LONG_ROWS and query.is_cuda and _MASKLESS.get() and torch.is_grad_enabled()
-            and attention_mask is None and dropout == 0.0 and s >= LONG_ROW
-            and key.shape[2] == s and getattr(module, "is_causal", True)
-            and (window is None or window >= s)
-            and not torch.are_deterministic_algorithms_enabled())
-
-
 def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float = 0.0,
                scaling: float | None = None, pack_layout: PackLayout | None = None,
                **kwargs: Any) -> tuple[torch.Tensor, None]:
     if pack_layout is None:
-        if _takes_long_rows(module, query, key, attention_mask, dropout,
-                            kwargs.get("sliding_window")):
-            return long_rows(query, key, value, scaling), None
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
     window = kwargs.get("sliding_window")

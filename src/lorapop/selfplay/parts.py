@@ -20,7 +20,6 @@ from typing import Any
 import torch
 
 from lorapop.config import Config, dump_config
-from lorapop.engine import pack_attention
 from lorapop.engine.load import load_base_model, load_tokenizer, use_checkpointing
 from lorapop.engine.optim import BankOptimizer
 from lorapop.engine.patches import attach_lora
@@ -83,8 +82,7 @@ def build(cfg: Config) -> Parts:
     model = load_base_model(mc.name_or_path, tokenizer, mc.device, mc.dtype, cfg.seed,
                             mc.trust_remote_code, mc.random_init)
     use_checkpointing(model, mc.gradient_checkpointing is True)  # `auto`: at each update
-    torch.backends.cuda.enable_cudnn_sdp(mc.cudnn_attention is True)
-    pack_attention.CUDNN_LONG_ROWS = mc.cudnn_attention is not False
+    torch.backends.cuda.enable_cudnn_sdp(mc.cudnn_attention)
     single = cfg.league.mode == "single"
     if single:
         teachers, students = ["A0"], ["A0"]
