@@ -10,7 +10,9 @@ the same cost as keys. `--and-unfused` replays each case again with the fused in
 off (`lorapop.engine.fused.INFERENCE`), `--and-plain-lora` with the LoRA terms as every
 slot's masked GEMMs (`lorapop.lora.decode_kernel.ENABLED`), `--and-scatter-write` with the
 step's key and value scattered before the attention kernel rather than written by it
-(`lorapop.engine.decode_attention.WRITE_IN_KERNEL`): before/afters in one process.
+(`lorapop.engine.decode_attention.WRITE_IN_KERNEL`), `--and-shrink-kernel` with the LoRA
+shrinks as kernels of their own rather than from the projections' GEMMs
+(`lorapop.engine.merged.LORA_ROWS`): before/afters in one process.
 `--prefill ROWS:LENGTH,...` times one admission's prefill too (tokens/s, MFU, kernels), and
 `--and-other-prefills` each again through the paths the default replaced: the decode cache's
 factors as one GEMM pair per slot and projection (`runs`: `decode_kernel.ENABLED` off), and
@@ -204,6 +206,10 @@ def main() -> None:
     ap.add_argument("--and-plain-lora", action="store_true",
                     help="also replay each case with the LoRA terms as the masked GEMMs of "
                          "every slot (lorapop.lora.decode_kernel.ENABLED off)")
+    ap.add_argument("--and-shrink-kernel", action="store_true",
+                    help="also replay each case with the LoRA shrinks as kernels of their own "
+                         "rather than from the projections' GEMMs (lorapop.engine.merged."
+                         "LORA_ROWS off)")
     ap.add_argument("--and-scatter-write", action="store_true",
                     help="also replay each case with the step's key and value scattered into "
                          "the cache before the attention kernel (decode_attention."
@@ -218,7 +224,7 @@ def main() -> None:
     elif DEV != "cuda":
         sys.exit("decode_step.py needs a CUDA GPU (or --smoke for a CPU check of the script)")
     from lorapop.config import load_config
-    from lorapop.engine import decode_attention, fused
+    from lorapop.engine import decode_attention, fused, merged
     from lorapop.lora import bank as bank_mod
     from lorapop.lora import decode_kernel
     from lorapop.selfplay.parts import build
@@ -236,13 +242,16 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     for spec in filter(None, args.cases.split(",")):
         rows, context = map(int, spec.split(":"))
-        variants = [(True, True, True)]
-        variants += [(False, True, True)] if args.and_unfused else []
-        variants += [(True, False, True)] if args.and_plain_lora else []
-        variants += [(True, True, False)] if args.and_scatter_write else []
-        for fused.INFERENCE, decode_kernel.ENABLED, decode_attention.WRITE_IN_KERNEL in variants:
+        variants = [(True, True, True, True)]
+        variants += [(False, True, True, True)] if args.and_unfused else []
+        variants += [(True, False, True, True)] if args.and_plain_lora else []
+        variants += [(True, True, False, True)] if args.and_scatter_write else []
+        variants += [(True, True, True, False)] if args.and_shrink_kernel else []
+        for (fused.INFERENCE, decode_kernel.ENABLED, decode_attention.WRITE_IN_KERNEL,
+             merged.LORA_ROWS) in variants:
             r = {"fused_inference": fused.INFERENCE, "lora_kernels": decode_kernel.ENABLED,
                  "write_in_kernel": decode_attention.WRITE_IN_KERNEL,
+                 "shrink_in_gemm": merged.LORA_ROWS,
                  **case(parts, rows, context, args.reps, args.profile)}
             if DEV == "cuda":  # the case's cache and graph pool
                 torch.cuda.empty_cache()
@@ -250,6 +259,7 @@ def main() -> None:
             result["cases"].append(r)
             out.write_text(json.dumps(result, indent=2))
     fused.INFERENCE = decode_kernel.ENABLED = decode_attention.WRITE_IN_KERNEL = True
+    merged.LORA_ROWS = True
     result["prefills"] = []
     for spec in filter(None, args.prefill.split(",")):
         rows, length = map(int, spec.split(":"))

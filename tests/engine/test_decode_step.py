@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lorapop.engine import fused
+from lorapop.engine import fused, merged
 from lorapop.lora import bank as bank_mod
 from lorapop.lora import decode_kernel
 from script_env import run_main
@@ -22,20 +22,22 @@ from decode_step import main  # noqa: E402
 @pytest.mark.filterwarnings("ignore:CUDA is not available")
 def test_records_each_case_with_and_without_the_fused_passes(tmp_path) -> None:
     """Each ROWS:CONTEXT case is a decoder whose rows sit at CONTEXT cached positions, its step
-    replayed and profiled, once with the fused inference passes and once without; the switch
-    is back on afterwards (the process's later generations keep them)."""
+    replayed and profiled, once with the fused inference passes and once without, and once
+    with the LoRA shrinks outside the GEMMs; the switches are back on afterwards (the
+    process's later generations keep them)."""
     out = tmp_path / "decode.json"
     assert run_main(main, ROOT / "benchmarks" / "decode_step.py", "--smoke", "--cases",
                     "4:32,2:100", "--reps", "3", "--profile", "--and-unfused",
-                    "--out", str(out)) == 0  # fmt: skip
+                    "--and-shrink-kernel", "--out", str(out)) == 0  # fmt: skip
     cases = json.loads(out.read_text())["cases"]
-    assert [(c["rows"], c["context"], c["fused_inference"]) for c in cases] == [
-        (4, 32, True), (4, 32, False), (2, 100, True), (2, 100, False)]
+    assert [(c["rows"], c["context"], c["fused_inference"], c["shrink_in_gemm"])
+            for c in cases] == [(4, 32, True, True), (4, 32, False, True), (4, 32, True, False),
+                                (2, 100, True, True), (2, 100, False, True), (2, 100, True, False)]
     for c in cases:
         assert c["ms_per_step"] > 0 and c["kernels_per_step"] > 0
         assert sum(c["kernel_ms_per_step"].values()) > 0 and c["top_kernels"]
         assert c["bound_ms"] is None  # no roofline without a known GPU
-    assert fused.INFERENCE
+    assert fused.INFERENCE and merged.LORA_ROWS
 
 
 @pytest.mark.filterwarnings("ignore:CUDA is not available")

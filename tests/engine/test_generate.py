@@ -112,19 +112,20 @@ def test_logprobs_equal_teacher_forced_forward(setup, tok):
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_the_cuda_decode_path_gives_the_teacher_forced_logprobs(arch, tok, monkeypatch):
-    """The decode step as CUDA runs it, here eagerly: merged q/k/v and gate/up GEMMs, each
-    LoRA term added in place into its column slice, the fused rotary and SwiGLU passes on
+    """The decode step as CUDA runs it, here eagerly: merged q/k/v and gate/up GEMMs that
+    also give the LoRA shrinks (`reserve_lora_rows`), each LoRA term added in place into its
+    column slice, the fused rotary and SwiGLU passes on
     those strided slices (`fused._inference` forced): each token's log-prob is the one the
     update's training forward gives it (the same float32 passes)."""
     from lorapop.engine import fused
-    from lorapop.engine.patches import patch_base_model
+    from lorapop.engine.patches import attach_lora, patch_base_model
 
     model = tiny_model(arch, len(tok)).requires_grad_(False)
     for source, current in list(fused._rotary_sources(model)):  # the process's, restored after
         monkeypatch.setattr(source, "apply_rotary_pos_emb",
                             getattr(current, "lorapop_original", current))
     assert patch_base_model(model)["merged_groups"] == 2 * model.config.num_hidden_layers
-    bank = AdapterBank(model, n_slots=3, rank=4, alpha=8.0)
+    bank = attach_lora(model, n_slots=3, rank=4, alpha=8.0)  # the GEMMs give the shrinks
     gen = torch.Generator().manual_seed(2)
     with torch.no_grad():
         for t in bank.targets.values():

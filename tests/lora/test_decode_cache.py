@@ -9,7 +9,9 @@ import pytest
 import torch
 from lora_fixtures import VOCAB, randomize_b, tiny_model
 
+from lorapop.engine import merged
 from lorapop.engine.merged import merge_projections
+from lorapop.engine.patches import attach_lora
 from lorapop.lora import decode_kernel
 from lorapop.lora.bank import AdapterBank
 from lorapop.lora.routing import DecodeCache, Routing
@@ -251,23 +253,33 @@ def _kernels_in_torch(calls: Counter):
         a = a.view(a.shape[0] // (n * r), n, r, -1)[:, slots(perm, ends)]  # [G, B, r, in]
         return torch.einsum("bi,gbri->bgr", x.float(), a.float()).flatten(1)[None]
 
+    def own(h, n, r, perm, ends, all_slots):
+        """h [rows, members x r]: each row's own slot's columns (all_slots: a GEMM's h)."""
+        h = h.sum(0).float()
+        if not all_slots:
+            return h
+        rows = torch.arange(h.shape[0])
+        return h.view(h.shape[0], -1, n, r)[rows, :, slots(perm, ends)].flatten(1)
+
     def add(h, b, out, perm, ends, r):  # out += h [B, r] @ b[slot] ([N * r, out] rows)
         b = b.unflatten(0, (-1, r))[slots(perm, ends)]
         out += torch.einsum("br,bro->bo", h.to(out.dtype).float(), b.float()).to(out.dtype)
 
-    def expand(h, member, b, out, perm, ends, n, r, bm=decode_kernel.BM):
+    def expand(h, member, b, out, perm, ends, n, r, bm=decode_kernel.BM, all_slots=False):
         calls["expand"] += 1
-        add(h.sum(0)[:, member * r : (member + 1) * r], b, out, perm, ends, r)
+        add(own(h, n, r, perm, ends, all_slots)[:, member * r : (member + 1) * r], b, out,
+            perm, ends, r)
         return True
 
-    def expand_group(h, b, out, perm, ends, n, r, col_member):
+    def expand_group(h, b, out, perm, ends, n, r, col_member, all_slots=False):
         calls["expand_group"] += 1
+        h = own(h, n, r, perm, ends, all_slots)
         for m in col_member.unique().tolist():
             blocks = (col_member == m).nonzero().flatten()
             bn = decode_kernel.BN
             cols = slice(int(blocks[0]) * bn, (int(blocks[-1]) + 1) * bn)
             b_m = b[m * n * r : (m + 1) * n * r, cols] if b.dim() == 2 else b[m]
-            add(h.sum(0)[:, m * r : (m + 1) * r], b_m, out[:, cols], perm, ends, r)
+            add(h[:, m * r : (m + 1) * r], b_m, out[:, cols], perm, ends, r)
         return True
 
     return shrink, expand, expand_group
@@ -333,3 +345,93 @@ def test_a_prefill_in_slot_order_takes_the_kernels_over_its_tokens(monkeypatch):
     calls.clear()
     logits([2, 0, 2], 9)
     assert calls == {}
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])  # q/k/v with biases and without
+def test_lora_rows_give_a_decode_steps_shrink_from_its_gemm(monkeypatch, arch):
+    """Attached through `patches.attach_lora`, a bank's decode cache keeps its A in extra
+    rows of the merged projections' weights (o and down: groups of one), so a decode step's
+    GEMMs give every slot's shrink and no shrink kernel runs: the logits of the same model
+    without the rows, on the plain path and on the kernel path. Prefills and training
+    forwards compute on the members' own rows, as before."""
+    monkeypatch.setattr(decode_kernel, "BN", 8)  # the tiny model's widths: 16, 32, 48
+    slots = [2, 0, 1, 2, 0, 1, 1]
+    ids = torch.randint(0, VOCAB, (7, 5), generator=torch.Generator().manual_seed(0))
+
+    def build(rows: bool):
+        model = tiny_model(arch).requires_grad_(False)
+        merge_projections(model)
+        bank = (attach_lora if rows else AdapterBank)(model, 3, rank=4, alpha=8.0)
+        randomize_b(bank)
+        return model, bank
+
+    def logits(model, bank, tokens: int = 1) -> torch.Tensor:
+        with torch.no_grad(), bank.route(slots):
+            return model(ids[:, :tokens], position_ids=torch.zeros(7, tokens, dtype=torch.long)
+                         ).logits
+
+    (plain_model, plain_bank), (model, bank) = build(False), build(True)
+    layers = model.config.num_hidden_layers
+    want = logits(plain_model, plain_bank)
+    torch.testing.assert_close(logits(model, bank), want, rtol=1e-5, atol=1e-5)
+    attn = model.model.layers[0].self_attn
+    cache = bank.decode_cache(torch.float32)
+    held = cache.members["model.layers.0.self_attn.q_proj"].group.a
+    assert held.data_ptr() == attn.q_proj._lorapop_group.lora_rows.data_ptr()
+    assert held.shape == (3 * 3 * 4, attn.q_proj.in_features)  # k, q, v x 3 slots x rank 4
+    assert attn.o_proj._lorapop_group.lora_rows.shape == (3 * 4, attn.o_proj.in_features)
+    calls: Counter = Counter()
+    shrink, expand, expand_group = _kernels_in_torch(calls)
+    monkeypatch.setattr(decode_kernel, "usable", lambda x, out: True)
+    monkeypatch.setattr(decode_kernel, "shrink", shrink)
+    monkeypatch.setattr(decode_kernel, "expand", expand)
+    monkeypatch.setattr(decode_kernel, "expand_group", expand_group)
+    torch.testing.assert_close(logits(model, bank), want, rtol=1e-5, atol=1e-5)
+    assert calls == {"expand_group": 2 * layers, "expand": 2 * layers}
+    calls.clear()
+    monkeypatch.setattr(merged, "LORA_ROWS", False)  # the rows left out: the shrinks run
+    torch.testing.assert_close(logits(model, bank), want, rtol=1e-5, atol=1e-5)
+    assert calls == {"shrink": 4 * layers, "expand_group": 2 * layers, "expand": 2 * layers}
+    monkeypatch.undo()
+    torch.testing.assert_close(logits(model, bank, 5), logits(plain_model, plain_bank, 5),
+                               rtol=1e-5, atol=1e-5)
+    for m, b in ((model, bank), (plain_model, plain_bank)):
+        with b.route(slots):
+            m(ids).logits.float().square().mean().backward()
+    torch.testing.assert_close(bank.grads, plain_bank.grads, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.skipif(not KERNELS, reason="the Triton kernels need a GPU")
+def test_generations_through_the_lora_rows_equal_those_with_the_shrink_kernel(monkeypatch):
+    """Whole generations on the GPU (CUDA graphs, refills, the tail's shrinking), the decode
+    GEMMs giving the LoRA shrinks, sample what the shrink kernel's path samples, up to
+    rounding at an inverse-CDF boundary, with its log-probs."""
+    from lorapop.engine.byte_tokenizer import byte_tokenizer
+    from lorapop.engine.generate import GenerateSpec, generate
+    from lorapop.engine.patches import patch_base_model
+    from lorapop.engine.sampling import SamplingParams
+
+    tok = byte_tokenizer()
+    model = tiny_model("qwen2", len(tok)).to("cuda", torch.bfloat16).requires_grad_(False)
+    patch_base_model(model)
+    bank = attach_lora(model, 3, rank=4, alpha=8.0)
+    randomize_b(bank)
+    prompts = [("def f(x):" * (1 + i % 7))[: 5 + 37 * i % 200] for i in range(20)]
+    slots = [i % 3 for i in range(20)]
+    params = SamplingParams(temperature=1.0, max_new_tokens=80, eos_token_ids=())
+    runs = {}
+    for rows in (True, False):
+        monkeypatch.setattr(merged, "LORA_ROWS", rows)
+        runs[rows] = generate(model, bank, tok, prompts, slots,
+                              GenerateSpec(params=params, seed=3, batch_size=8))
+    assert decode_kernel.failure is None
+    diverged = 0
+    for f, r in zip(runs[True], runs[False], strict=True):
+        same = next((j for j, (a, b) in enumerate(zip(f.token_ids, r.token_ids, strict=True))
+                     if a != b), len(f.token_ids))
+        diverged += same < len(f.token_ids)
+        if same < len(f.token_ids):  # the neighbouring token in vocabulary order
+            assert abs(f.token_ids[same] - r.token_ids[same]) == 1
+        torch.testing.assert_close(torch.tensor(f.logprobs[:same]),
+                                   torch.tensor(r.logprobs[:same]), atol=5e-2, rtol=0)
+    assert diverged <= len(prompts) // 4

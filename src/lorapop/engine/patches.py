@@ -38,7 +38,7 @@ from torch import nn
 
 from lorapop.engine import kvcache, pack_attention
 from lorapop.engine.fused import fuse_mlps, fuse_rms_norms, fuse_rotary
-from lorapop.engine.merged import merge_projections
+from lorapop.engine.merged import merge_projections, reserve_lora_rows
 from lorapop.lora.bank import AdapterBank
 
 
@@ -74,5 +74,10 @@ def static_kv(model: Any, kv: kvcache.StaticKV) -> Iterator[None]:
 
 def attach_lora(model: nn.Module, n_slots: int, **kwargs: Any) -> AdapterBank:
     """N LoRA slots on `model` (`lora.bank.AdapterBank`, keywords as its): a forward hook on
-    each target projection adds the LoRA delta of each row's slot."""
-    return AdapterBank(model, n_slots, **kwargs)
+    each target projection adds the LoRA delta of each row's slot; the frozen projections'
+    weights get rows for the decode cache's A (`merged.reserve_lora_rows`), so a decode
+    step's GEMMs also give the LoRA shrink."""
+    bank = AdapterBank(model, n_slots, **kwargs)
+    reserve_lora_rows(model, n_slots, bank.rank,
+                      {name: t.module for name, t in bank.targets.items()})
+    return bank

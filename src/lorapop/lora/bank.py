@@ -472,7 +472,8 @@ class AdapterBank:
         """
         cache = self._caches.get(dtype)
         if cache is None:
-            cache = DecodeCache(self._shared_input_groups(), dtype, self.scaling)
+            groups = self._shared_input_groups()
+            cache = DecodeCache(groups, dtype, self.scaling, [self._gemm(g) for g in groups])
             self._caches[dtype] = cache
             check = True
         if check and cache.stamp != self._stamp():
@@ -509,6 +510,17 @@ class AdapterBank:
 
     def _stamp(self) -> int:
         return self.weights._version * 1_000_003 + self._stale
+
+    def _gemm(self, group: list[tuple[str, Tensor, Tensor]]) -> object | None:
+        """The merged projection (`engine.merged`) of exactly this group's modules, in its
+        order, if any: its extra rows can hold the decode cache's A (`reserve_lora_rows`)."""
+        mods = [self.targets[name].module for name, _, _ in group]
+        gemm = getattr(mods[0], "_lorapop_group", None)
+        if gemm is None or len(gemm.outs) != len(mods) or any(
+                getattr(m, "_lorapop_group", None) is not gemm or m._lorapop_index != i
+                for i, m in enumerate(mods)):
+            return None
+        return gemm
 
     def _shared_input_groups(self) -> list[list[tuple[str, Tensor, Tensor]]]:
         """Targets grouped by shared input: same parent module, one SHARED_INPUT set."""

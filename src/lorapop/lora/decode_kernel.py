@@ -80,36 +80,43 @@ def shrink(x: Tensor, a: Tensor, n_slots: int, rank: int, perm: Tensor, ends: Te
 
 
 def expand(h: Tensor, member: int, b: Tensor, out: Tensor, perm: Tensor, ends: Tensor,
-           n_slots: int, rank: int, bm: int = BM) -> bool:
+           n_slots: int, rank: int, bm: int = BM, all_slots: bool = False) -> bool:
     """out [rows, out] += h's `member` columns @ b [n_slots x rank, out] (rows: slot, rank;
     any row stride), each row through its own slot's B, in place, `bm` rows a program (as
-    the shrink's); False if the kernel failed here (it warns once; `out` is then untouched)."""
-    return _expand(h, b, out, perm, ends, n_slots, rank, member * rank, None, 0, 0, bm)
+    the shrink's); False if the kernel failed here (it warns once; `out` is then untouched).
+    `all_slots`: h is [1, rows, members x n_slots x rank] (any row stride, the compute
+    dtype), every slot's columns as a GEMM over the decode cache's A gives them, rather than
+    the shrink's parts."""
+    return _expand(h, b, out, perm, ends, n_slots, rank, member, None, 0, 0, bm, all_slots)
 
 
 def expand_group(h: Tensor, b: Tensor, out: Tensor, perm: Tensor, ends: Tensor,
-                 n_slots: int, rank: int, col_member: Tensor) -> bool:
+                 n_slots: int, rank: int, col_member: Tensor, all_slots: bool = False) -> bool:
     """Every member's term at once into the group's output out [rows, sum of outs] (members'
-    columns side by side): b is the group's B, block-diagonal [members x n_slots x rank, sum
-    of outs] or stacked [members, n_slots x rank, out]; `col_member` [column blocks of `BN`]
-    int32 names each block's member (no block spans two). As `expand` otherwise."""
+    columns side by side, any row stride): b is the group's B, block-diagonal [members x
+    n_slots x rank, sum of outs] or stacked [members, n_slots x rank, out]; `col_member`
+    [column blocks of `BN`] int32 names each block's member (no block spans two). As
+    `expand` otherwise."""
     if b.dim() == 2:  # column n of member m: row m x N x r + s x r + j, column n
         member_stride, member_cols = b.stride(0) * n_slots * rank, 0
     else:  # stacked: member m's own [N x r, out] block, column n - m x out
         member_stride, member_cols = b.stride(0), b.shape[2]
     return _expand(h, b, out, perm, ends, n_slots, rank, 0, col_member, member_stride,
-                   member_cols, BM)
+                   member_cols, BM, all_slots)
 
 
 def _expand(h: Tensor, b: Tensor, out: Tensor, perm: Tensor, ends: Tensor, n_slots: int,
-            rank: int, h_first: int, col_member: Tensor | None, member_stride: int,
-            member_cols: int, bm: int) -> bool:
-    splits, rows, width = h.shape
+            rank: int, member: int, col_member: Tensor | None, member_stride: int,
+            member_cols: int, bm: int, all_slots: bool) -> bool:
+    splits, rows, _ = h.shape
     cols = out.shape[1]
+    # h's columns of (member m, slot s): m x member_width + s x slot_width
+    member_width, slot_width = (n_slots * rank, rank) if all_slots else (rank, 0)
     grid = (-(-rows // bm) + n_slots, -(-cols // BN))
     return _launch(lambda: _kernels()[1][grid](
-        h, b, out, perm, ends, h if col_member is None else col_member, rows, cols, width,
-        h_first, splits, b.stride(-2), out.stride(0), member_stride, member_cols,
+        h, b, out, perm, ends, h if col_member is None else col_member, cols,
+        h.stride(0), h.stride(1), member * member_width, member_width, slot_width, splits,
+        b.stride(-2), out.stride(0), member_stride, member_cols,
         N=n_slots, R=rank, BR=_block(rank), BM=bm, BN=BN,
         MAPPED=col_member is not None, num_warps=4), True) is not None
 
@@ -187,9 +194,9 @@ def _build():
             tl.store(at_h + j[None, :], acc, mask=mmask[:, None] & jmask[None, :])
 
     @triton.jit
-    def _expand_kernel(H, B, Out, Perm, Ends, ColMember, rows_total, cols, h_cols, h_first,
-                       splits, sb, so, sm, cm, N: tl.constexpr, R: tl.constexpr,
-                       BR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    def _expand_kernel(H, B, Out, Perm, Ends, ColMember, cols, sh_part, sh_row, h_first,
+                       h_member, h_slot, splits, sb, so, sm, cm, N: tl.constexpr,
+                       R: tl.constexpr, BR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                        MAPPED: tl.constexpr):
         slot, first, end = _tile(Ends, tl.program_id(0), N, BM)
         if slot >= 0:
@@ -200,10 +207,11 @@ def _build():
             j = tl.arange(0, BR)
             jmask = j < R
             hmask = mmask[:, None] & jmask[None, :]
-            at_h = H + rows[:, None].to(tl.int64) * h_cols + h_first + member * R + j[None, :]
+            at_h = H + rows[:, None].to(tl.int64) * sh_row + h_first + member * h_member \
+                + slot * h_slot + j[None, :]
             h = tl.zeros([BM, BR], tl.float32)
             for p in range(0, splits):  # the parts in order: the same sum at every run
-                h += tl.load(at_h + p * rows_total * h_cols, mask=hmask, other=0.0)
+                h += tl.load(at_h + p * sh_part, mask=hmask, other=0.0).to(tl.float32)
             n = tl.program_id(1) * BN + tl.arange(0, BN)
             nmask = n < cols
             at_b = B + member * sm + (slot * R + j)[:, None].to(tl.int64) * sb \

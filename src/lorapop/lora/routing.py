@@ -32,8 +32,9 @@ GEMMs above are their reference and their fallback.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -321,6 +322,10 @@ class _Group:
     # the member of each `decode_kernel.BN` block of output columns (None: a block spans two)
     col_member: Tensor | None = None
     whole: Tensor | None = None  # the group's output [B, sum of outs] the held h went into
+    all_slots: bool = False  # the held kernel h has every slot's columns (from `gemm`)
+    # the members' merged projection (`engine.merged`) whose weight holds `a` in extra rows:
+    # its decode GEMM gives h = x @ a^T (`shrunk`), so no shrink runs
+    gemm: Any = None
 
 
 @dataclass
@@ -345,21 +350,31 @@ class DecodeCache:
         groups: list[list[tuple[str, Tensor, Tensor]]],
         dtype: torch.dtype,
         scaling: float = 1.0,
+        gemms: Sequence[Any] | None = None,
     ) -> None:
+        """`gemms`: per group, its members' merged projection (`engine.merged`) whose extra
+        rows (`lora_rows`) are to hold its A, or None."""
         self.dtype = dtype
         self.scaling = float(scaling)
         self.members: dict[str, _Member] = {}
         self.sources: list[tuple[_Member, Tensor, Tensor]] = []
-        for group in groups:
+        for i, group in enumerate(groups):
             n, r, width = group[0][1].shape
             dev = group[0][1].device
-            a = torch.empty(len(group) * n * r, width, dtype=dtype, device=dev)
+            gemm = None if gemms is None else gemms[i]
+            rows = None if gemm is None else gemm.lora_rows
+            if (rows is not None and rows.shape == (len(group) * n * r, width)
+                    and rows.dtype == dtype and rows.device == dev):
+                a = rows
+                gemm.used = True
+            else:
+                a, gemm = torch.empty(len(group) * n * r, width, dtype=dtype, device=dev), None
             outs = [b_src.shape[1] for _, _, b_src in group]
             if len(set(outs)) == 1:
                 b_all = torch.empty(len(group), n * r, outs[0], dtype=dtype, device=dev)
             else:  # zeros off the diagonal blocks: one GEMM gives every member's delta
                 b_all = torch.zeros(len(group) * n * r, sum(outs), dtype=dtype, device=dev)
-            g = _Group(a, b_all, len(group))
+            g = _Group(a, b_all, len(group), gemm=gemm)
             g.offsets = [sum(outs[:i]) for i in range(len(outs))]
             if len(group) > 1 and all(o % decode_kernel.BN == 0 for o in outs):
                 g.col_member = torch.tensor(
@@ -437,10 +452,15 @@ class DecodeCache:
             if g.uses == g.size:
                 g.x = g.h = g.d = None
         else:
-            x2 = x.reshape(rows, x.shape[-1]).to(self.dtype)
             tiles = g.size if share else 1
-            a = g.a if share else g.a[m.index * nr : (m.index + 1) * nr]
-            h = self.shrink(x2, a, routing, tiles)
+            h = self._gemm_h(g, x) if share else None
+            if h is None:
+                x2 = x.reshape(rows, x.shape[-1]).to(self.dtype)
+                h = self.shrink(x2, g.a if share else g.a[m.index * nr : (m.index + 1) * nr],
+                                routing, tiles)
+            else:  # (a view of the GEMM's output, beside the `out` written below: a copy)
+                h = h * routing.col_mask(self.rank, tiles, self.dtype) if self.n_slots > 1 \
+                    else h.clone()
             d = self._group_delta(h, g) if fuse_add and share else None
             if share and g.size > 1:
                 g.x, g.h, g.d, g.uses = x, h, d, 1
@@ -480,29 +500,44 @@ class DecodeCache:
         False if the kernels failed here (nothing added: the caller takes the plain path)."""
         g, nr = m.group, self.n_slots * self.rank
         if share and g.x is x and g.h is not None and g.h.dim() == 3:
-            h, whole = g.h, g.whole
+            h, whole, all_slots = g.h, g.whole, g.all_slots
             g.uses += 1
             if g.uses == g.size:
                 g.x = g.h = g.whole = None
             if whole is not None and _is_columns(out, whole, g.offsets[m.index]):
                 return True  # the group's first member added every member's term
         else:
-            x2 = x.reshape(-1, x.shape[-1])
-            a = g.a if share else g.a[m.index * nr : (m.index + 1) * nr]
-            h = decode_kernel.shrink(x2, a, self.n_slots, self.rank, perm, ends, bm)
-            if h is None:
-                return False
+            h = self._gemm_h(g, x) if share else None
+            all_slots = h is not None
+            if h is not None:
+                h = h[None]
+            else:
+                a = g.a if share else g.a[m.index * nr : (m.index + 1) * nr]
+                h = decode_kernel.shrink(x.reshape(-1, x.shape[-1]), a, self.n_slots,
+                                         self.rank, perm, ends, bm)
+                if h is None:
+                    return False
             if share and g.size > 1:
-                g.x, g.h, g.d, g.uses, g.whole = x, h, None, 1, None
+                g.x, g.h, g.d, g.uses, g.whole, g.all_slots = x, h, None, 1, None, all_slots
                 whole = None if g.col_member is None else _whole_output(
                     out, g.col_member.numel() * decode_kernel.BN, g.offsets[m.index])
                 if (whole is not None
                         and decode_kernel.expand_group(h, g.b, whole, perm, ends, self.n_slots,
-                                                       self.rank, g.col_member)):
+                                                       self.rank, g.col_member, all_slots)):
                     g.whole = whole
                     return True
         return decode_kernel.expand(h, m.index if share else 0, m.b, out, perm, ends,
-                                    self.n_slots, self.rank, bm)
+                                    self.n_slots, self.rank, bm, all_slots)
+
+    @staticmethod
+    def _gemm_h(g: _Group, x: Tensor) -> Tensor | None:
+        """x @ g.a^T [rows, members x N x r] from the members' decode GEMM on this very `x`
+        (`engine.merged`), taken once (the group's other members share it here), or None."""
+        h = None if g.gemm is None else g.gemm.shrunk(x)
+        if h is None:
+            return None
+        g.gemm.lora_h = g.gemm.lora_x = None
+        return h.reshape(-1, h.shape[-1])
 
     def _group_delta(self, h: Tensor, g: _Group) -> Tensor:
         """Every member's delta from the group's h: [G, B, out] or [B, sum of outs]."""
@@ -526,13 +561,14 @@ class DecodeCache:
 def _whole_output(out: Tensor, width: int, first: int) -> Tensor | None:
     """The [rows, width] output whose columns from `first` on `out` [rows, out] is, where
     `out` is such a column slice (as merged projections hand a group's outputs over: the
-    first member called need not be the first in the output), else None."""
-    base = out._base
-    if (base is None or not base.is_contiguous() or base.numel() != out.shape[0] * width
-            or base.data_ptr() != out.data_ptr() - first * out.element_size()
-            or out.stride(0) != width):
+    first member called need not be the first in the output; the GEMM's output may hold
+    more columns after them: the LoRA rows'), else None."""
+    base, cols = out._base, out.stride(0)
+    if (base is None or not base.is_contiguous() or cols < width
+            or base.numel() != out.shape[0] * cols
+            or base.data_ptr() != out.data_ptr() - first * out.element_size()):
         return None
-    return base.view(out.shape[0], width)
+    return base.view(out.shape[0], cols)[:, :width]
 
 
 def _is_columns(out: Tensor, whole: Tensor, first: int) -> bool:
