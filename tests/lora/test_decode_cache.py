@@ -285,6 +285,18 @@ def _kernels_in_torch(calls: Counter):
     return shrink, expand, expand_group
 
 
+def _run_kernels_in_torch(monkeypatch) -> Counter:
+    """Route the decode cache's kernel path through `_kernels_in_torch` (any device); returns
+    the counter of their calls."""
+    calls: Counter = Counter()
+    shrink, expand, expand_group = _kernels_in_torch(calls)
+    monkeypatch.setattr(decode_kernel, "usable", lambda x, out: True)
+    monkeypatch.setattr(decode_kernel, "shrink", shrink)
+    monkeypatch.setattr(decode_kernel, "expand", expand)
+    monkeypatch.setattr(decode_kernel, "expand_group", expand_group)
+    return calls
+
+
 def test_the_kernel_path_adds_every_term_once_into_merged_outputs(monkeypatch):
     """With q/k/v and gate/up merged (`engine.merged`), the kernel path's group expand
     finds each group's whole output and its other members add nothing more; o and down
@@ -302,12 +314,7 @@ def test_the_kernel_path_adds_every_term_once_into_merged_outputs(monkeypatch):
         with torch.no_grad(), bank.route(slots):
             return model(ids, position_ids=torch.zeros_like(ids)).logits
     plain = logits()
-    calls: Counter = Counter()
-    shrink, expand, expand_group = _kernels_in_torch(calls)
-    monkeypatch.setattr(decode_kernel, "usable", lambda x, out: True)
-    monkeypatch.setattr(decode_kernel, "shrink", shrink)
-    monkeypatch.setattr(decode_kernel, "expand", expand)
-    monkeypatch.setattr(decode_kernel, "expand_group", expand_group)
+    calls = _run_kernels_in_torch(monkeypatch)
     torch.testing.assert_close(logits(), plain, rtol=1e-5, atol=1e-5)
     assert calls == {"shrink": 4 * layers, "expand_group": 2 * layers, "expand": 2 * layers}
 
@@ -328,12 +335,7 @@ def test_a_prefill_in_slot_order_takes_the_kernels_over_its_tokens(monkeypatch):
             return model(ids[:, :tokens]).logits
 
     plain = {t: logits([0, 2, 2], t) for t in (9, 4)}
-    calls: Counter = Counter()
-    shrink, expand, expand_group = _kernels_in_torch(calls)
-    monkeypatch.setattr(decode_kernel, "usable", lambda x, out: True)
-    monkeypatch.setattr(decode_kernel, "shrink", shrink)
-    monkeypatch.setattr(decode_kernel, "expand", expand)
-    monkeypatch.setattr(decode_kernel, "expand_group", expand_group)
+    calls = _run_kernels_in_torch(monkeypatch)
     for tokens, want in plain.items():
         calls.clear()
         got = logits([0, 2, 2], tokens)
@@ -380,12 +382,7 @@ def test_lora_rows_give_a_decode_steps_shrink_from_its_gemm(monkeypatch, arch):
     assert held.data_ptr() == attn.q_proj._lorapop_group.lora_rows.data_ptr()
     assert held.shape == (3 * 3 * 4, attn.q_proj.in_features)  # k, q, v x 3 slots x rank 4
     assert attn.o_proj._lorapop_group.lora_rows.shape == (3 * 4, attn.o_proj.in_features)
-    calls: Counter = Counter()
-    shrink, expand, expand_group = _kernels_in_torch(calls)
-    monkeypatch.setattr(decode_kernel, "usable", lambda x, out: True)
-    monkeypatch.setattr(decode_kernel, "shrink", shrink)
-    monkeypatch.setattr(decode_kernel, "expand", expand)
-    monkeypatch.setattr(decode_kernel, "expand_group", expand_group)
+    calls = _run_kernels_in_torch(monkeypatch)
     torch.testing.assert_close(logits(model, bank), want, rtol=1e-5, atol=1e-5)
     assert calls == {"expand_group": 2 * layers, "expand": 2 * layers}
     calls.clear()
