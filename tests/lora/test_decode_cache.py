@@ -432,3 +432,21 @@ def test_generations_through_the_lora_rows_equal_those_with_the_shrink_kernel(mo
         torch.testing.assert_close(torch.tensor(f.logprobs[:same]),
                                    torch.tensor(r.logprobs[:same]), atol=5e-2, rtol=0)
     assert diverged <= len(prompts) // 4
+
+
+def test_a_dropped_cache_leaves_the_gemms_as_they_were():
+    """Clearing the bank's decode caches (or detaching it) stops the merged projections
+    computing the LoRA rows; a new cache binds them again."""
+    model = tiny_model().requires_grad_(False)
+    merge_projections(model)
+    bank = attach_lora(model, 3, rank=4, alpha=8.0)
+    group = model.model.layers[0].self_attn.o_proj._lorapop_group
+    assert group.lora == 3 * 4 and not group.used
+    bank.decode_cache(torch.float32)
+    assert group.used
+    bank.clear_caches()
+    assert not group.used and group.lora_h is None
+    bank.decode_cache(torch.float32)
+    bank.detach()
+    assert not group.used
+    assert model.model.layers[0].self_attn.q_proj._lorapop_group.lora == 3 * 3 * 4

@@ -106,15 +106,17 @@ def reserve_lora_rows(model: nn.Module, n_slots: int, rank: int,
                       targets: dict[str, nn.Module]) -> int:
     """Append rows for `n_slots` x `rank` LoRA A factors per member to every merged group
     whose members are all in `targets` (name -> module), and make every other frozen plain
-    `nn.Linear` target a group of one with such rows; returns how many groups have them. The
-    members' weights stay views of the (new) weight's first rows, so everything but a decode
-    step computes as before."""
+    `nn.Linear` target that reads an input of its own (o_proj, down_proj) a group of one with
+    such rows; returns how many groups have them. The members' weights stay views of the
+    (new) weight's first rows, so everything but a decode step computes as before."""
+    shared = set().union(*SHARED_INPUT)
     groups: dict[int, tuple[_Group, list[nn.Module]]] = {}
-    for module in targets.values():
+    for name, module in targets.items():
         g = getattr(module, "_lorapop_group", None)
         if g is not None:
             groups.setdefault(id(g), (g, []))[1].append(module)
-        elif type(module) is nn.Linear and not module.weight.requires_grad:
+        elif (type(module) is nn.Linear and not module.weight.requires_grad
+              and name.rpartition(".")[2] not in shared):
             g = _Group(module.weight, module.bias, [module.out_features],
                        [module.weight.data_ptr()])
             module._lorapop_group, module._lorapop_index = g, 0
@@ -127,7 +129,8 @@ def reserve_lora_rows(model: nn.Module, n_slots: int, rank: int,
         members.sort(key=lambda m: m._lorapop_index)
         lora = len(members) * n_slots * rank
         with torch.no_grad():
-            g.weight = torch.cat([g.weight[: sum(g.outs)], g.weight.new_zeros(lora, g.weight.shape[1])])
+            rows = g.weight.new_zeros(lora, g.weight.shape[1])
+            g.weight = torch.cat([g.weight[: sum(g.outs)], rows])
             if g.bias is not None:
                 g.bias = torch.cat([g.bias[: sum(g.outs)], g.bias.new_zeros(lora)])
         g.lora = lora

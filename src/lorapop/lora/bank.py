@@ -505,7 +505,10 @@ class AdapterBank:
         self._stale += 1
 
     def clear_caches(self) -> None:
-        """Free the decode caches (rebuilt on the next decode forward)."""
+        """Free the decode caches (rebuilt on the next decode forward); projections that held
+        a cache's A stop computing it."""
+        for cache in self._caches.values():
+            cache.release()
         self._caches.clear()
 
     def _stamp(self) -> int:

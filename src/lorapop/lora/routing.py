@@ -396,6 +396,14 @@ class DecodeCache:
         self.n_slots, self.rank = n, r
         self.stamp = -1
 
+    def release(self) -> None:
+        """The merged projections that hold this cache's A stop computing it (the cache is
+        being dropped)."""
+        for m in self.members.values():
+            if m.group.gemm is not None:
+                m.group.gemm.used = False
+                m.group.gemm.lora_h = m.group.gemm.lora_x = None
+
     def slot_weights(self, name: str, s: int) -> tuple[Tensor, Tensor]:
         """Slot s's A [r, in] and scaling * B [out, r] of projection `name`: views of the
         cache, for forwards of several tokens a row without grad (a prefill's), which then
