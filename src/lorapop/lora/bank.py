@@ -133,7 +133,8 @@ class AdapterBank:
     The "fused" cache is refreshed when `weights` changed since it was built, detected by
     the tensor's version counter (every in-place write through `weights`, its views or the
     per-layer parameters counts; writes through `.data` do not: call `invalidate_caches()`).
-    It costs 2 bytes (bf16) per adapter parameter; `clear_caches()` frees it.
+    It costs 2 bytes (bf16) per adapter parameter; `clear_caches()` frees it (but its A,
+    where `patches.attach_lora` gave the projections rows for it: `merged.reserve_lora_rows`).
 
     Inside `held_copy(dtype)` (the update phase) multi-token forwards read A and B from one
     copy of the bank in the compute dtype instead of casting every module's weights in every
