@@ -14,7 +14,9 @@ slot's A or B.
   kept in float32 ([splits, rows, members x r]).
 - `expand`: out += h @ B[slot] for one member, in place: the parts are summed in order and
   rounded to the compute dtype (as the plain path's h is), and the product is added to the base
-  output in float32 and rounded once (as `addmm_` does). `expand_group` does every member of a
+  output in float32 and rounded once (as `addmm_` does). It also reads h as a projection's
+  GEMM gives it (`all_slots`: every slot's columns, the compute dtype, `engine.merged`), where
+  no shrink runs. `expand_group` does every member of a
   group at once into the group's merged output (`engine.merged`), one launch for q/k/v.
 
 `usable` says where they run (CUDA, bf16/fp16, Triton importable, outside torch.compile);

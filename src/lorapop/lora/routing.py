@@ -26,7 +26,9 @@ fuse into the kernels that read the outputs. At decode sizes each of these kerne
 launch (5-10 us on an H100/H200) more than its bytes, so fewer kernels is what counts. On
 CUDA in bf16/fp16 the shrink and the expand run as `decode_kernel`'s two Triton kernels
 instead, each row through its own slot's A and B only and one expand per merged output; the
-GEMMs above are their reference and their fallback.
+GEMMs above are their reference and their fallback. Where the projections' weights hold the
+cache's A in extra rows (`engine.merged.reserve_lora_rows`), their decode GEMM has computed
+every slot's h already and no shrink runs on either path.
 """
 
 from __future__ import annotations
