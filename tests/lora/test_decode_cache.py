@@ -436,7 +436,8 @@ def test_generations_through_the_lora_rows_equal_those_with_the_shrink_kernel(mo
 
 def test_a_dropped_cache_leaves_the_gemms_as_they_were():
     """Clearing the bank's decode caches (or detaching it) stops the merged projections
-    computing the LoRA rows; a new cache binds them again."""
+    computing the LoRA rows; a new cache binds them again, and a bank of another shape
+    attached later gets rows of its own."""
     model = tiny_model().requires_grad_(False)
     merge_projections(model)
     bank = attach_lora(model, 3, rank=4, alpha=8.0)
@@ -450,3 +451,7 @@ def test_a_dropped_cache_leaves_the_gemms_as_they_were():
     bank.detach()
     assert not group.used
     assert model.model.layers[0].self_attn.q_proj._lorapop_group.lora == 3 * 3 * 4
+    other = attach_lora(model, 2, rank=8, alpha=8.0)
+    assert group.lora == 2 * 8
+    cache = other.decode_cache(torch.float32)
+    assert group.used and cache.members["model.layers.0.self_attn.o_proj"].group.gemm is group

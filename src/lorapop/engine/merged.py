@@ -124,11 +124,12 @@ def reserve_lora_rows(model: nn.Module, n_slots: int, rank: int,
             groups[id(g)] = (g, [module])
     n = 0
     for g, members in groups.values():
-        if len(members) != len(g.outs) or g.lora:
+        lora = len(members) * n_slots * rank
+        if len(members) != len(g.outs) or g.lora == lora:
+            n += g.lora == lora
             continue
         members.sort(key=lambda m: m._lorapop_index)
-        lora = len(members) * n_slots * rank
-        with torch.no_grad():
+        with torch.no_grad():  # (rows of an earlier bank's shape are replaced)
             rows = g.weight.new_zeros(lora, g.weight.shape[1])
             g.weight = torch.cat([g.weight[: sum(g.outs)], rows])
             if g.bias is not None:
