@@ -114,9 +114,9 @@ def test_logprobs_equal_teacher_forced_forward(setup, tok):
 def test_the_cuda_decode_path_gives_the_teacher_forced_logprobs(arch, tok, monkeypatch):
     """The decode step as CUDA runs it, here eagerly: merged q/k/v and gate/up GEMMs that
     also give the LoRA shrinks (`reserve_lora_rows`), each LoRA term added in place into its
-    column slice, the fused rotary and SwiGLU passes on
-    those strided slices (`fused._inference` forced): each token's log-prob is the one the
-    update's training forward gives it (the same float32 passes)."""
+    column slice, the fused rotary and SwiGLU passes on those strided slices
+    (`fused._inference` forced): each token's log-prob is the one the update's training
+    forward gives it (the same float32 passes)."""
     from lorapop.engine import fused
     from lorapop.engine.patches import attach_lora, patch_base_model
 
