@@ -379,9 +379,9 @@ def test_lora_rows_give_a_decode_steps_shrink_from_its_gemm(monkeypatch, arch):
     attn = model.model.layers[0].self_attn
     cache = bank.decode_cache(torch.float32)
     held = cache.members["model.layers.0.self_attn.q_proj"].group.a
-    assert held.data_ptr() == attn.q_proj._lorapop_group.lora_rows.data_ptr()
+    assert held.data_ptr() == attn.q_proj._lorapop_group.shrink.rows.data_ptr()
     assert held.shape == (3 * 3 * 4, attn.q_proj.in_features)  # k, q, v x 3 slots x rank 4
-    assert attn.o_proj._lorapop_group.lora_rows.shape == (3 * 4, attn.o_proj.in_features)
+    assert attn.o_proj._lorapop_group.shrink.rows.shape == (3 * 4, attn.o_proj.in_features)
     calls = _run_kernels_in_torch(monkeypatch)
     torch.testing.assert_close(logits(model, bank), want, rtol=1e-5, atol=1e-5)
     assert calls == {"expand_group": 2 * layers, "expand": 2 * layers}
@@ -442,16 +442,17 @@ def test_a_dropped_cache_leaves_the_gemms_as_they_were():
     merge_projections(model)
     bank = attach_lora(model, 3, rank=4, alpha=8.0)
     group = model.model.layers[0].self_attn.o_proj._lorapop_group
-    assert group.lora == 3 * 4 and not group.used
+    assert group.shrink.rows.shape[0] == 3 * 4 and not group.shrink.used
     bank.decode_cache(torch.float32)
-    assert group.used
+    assert group.shrink.used
     bank.clear_caches()
-    assert not group.used and group.lora_h is None
+    assert not group.shrink.used and group.shrink.h is None
     bank.decode_cache(torch.float32)
     bank.detach()
-    assert not group.used
-    assert model.model.layers[0].self_attn.q_proj._lorapop_group.lora == 3 * 3 * 4
+    assert not group.shrink.used
+    assert model.model.layers[0].self_attn.q_proj._lorapop_group.shrink.rows.shape[0] == 3 * 3 * 4
     other = attach_lora(model, 2, rank=8, alpha=8.0)
-    assert group.lora == 2 * 8
+    assert group.shrink.rows.shape[0] == 2 * 8
     cache = other.decode_cache(torch.float32)
-    assert group.used and cache.members["model.layers.0.self_attn.o_proj"].group.gemm is group
+    assert group.shrink.used
+    assert cache.members["model.layers.0.self_attn.o_proj"].group.gemm is group.shrink

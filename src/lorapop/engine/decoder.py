@@ -115,8 +115,7 @@ def admit_at(admit_min: int, batch: int) -> int:
 
 def _prefill_weights(bank: Any, dtype: torch.dtype) -> contextlib.AbstractContextManager[Any]:
     """The bank's prefill weights (`AdapterBank.prefill_weights`): the decode steps' own."""
-    fn = getattr(bank, "prefill_weights", None)
-    return contextlib.nullcontext() if fn is None else fn(dtype)
+    return contextlib.nullcontext() if bank is None else bank.prefill_weights(dtype)
 
 
 def route(bank: Any, slots: torch.Tensor) -> contextlib.AbstractContextManager[Any]:

@@ -17,12 +17,13 @@ not contiguous. The LoRA hooks add into it in place or out of place, the attenti
 its last dimension into heads, and the MLP reads it elementwise: all take strides.
 
 `reserve_lora_rows` (once an `AdapterBank` is attached) appends to each group's weight, and
-to each other LoRA target's (o_proj, down_proj: groups of one), rows for the bank's A factors
-of every member and slot, which the decode cache then keeps there (`lora_rows`) instead of
-in a tensor of its own. A decode step's GEMM then also computes every slot's LoRA shrink
-`x @ A^T` (`shrunk`): ~4% more GEMM bytes at 8 slots of rank 32 instead of a shrink kernel
-per group, each costing its launch more than its bytes at a decode step's few hundred rows.
-`LORA_ROWS` off leaves the rows out of the GEMM (before/after measurements).
+to each other LoRA target's that reads an input of its own (o_proj, down_proj: groups of
+one), rows for the bank's A factors of every member and slot, and hands them to the bank
+(`AdapterBank.keep_decode_a`), whose decode cache then keeps its A there instead of in a
+tensor of its own. A decode step's GEMM then also computes every slot's LoRA shrink
+`x @ A^T` (`GemmShrink`): ~4% more GEMM bytes at 8 slots of rank 32 instead of a shrink
+kernel per group, each costing its launch more than its bytes at a decode step's few hundred
+rows. `LORA_ROWS` off leaves the rows out of the GEMM (before/after measurements).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lorapop.lora.bank import SHARED_INPUT
+from lorapop.lora.bank import SHARED_INPUT, AdapterBank
+from lorapop.lora.routing import GemmShrink, tensor_version
 
 #: False: decode steps' GEMMs leave out the LoRA rows (`reserve_lora_rows`): the decode cache
 #: then runs its own shrink (a switch for before/after measurements)
@@ -52,27 +54,7 @@ class _Group:
     version: int = -1
     parts: tuple[Tensor, ...] = ()
     taken: set[int] = field(default_factory=set)
-    lora: int = 0  # rows after the members' for the decode cache's A (members x slots x rank)
-    used: bool = False  # whether a decode cache keeps its A there (then the GEMM computes h)
-    lora_x: Tensor | None = None  # the input of `lora_h`, and its version then
-    lora_version: int = -1
-    lora_h: Tensor | None = None  # [..., lora] the last decode GEMM's shrink columns
-
-    @property
-    def lora_rows(self) -> Tensor | None:
-        """The rows that hold the decode cache's A [members x slots x rank, in], if any."""
-        return self.weight[sum(self.outs):] if self.lora else None
-
-    def shrunk(self, x: Tensor) -> Tensor | None:
-        """x @ lora_rows^T [..., lora] from the decode GEMM the members just ran on `x`, if
-        they did (one token a row, no grad; None otherwise)."""
-        if self.lora_h is None or self.lora_x is not x:
-            return None
-        return self.lora_h if self.lora_version == _version(x) else None
-
-
-def _version(x: Tensor) -> int:
-    return -1 if x.is_inference() else x._version
+    shrink: GemmShrink | None = None  # the rows after the members' (`reserve_lora_rows`)
 
 
 def _forward(self: nn.Linear, x: Tensor) -> Tensor:
@@ -82,18 +64,19 @@ def _forward(self: nn.Linear, x: Tensor) -> Tensor:
     if (not one_token or torch.is_grad_enabled() or torch.compiler.is_compiling()
             or self.weight.data_ptr() != g.ptrs[i]):
         return F.linear(x, self.weight, self.bias)
-    version = _version(x)
+    version = tensor_version(x)
     if g.x is not x or g.version != version or i in g.taken:
         # a member called twice on one input gets a fresh output: the first may have been
         # written in place (the LoRA hooks add into it)
-        if g.lora and g.used and LORA_ROWS:
-            *g.parts, g.lora_h = F.linear(x, g.weight, g.bias).split([*g.outs, g.lora], dim=-1)
-            g.lora_x, g.lora_version = x, version
+        shrink = g.shrink
+        if shrink is not None and shrink.used and LORA_ROWS:
+            *g.parts, h = F.linear(x, g.weight, g.bias).split(
+                [*g.outs, shrink.rows.shape[0]], dim=-1)
+            shrink.put(x, h)
         else:
             n = sum(g.outs)
             bias = None if g.bias is None else g.bias[:n]
             g.parts = F.linear(x, g.weight[:n], bias).split(g.outs, dim=-1)
-            g.lora_x = g.lora_h = None
         g.x, g.version, g.taken = x, version, set()
     g.taken.add(i)
     out = g.parts[i]
@@ -102,40 +85,40 @@ def _forward(self: nn.Linear, x: Tensor) -> Tensor:
     return out
 
 
-def reserve_lora_rows(model: nn.Module, n_slots: int, rank: int,
-                      targets: dict[str, nn.Module]) -> int:
-    """Append rows for `n_slots` x `rank` LoRA A factors per member to every merged group
-    whose members are all in `targets` (name -> module), and make every other frozen plain
-    `nn.Linear` target that reads an input of its own (o_proj, down_proj) a group of one with
-    such rows; returns how many groups have them. The members' weights stay views of the
-    (new) weight's first rows, so everything but a decode step computes as before."""
+def reserve_lora_rows(model: nn.Module, bank: AdapterBank) -> int:
+    """Append rows for the bank's A factors (every slot's, per member) to every merged group
+    whose members are all its targets, and make every other frozen plain `nn.Linear` target
+    that reads an input of its own (o_proj, down_proj) a group of one with such rows; hand
+    them to the bank (`keep_decode_a`). Returns how many groups have them. The members'
+    weights stay views of the (new) weight's first rows, so everything but a decode step
+    computes as before."""
     shared = set().union(*SHARED_INPUT)
-    groups: dict[int, tuple[_Group, list[nn.Module]]] = {}
-    for name, module in targets.items():
+    groups: dict[int, tuple[_Group, list[tuple[str, nn.Module]]]] = {}
+    for name, target in bank.targets.items():
+        module = target.module
         g = getattr(module, "_lorapop_group", None)
-        if g is not None:
-            groups.setdefault(id(g), (g, []))[1].append(module)
-        elif (type(module) is nn.Linear and not module.weight.requires_grad
-              and name.rpartition(".")[2] not in shared):
+        if g is None and (type(module) is nn.Linear and not module.weight.requires_grad
+                          and name.rpartition(".")[2] not in shared):
             g = _Group(module.weight, module.bias, [module.out_features],
                        [module.weight.data_ptr()])
             module._lorapop_group, module._lorapop_index = g, 0
             module.forward = types.MethodType(_forward, module)
-            groups[id(g)] = (g, [module])
+        if g is not None:
+            groups.setdefault(id(g), (g, []))[1].append((name, module))
     n = 0
     for g, members in groups.values():
-        lora = len(members) * n_slots * rank
-        if len(members) != len(g.outs) or g.lora == lora:
-            n += g.lora == lora
+        if len(members) != len(g.outs):
             continue
-        members.sort(key=lambda m: m._lorapop_index)
-        with torch.no_grad():  # (rows of an earlier bank's shape are replaced)
-            rows = g.weight.new_zeros(lora, g.weight.shape[1])
-            g.weight = torch.cat([g.weight[: sum(g.outs)], rows])
-            if g.bias is not None:
-                g.bias = torch.cat([g.bias[: sum(g.outs)], g.bias.new_zeros(lora)])
-        g.lora = lora
-        _point(g, members)
+        members.sort(key=lambda m: m[1]._lorapop_index)
+        lora, outs = len(members) * bank.n_slots * bank.rank, sum(g.outs)
+        if g.shrink is None or g.shrink.rows.shape[0] != lora:  # (another bank's: replaced)
+            with torch.no_grad():
+                g.weight = torch.cat([g.weight[:outs], g.weight.new_zeros(lora, g.weight.shape[1])])
+                if g.bias is not None:
+                    g.bias = torch.cat([g.bias[:outs], g.bias.new_zeros(lora)])
+            _point(g, [m for _, m in members])
+        g.shrink = GemmShrink(g.weight[outs:])
+        bank.keep_decode_a([name for name, _ in members], g.shrink)
         n += 1
     return n
 

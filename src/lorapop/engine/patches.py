@@ -78,6 +78,5 @@ def attach_lora(model: nn.Module, n_slots: int, **kwargs: Any) -> AdapterBank:
     weights get rows for the decode cache's A (`merged.reserve_lora_rows`), so a decode
     step's GEMMs also give the LoRA shrink."""
     bank = AdapterBank(model, n_slots, **kwargs)
-    reserve_lora_rows(model, n_slots, bank.rank,
-                      {name: t.module for name, t in bank.targets.items()})
+    reserve_lora_rows(model, bank)
     return bank

@@ -27,6 +27,7 @@ from lorapop.engine.transfer import host_to_device
 from lorapop.lora.routing import (
     KERNELS,
     DecodeCache,
+    GemmShrink,
     Routing,
     add_delta_by_runs,
     add_delta_frozen_linear,
@@ -134,7 +135,7 @@ class AdapterBank:
     the tensor's version counter (every in-place write through `weights`, its views or the
     per-layer parameters counts; writes through `.data` do not: call `invalidate_caches()`).
     It costs 2 bytes (bf16) per adapter parameter; `clear_caches()` frees it (but its A,
-    where `patches.attach_lora` gave the projections rows for it: `merged.reserve_lora_rows`).
+    where the projections' weights hold it: `keep_decode_a`).
 
     Inside `held_copy(dtype)` (the update phase) multi-token forwards read A and B from one
     copy of the bank in the compute dtype instead of casting every module's weights in every
@@ -224,6 +225,7 @@ class AdapterBank:
         self._stale = 0  # bumped by invalidate_caches(): part of the cache stamp
         self._held: _HeldCopy | None = None
         self._prefill_cache: DecodeCache | None = None  # inside `prefill_weights`
+        self._gemm_shrinks: dict[tuple[str, ...], GemmShrink] = {}  # `keep_decode_a`
         # a prefill's token routing (`_token_routing`): ((routing version, tokens), perm, ends)
         self._tokens_routed: tuple[tuple[int, int], Tensor, Tensor] | None = None
         self._iota = torch.arange(0)
@@ -474,7 +476,8 @@ class AdapterBank:
         cache = self._caches.get(dtype)
         if cache is None:
             groups = self._shared_input_groups()
-            cache = DecodeCache(groups, dtype, self.scaling, [self._gemm(g) for g in groups])
+            cache = DecodeCache(groups, dtype, self.scaling,
+                                [self._gemm_shrinks.get(tuple(n for n, _, _ in g)) for g in groups])
             self._caches[dtype] = cache
             check = True
         if check and cache.stamp != self._stamp():
@@ -515,16 +518,12 @@ class AdapterBank:
     def _stamp(self) -> int:
         return self.weights._version * 1_000_003 + self._stale
 
-    def _gemm(self, group: list[tuple[str, Tensor, Tensor]]) -> object | None:
-        """The merged projection (`engine.merged`) of exactly this group's modules, in its
-        order, if any: its extra rows can hold the decode cache's A (`reserve_lora_rows`)."""
-        mods = [self.targets[name].module for name, _, _ in group]
-        gemm = getattr(mods[0], "_lorapop_group", None)
-        if gemm is None or len(gemm.outs) != len(mods) or any(
-                getattr(m, "_lorapop_group", None) is not gemm or m._lorapop_index != i
-                for i, m in enumerate(mods)):
-            return None
-        return gemm
+    def keep_decode_a(self, names: Sequence[str], shrink: GemmShrink) -> None:
+        """Decode caches keep the A of the projections `names` (in the order of the shrink's
+        rows; the group `_shared_input_groups` makes of them) in `shrink`'s rows, and take
+        the h their GEMM computes there instead of running a shrink."""
+        self._gemm_shrinks[tuple(names)] = shrink
+        self.clear_caches()  # a cache made before binds on its next build
 
     def _shared_input_groups(self) -> list[list[tuple[str, Tensor, Tensor]]]:
         """Targets grouped by shared input: same parent module, one SHARED_INPUT set."""

@@ -36,7 +36,6 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -309,6 +308,39 @@ def _dense(x: Tensor, a: Tensor, b: Tensor, routing: Routing, scaling: float) ->
     return y.view(rows, tokens, b.shape[1])
 
 
+def tensor_version(x: Tensor) -> int:
+    """x's in-place write counter (-1 for an inference tensor, which has none)."""
+    return -1 if x.is_inference() else x._version
+
+
+@dataclass(eq=False)
+class GemmShrink:
+    """Rows of a frozen projection GEMM's weight that hold a decode cache group's A [members
+    x N x r, in], and the h = x @ A^T that the GEMM last computed beside its outputs. The
+    projections' owner (`engine.merged`) makes them and registers them with the bank
+    (`AdapterBank.keep_decode_a`); a decode cache keeps its A there (`used`) and takes h
+    (`take`) instead of running a shrink."""
+
+    rows: Tensor
+    used: bool = False  # whether a decode cache keeps its A here (then the GEMM computes h)
+    x: Tensor | None = None  # the input of `h`, and its version then
+    version: int = -1
+    h: Tensor | None = None  # [..., members x N x r]
+
+    def put(self, x: Tensor, h: Tensor) -> None:
+        self.x, self.version, self.h = x, tensor_version(x), h
+
+    def take(self, x: Tensor) -> Tensor | None:
+        """The h the GEMM computed from this very `x` (unchanged since), once; else None."""
+        h = self.h if self.x is x and self.version == tensor_version(x) else None
+        if h is not None:
+            self.clear()
+        return h
+
+    def clear(self) -> None:
+        self.x = self.h = None
+
+
 @dataclass
 class _Group:
     """Projections reading one input: their A's and B's stacked, and the last input's h."""
@@ -325,9 +357,7 @@ class _Group:
     col_member: Tensor | None = None
     whole: Tensor | None = None  # the group's output [B, sum of outs] the held h went into
     all_slots: bool = False  # the held kernel h has every slot's columns (from `gemm`)
-    # the members' merged projection (`engine.merged`) whose weight holds `a` in extra rows:
-    # its decode GEMM gives h = x @ a^T (`shrunk`), so no shrink runs
-    gemm: Any = None
+    gemm: GemmShrink | None = None  # the GEMM rows `a` lives in: its h, so no shrink runs
 
 
 @dataclass
@@ -352,10 +382,10 @@ class DecodeCache:
         groups: list[list[tuple[str, Tensor, Tensor]]],
         dtype: torch.dtype,
         scaling: float = 1.0,
-        gemms: Sequence[Any] | None = None,
+        gemms: Sequence[GemmShrink | None] | None = None,
     ) -> None:
-        """`gemms`: per group, its members' merged projection (`engine.merged`) whose extra
-        rows (`lora_rows`) are to hold its A, or None."""
+        """`gemms`: per group, the GEMM rows to hold its A (members in the group's order),
+        or None."""
         self.dtype = dtype
         self.scaling = float(scaling)
         self.members: dict[str, _Member] = {}
@@ -364,10 +394,9 @@ class DecodeCache:
             n, r, width = group[0][1].shape
             dev = group[0][1].device
             gemm = None if gemms is None else gemms[i]
-            rows = None if gemm is None else gemm.lora_rows
-            if (rows is not None and rows.shape == (len(group) * n * r, width)
-                    and rows.dtype == dtype and rows.device == dev):
-                a = rows
+            if (gemm is not None and gemm.rows.shape == (len(group) * n * r, width)
+                    and gemm.rows.dtype == dtype and gemm.rows.device == dev):
+                a = gemm.rows
                 gemm.used = True
             else:
                 a, gemm = torch.empty(len(group) * n * r, width, dtype=dtype, device=dev), None
@@ -404,7 +433,7 @@ class DecodeCache:
         for m in self.members.values():
             if m.group.gemm is not None:
                 m.group.gemm.used = False
-                m.group.gemm.lora_h = m.group.gemm.lora_x = None
+                m.group.gemm.clear()
 
     def slot_weights(self, name: str, s: int) -> tuple[Tensor, Tensor]:
         """Slot s's A [r, in] and scaling * B [out, r] of projection `name`: views of the
@@ -541,13 +570,10 @@ class DecodeCache:
 
     @staticmethod
     def _gemm_h(g: _Group, x: Tensor) -> Tensor | None:
-        """x @ g.a^T [rows, members x N x r] from the members' decode GEMM on this very `x`
-        (`engine.merged`), taken once (the group's other members share it here), or None."""
-        h = None if g.gemm is None else g.gemm.shrunk(x)
-        if h is None:
-            return None
-        g.gemm.lora_h = g.gemm.lora_x = None
-        return h.reshape(-1, h.shape[-1])
+        """x @ g.a^T [rows, members x N x r] from the members' decode GEMM on this very `x`,
+        taken once (the group's other members share it here), or None."""
+        h = None if g.gemm is None else g.gemm.take(x)
+        return None if h is None else h.reshape(-1, h.shape[-1])
 
     def _group_delta(self, h: Tensor, g: _Group) -> Tensor:
         """Every member's delta from the group's h: [G, B, out] or [B, sum of outs]."""
