@@ -26,6 +26,7 @@ the slots' factors cast per projection and run (`cast`: `bank.PREFILL_FROM_CACHE
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import subprocess
 import sys
@@ -55,6 +56,22 @@ KINDS = {"lora": ("_shrink_kernel", "_expand_kernel"),
          "gemm": ("gemm", "nvjet", "cutlass", "sm90_xmma", "splitk"),
          "fused_passes": ("triton_",),
          "elementwise": ("elementwise", "rms_norm", "index", "copy", "scatter", "gather", "cat")}
+
+
+#: --and-FLAG: each case again with one fast path off, as (its record key, the module, its
+#: switch, what runs instead)
+SWITCHES = {
+    "unfused": ("fused_inference", "lorapop.engine.fused", "INFERENCE",
+                "the unfused inference kernels"),
+    "plain-lora": ("lora_kernels", "lorapop.lora.decode_kernel", "ENABLED",
+                   "the LoRA terms as the masked GEMMs of every slot"),
+    "scatter-write": ("write_in_kernel", "lorapop.engine.decode_attention", "WRITE_IN_KERNEL",
+                      "the step's key and value scattered into the cache before the attention "
+                      "kernel"),
+    "shrink-kernel": ("shrink_in_gemm", "lorapop.engine.merged", "LORA_ROWS",
+                      "the LoRA shrinks as kernels of their own rather than from the "
+                      "projections' GEMMs"),
+}
 
 
 def _us(e) -> float:
@@ -201,19 +218,9 @@ def main() -> None:
                          "PREFILL_FROM_CACHE off)")
     ap.add_argument("--reps", type=int, default=50, help="replays timed per case")
     ap.add_argument("--profile", action="store_true", help="kernels of 10 replays by kind")
-    ap.add_argument("--and-unfused", action="store_true",
-                    help="each case again with the fused inference passes off")
-    ap.add_argument("--and-plain-lora", action="store_true",
-                    help="also replay each case with the LoRA terms as the masked GEMMs of "
-                         "every slot (lorapop.lora.decode_kernel.ENABLED off)")
-    ap.add_argument("--and-shrink-kernel", action="store_true",
-                    help="also replay each case with the LoRA shrinks as kernels of their own "
-                         "rather than from the projections' GEMMs (lorapop.engine.merged."
-                         "LORA_ROWS off)")
-    ap.add_argument("--and-scatter-write", action="store_true",
-                    help="also replay each case with the step's key and value scattered into "
-                         "the cache before the attention kernel (decode_attention."
-                         "WRITE_IN_KERNEL off)")
+    for flag, (_, module, switch, what) in SWITCHES.items():
+        ap.add_argument(f"--and-{flag}", action="store_true",
+                        help=f"also replay each case with {what} ({module}.{switch} off)")
     ap.add_argument("--out", default="benchmarks/results/decode_step.json")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU check of the script: tiny random model (pass small cases)")
@@ -224,7 +231,6 @@ def main() -> None:
     elif DEV != "cuda":
         sys.exit("decode_step.py needs a CUDA GPU (or --smoke for a CPU check of the script)")
     from lorapop.config import load_config
-    from lorapop.engine import decode_attention, fused, merged
     from lorapop.lora import bank as bank_mod
     from lorapop.lora import decode_kernel
     from lorapop.selfplay.parts import build
@@ -242,24 +248,19 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     for spec in filter(None, args.cases.split(",")):
         rows, context = map(int, spec.split(":"))
-        variants = [(True, True, True, True)]
-        variants += [(False, True, True, True)] if args.and_unfused else []
-        variants += [(True, False, True, True)] if args.and_plain_lora else []
-        variants += [(True, True, False, True)] if args.and_scatter_write else []
-        variants += [(True, True, True, False)] if args.and_shrink_kernel else []
-        for (fused.INFERENCE, decode_kernel.ENABLED, decode_attention.WRITE_IN_KERNEL,
-             merged.LORA_ROWS) in variants:
-            r = {"fused_inference": fused.INFERENCE, "lora_kernels": decode_kernel.ENABLED,
-                 "write_in_kernel": decode_attention.WRITE_IN_KERNEL,
-                 "shrink_in_gemm": merged.LORA_ROWS,
-                 **case(parts, rows, context, args.reps, args.profile)}
+        for off in [None, *(f for f in SWITCHES if getattr(args, "and_" + f.replace("-", "_")))]:
+            r = {}
+            for flag, (key, module, switch, _) in SWITCHES.items():
+                setattr(importlib.import_module(module), switch, flag != off)
+                r[key] = flag != off
+            r |= case(parts, rows, context, args.reps, args.profile)
             if DEV == "cuda":  # the case's cache and graph pool
                 torch.cuda.empty_cache()
             print(json.dumps({k: v for k, v in r.items() if k != "top_kernels"}), flush=True)
             result["cases"].append(r)
             out.write_text(json.dumps(result, indent=2))
-    fused.INFERENCE = decode_kernel.ENABLED = decode_attention.WRITE_IN_KERNEL = True
-    merged.LORA_ROWS = True
+    for _, module, switch, _ in SWITCHES.values():
+        setattr(importlib.import_module(module), switch, True)
     result["prefills"] = []
     for spec in filter(None, args.prefill.split(",")):
         rows, length = map(int, spec.split(":"))
