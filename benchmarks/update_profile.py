@@ -71,7 +71,12 @@ def update_pass(parts, rows: tuple[list, list, list], share: bool, mode: bool | 
         sequence_logprobs,
         shared_prompt_packs,
     )
-    from lorapop.engine.memory import free_memory, plan_update, update_bytes_per_token
+    from lorapop.engine.memory import (
+        free_memory,
+        pack_overhead,
+        plan_update,
+        update_bytes_per_token,
+    )
     from lorapop.engine.transfer import host_to_device
     from lorapop.rl.loss import group_token_counts, policy_loss
     from lorapop.selfplay.update import pack_micro_batches
@@ -80,6 +85,8 @@ def update_pass(parts, rows: tuple[list, list, list], share: bool, mode: bool | 
     prompts, comps, slot_list = rows
     packs = shared_prompt_packs(prompts, slot_list) if share else [[i] for i in range(len(comps))]
     widths = pack_widths(packs, prompts, comps)
+    # as the loop: memory widths (what a shared pack's attention keeps) plan and group them
+    mem = pack_widths(packs, prompts, comps, pack_overhead(model))
     slots = torch.tensor(slot_list, device=DEV)
     adv = torch.randn(len(comps), device=DEV, generator=torch.Generator(DEV).manual_seed(0))
     lengths = torch.tensor([len(c) for c in comps], device=DEV)
@@ -102,12 +109,12 @@ def update_pass(parts, rows: tuple[list, list, list], share: bool, mode: bool | 
     t0 = time.perf_counter()
     with parts.bank.held_copy(model.dtype) if held else contextlib.nullcontext():
         # as the loop: the copy is made before the memory plan
-        keep, cap = (plan_update(model, max(widths), max_tokens, HEAD_CHUNK, free_memory(model),
+        keep, cap = (plan_update(model, max(mem), max_tokens, HEAD_CHUNK, free_memory(model),
                                  head_compiled(model))
                      if mode == "auto" else (None, max_tokens))
-        ckpt = bool(mode) if keep is None else keep < max(widths)
+        ckpt = bool(mode) if keep is None else keep < max(mem)
         model.train()
-        groups = pack_micro_batches(packs, widths, cap, 64, slot_list)
+        groups = pack_micro_batches(packs, mem, cap, 64, slot_list)
         for idx, padded in groups:
             use_checkpointing(model, ckpt if keep is None else padded > keep)
             micro(idx)
