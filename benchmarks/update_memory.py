@@ -7,7 +7,7 @@ set-up), then, for each length mix, runs the loop's own policy step over rollout
 (teacher rows on ~1,900-token prompts, each task's 4 student answers on one ~800-token prompt, as
 the paper config's AZR prompts with 6 references give), the mixes back to back without emptying
 the allocator's cache between them. Per mix it records the budget the update's memory plan was
-given (`engine/memory.free_memory` at the update's start), the peak allocated bytes above the
+given (`engine/memory.update_budget` at the update's start), the peak allocated bytes above the
 update's starting point, the micro-batch plan and the time.
 
 What it cannot be: the generation phases' own allocations between two updates (KV caches, CUDA
@@ -83,7 +83,7 @@ def sweep(config: str, overrides: list[str], scale: float, seed_dir: Path, run_d
     """Each mix's update in one process; an OOM is recorded (and the sweep goes on)."""
     from loop_step import bench_overrides
     from lorapop.config import load_config
-    from lorapop.engine.memory import GIB, free_memory
+    from lorapop.engine.memory import GIB, update_budget
     from lorapop.selfplay.loop import SelfPlay
 
     cfg = load_config(ROOT / config, [*bench_overrides(seed_dir, 12), *overrides])
@@ -100,7 +100,7 @@ def sweep(config: str, overrides: list[str], scale: float, seed_dir: Path, run_d
             rewards = [random.Random(i).choice([1.0, -0.5]) for i in range(len(batch))]
             torch.cuda.synchronize()
             start = torch.cuda.memory_allocated()
-            budget = free_memory(model)
+            budget = update_budget(model)
             torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
             rec = {"mix": name, "rows": len(batch),

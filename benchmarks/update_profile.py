@@ -72,9 +72,9 @@ def update_pass(parts, rows: tuple[list, list, list], share: bool, mode: bool | 
         shared_prompt_packs,
     )
     from lorapop.engine.memory import (
-        free_memory,
         pack_overhead,
         plan_update,
+        update_budget,
         update_bytes_per_token,
     )
     from lorapop.engine.transfer import host_to_device
@@ -109,7 +109,7 @@ def update_pass(parts, rows: tuple[list, list, list], share: bool, mode: bool | 
     t0 = time.perf_counter()
     with parts.bank.held_copy(model.dtype) if held else contextlib.nullcontext():
         # as the loop: the copy is made before the memory plan
-        keep, cap = (plan_update(model, max(mem), max_tokens, HEAD_CHUNK, free_memory(model),
+        keep, cap = (plan_update(model, max(mem), max_tokens, HEAD_CHUNK, update_budget(model),
                                  head_compiled(model))
                      if mode == "auto" else (None, max_tokens))
         ckpt = bool(mode) if keep is None else keep < max(mem)

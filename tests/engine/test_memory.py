@@ -197,6 +197,26 @@ def test_the_allocator_gets_expandable_segments_unless_the_user_chose(monkeypatc
     assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
 
 
+def test_the_update_plans_for_more_of_the_free_memory_only_under_expandable_segments(
+        monkeypatch):
+    """Expandable segments keep freed memory usable at any size, so the update's plan takes
+    `UPDATE_MARGIN` of the free memory; under an allocator the user set otherwise it keeps
+    generation's 0.9 (fragmentation unknown)."""
+    monkeypatch.setattr(memory, "free_memory", lambda model, margin=0.9: margin)
+    monkeypatch.setattr(memory, "_set_at_runtime", False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    for conf, margin in [("expandable_segments:True", memory.UPDATE_MARGIN),
+                         ("backend:native,expandable_segments: true", memory.UPDATE_MARGIN),
+                         ("expandable_segments:False", 0.9), ("backend:native", 0.9)]:
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", conf)
+        assert memory.update_budget(None) == margin, conf
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    assert memory.update_budget(None) == 0.9
+    monkeypatch.setattr(memory, "_set_at_runtime", True)  # set by lorapop after CUDA started
+    assert memory.update_budget(None) == memory.UPDATE_MARGIN
+    assert 0.9 < memory.UPDATE_MARGIN < 1
+
+
 def test_a_shared_pack_is_planned_with_what_its_attention_keeps():
     """A shared pack's attention keeps padded queries and gathered keys beyond its tokens: the
     plan counts them (a lone row keeps none), and a pack is split to parts that fit so counted."""

@@ -25,7 +25,11 @@ can fail with many GiB free but cut into pieces (a log-normal length mix ran the
 out of memory on an 80 GB card, in its first update, with ~20 GiB reserved but unallocated).
 `configure_allocator` therefore turns on expandable segments (segments that grow and shrink in
 place, so freed memory stays usable at any size) before CUDA starts, unless the user configured
-the allocator (`PYTORCH_ALLOC_CONF` / `PYTORCH_CUDA_ALLOC_CONF`: theirs is kept).
+the allocator (`PYTORCH_ALLOC_CONF` / `PYTORCH_CUDA_ALLOC_CONF`: theirs is kept). With them,
+the update plans for `UPDATE_MARGIN` of the free memory rather than generation's 0.9: what the
+margin guarded against was mostly fragmentation, and the estimates above are upper bounds (a
+7B update's micro-batches of every length mix peaked at <= 92% of a 0.9 budget on an 80 GB
+card, `benchmarks/results/update_memory_sweep_h200_80gb.json`).
 """
 
 from __future__ import annotations
@@ -47,6 +51,9 @@ _logged: set[tuple] = set()
 #: The allocator setting lorapop applies when the user set none (see the module's docstring).
 ALLOC_CONF = "expandable_segments:True"
 _ALLOC_ENV = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+_set_at_runtime = False  # `configure_allocator` set ALLOC_CONF after CUDA had started
+#: The share of free memory the update's plan uses under expandable segments (else 0.9)
+UPDATE_MARGIN = 0.95
 
 
 def configure_allocator() -> str:
@@ -54,7 +61,8 @@ def configure_allocator() -> str:
     returns the setting in effect ('' when the user's environment decides). Before CUDA starts
     the environment variable does it; once started (a caller allocated first), the allocator's
     runtime setter, which applies to the segments made from then on."""
-    user = next((os.environ[k] for k in _ALLOC_ENV if os.environ.get(k)), None)
+    global _set_at_runtime
+    user = _user_alloc_conf()
     if user is not None:
         return user
     if not torch.cuda.is_initialized():
@@ -62,7 +70,18 @@ def configure_allocator() -> str:
     else:  # private in torch 2.11-2.14 under two names; both parse the variable's syntax
         setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
         (setter or torch.cuda.memory._set_allocator_settings)(ALLOC_CONF)
+        _set_at_runtime = True
     return ALLOC_CONF
+
+
+def _user_alloc_conf() -> str | None:
+    return next((os.environ[k] for k in _ALLOC_ENV if os.environ.get(k)), None)
+
+
+def expandable_segments() -> bool:
+    """Whether the CUDA allocator's setting in effect has expandable segments."""
+    conf = ALLOC_CONF if _set_at_runtime else (_user_alloc_conf() or "")
+    return "expandable_segments:true" in conf.replace(" ", "").lower()
 
 
 class GenerationMemoryError(ValueError):
@@ -109,6 +128,13 @@ def free_memory(model: Any, margin: float = 0.9) -> int | None:
     free, _ = torch.cuda.mem_get_info(dev)
     unused = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
     return int((free + unused) * margin)
+
+
+def update_budget(model: Any) -> int | None:
+    """Bytes the update may plan for (`plan_update`; None on CPU): `free_memory` at
+    `UPDATE_MARGIN` under expandable segments, at 0.9 under an allocator whose fragmentation
+    is unknown."""
+    return free_memory(model, UPDATE_MARGIN if expandable_segments() else 0.9)
 
 
 def fit_batch(

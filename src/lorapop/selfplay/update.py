@@ -34,7 +34,7 @@ from lorapop.engine.logprobs import (
     sequence_logprobs,
     shared_prompt_packs,
 )
-from lorapop.engine.memory import free_memory, pack_overhead, plan_update
+from lorapop.engine.memory import pack_overhead, plan_update, update_budget
 from lorapop.engine.transfer import host_to_device
 from lorapop.rl import trr_advantages
 from lorapop.rl.loss import group_token_counts, policy_loss
@@ -225,7 +225,7 @@ class PolicyUpdate:
         if mode != "auto":
             return None, max_tokens
         model = self.parts.model
-        return plan_update(model, longest, max_tokens, HEAD_CHUNK, free_memory(model),
+        return plan_update(model, longest, max_tokens, HEAD_CHUNK, update_budget(model),
                            head_compiled(model))
 
     # -- the update's KL ----------------------------------------------------------------------
