@@ -58,18 +58,6 @@ def usable(x: Tensor, out: Tensor) -> bool:
             and not torch.compiler.is_compiling() and _kernels() is not None)
 
 
-#: rows of one slot per program at a decode step (None: `step_tile` chooses by the batch)
-STEP_TILE: int | None = None
-
-
-def step_tile(rows: int) -> int:
-    """Rows of one slot per program at a decode step of `rows` rows: each program reads its
-    slot's B tile, so a slot's rows in tiles of `BM` read it once per 16 rows."""
-    if STEP_TILE is not None:
-        return STEP_TILE
-    return BM
-
-
 def splits_for(width: int) -> int:
     """Parts the shrink's input dimension is cut into: at least `MIN_SPLIT` features each, at
     most `MAX_SPLITS` (a tail's few rows still fill the GPU; the expand sums the parts)."""
@@ -105,8 +93,7 @@ def expand(h: Tensor, member: int, b: Tensor, out: Tensor, perm: Tensor, ends: T
 
 
 def expand_group(h: Tensor, b: Tensor, out: Tensor, perm: Tensor, ends: Tensor,
-                 n_slots: int, rank: int, col_member: Tensor, all_slots: bool = False,
-                 bm: int = BM) -> bool:
+                 n_slots: int, rank: int, col_member: Tensor, all_slots: bool = False) -> bool:
     """Every member's term at once into the group's output out [rows, sum of outs] (members'
     columns side by side, any row stride): b is the group's B, block-diagonal [members x
     n_slots x rank, sum of outs] or stacked [members, n_slots x rank, out]; `col_member`
@@ -117,7 +104,7 @@ def expand_group(h: Tensor, b: Tensor, out: Tensor, perm: Tensor, ends: Tensor,
     else:  # stacked: member m's own [N x r, out] block, column n - m x out
         member_stride, member_cols = b.stride(0), b.shape[2]
     return _expand(h, b, out, perm, ends, n_slots, rank, 0, col_member, member_stride,
-                   member_cols, bm, all_slots)
+                   member_cols, BM, all_slots)
 
 
 def _expand(h: Tensor, b: Tensor, out: Tensor, perm: Tensor, ends: Tensor, n_slots: int,

@@ -483,7 +483,7 @@ class DecodeCache:
         g, nr = m.group, self.n_slots * self.rank
         out2 = out.reshape(rows, out.shape[-1])
         if not fuse_add and decode_kernel.usable(x, out2) and self._kernel_add(
-                m, x, out2, routing.perm, routing.ends, share, decode_kernel.step_tile(rows)):
+                m, x, out2, routing.perm, routing.ends, share):
             return out
         if share and g.x is x and g.h is not None and g.h.dim() == 2:
             h, d = g.h, g.d
@@ -562,7 +562,7 @@ class DecodeCache:
                     out, g.col_member.numel() * decode_kernel.BN, g.offsets[m.index])
                 if (whole is not None
                         and decode_kernel.expand_group(h, g.b, whole, perm, ends, self.n_slots,
-                                                       self.rank, g.col_member, all_slots, bm)):
+                                                       self.rank, g.col_member, all_slots)):
                     g.whole = whole
                     return True
         return decode_kernel.expand(h, m.index if share else 0, m.b, out, perm, ends,
