@@ -100,7 +100,7 @@ def sweep(config: str, overrides: list[str], scale: float, seed_dir: Path, run_d
             rewards = [random.Random(i).choice([1.0, -0.5]) for i in range(len(batch))]
             torch.cuda.synchronize()
             start = torch.cuda.memory_allocated()
-            budget = update_budget(model)
+            budget = update_budget(model, cfg.train.memory_share)
             torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
             rec = {"mix": name, "rows": len(batch),

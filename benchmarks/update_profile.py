@@ -109,7 +109,8 @@ def update_pass(parts, rows: tuple[list, list, list], share: bool, mode: bool | 
     t0 = time.perf_counter()
     with parts.bank.held_copy(model.dtype) if held else contextlib.nullcontext():
         # as the loop: the copy is made before the memory plan
-        keep, cap = (plan_update(model, max(mem), max_tokens, HEAD_CHUNK, update_budget(model),
+        keep, cap = (plan_update(model, max(mem), max_tokens, HEAD_CHUNK,
+                                 update_budget(model, parts.cfg.train.memory_share),
                                  head_compiled(model))
                      if mode == "auto" else (None, max_tokens))
         ckpt = bool(mode) if keep is None else keep < max(mem)

@@ -237,6 +237,11 @@ class TrainConfig(Section):
     micro_batch_tokens: int = Field(16384, ge=1)
     """Most padded tokens (sequences x longest) per update forward; a longer one goes alone.
     `model.gradient_checkpointing=auto` lowers it to what fits without checkpointing."""
+    memory_share: float | None = Field(None, gt=0, le=1)
+    """With `model.gradient_checkpointing=auto`, the share of the GPU's free memory the update's
+    micro-batches may fill. None: 0.95 under expandable allocator segments (lorapop's setting),
+    0.9 under an allocator setting of your own (`engine/memory.update_budget`); lower it when
+    other work shares the GPU."""
     micro_batch_by_slot: bool = True
     """Each update micro-batch holds one adapter's rows (its LoRA one plain GEMM pair): best when
     a micro-batch keeps the GPU busy, as at 7B. false: adapters' rows mix (the bank's grouped

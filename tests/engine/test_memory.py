@@ -215,6 +215,7 @@ def test_the_update_plans_for_more_of_the_free_memory_only_under_expandable_segm
     monkeypatch.setattr(memory, "_set_at_runtime", True)  # set by lorapop after CUDA started
     assert memory.update_budget(None) == memory.UPDATE_MARGIN
     assert 0.9 < memory.UPDATE_MARGIN < 1
+    assert memory.update_budget(None, 0.7) == 0.7  # `train.memory_share`: the user's choice
 
 
 def test_a_shared_pack_is_planned_with_what_its_attention_keeps():

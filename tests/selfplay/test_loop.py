@@ -274,8 +274,17 @@ def test_auto_checkpointing_follows_the_free_memory(tmp_path, monkeypatch):
     try:
         fixed, per_token = update_fixed_bytes(model, HEAD_CHUNK), update_bytes_per_token(model)
         for tokens, keep, cap in ((99, 0, 500), (300, 300, 300), (10**6, 10**6, 500)):
-            monkeypatch.setattr(update_mod, "update_budget", lambda m, t=tokens: fixed + t * per_token)
+            monkeypatch.setattr(update_mod, "update_budget",
+                                lambda m, share, t=tokens: fixed + t * per_token)
             assert sp.policy.memory_plan(100) == (keep, cap)
+        shares = []  # `train.memory_share` reaches the budget (None: the allocator decides)
+        monkeypatch.setattr(update_mod, "update_budget",
+                            lambda m, share: shares.append(share) or fixed + 300 * per_token)
+        sp.policy.memory_plan(100)
+        sp.cfg.train.memory_share = 0.5
+        sp.policy.memory_plan(100)
+        assert shares == [None, 0.5]
+        sp.cfg.train.memory_share = None
 
         def checkpointed() -> bool:
             return any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
@@ -289,11 +298,11 @@ def test_auto_checkpointing_follows_the_free_memory(tmp_path, monkeypatch):
             return logprobs(model_, bank, prompts, comps, *a, **kw)
 
         monkeypatch.setattr(update_mod, "sequence_logprobs", spy)
-        monkeypatch.setattr(update_mod, "update_budget", lambda m: fixed + 60 * per_token)
+        monkeypatch.setattr(update_mod, "update_budget", lambda m, share: fixed + 60 * per_token)
         sp.run(1)  # the tiny config's sequences are longer than 60 tokens: all checkpoint
         assert seen and all(ckpt for _, ckpt in seen)
         seen.clear()
-        monkeypatch.setattr(update_mod, "update_budget", lambda m: fixed + 10**6 * per_token)
+        monkeypatch.setattr(update_mod, "update_budget", lambda m, share: fixed + 10**6 * per_token)
         sp.run(2)
         assert seen and not any(ckpt for _, ckpt in seen)
         # room for the shorter sequences only: packs wider than the room go in parts that fit,
@@ -302,7 +311,7 @@ def test_auto_checkpointing_follows_the_free_memory(tmp_path, monkeypatch):
         room = widths[len(widths) // 2]
         seen.clear()
         monkeypatch.setattr("lorapop.engine.memory.MIN_KEEP_TOKENS", 1)
-        monkeypatch.setattr(update_mod, "update_budget", lambda m: fixed + room * per_token)
+        monkeypatch.setattr(update_mod, "update_budget", lambda m, share: fixed + room * per_token)
         sp.run(3)
         assert not all(ckpt for _, ckpt in seen)
         assert all(ckpt == (longest > room) for longest, ckpt in seen)

@@ -130,11 +130,13 @@ def free_memory(model: Any, margin: float = 0.9) -> int | None:
     return int((free + unused) * margin)
 
 
-def update_budget(model: Any) -> int | None:
-    """Bytes the update may plan for (`plan_update`; None on CPU): `free_memory` at
-    `UPDATE_MARGIN` under expandable segments, at 0.9 under an allocator whose fragmentation
-    is unknown."""
-    return free_memory(model, UPDATE_MARGIN if expandable_segments() else 0.9)
+def update_budget(model: Any, share: float | None = None) -> int | None:
+    """Bytes the update may plan for (`plan_update`; None on CPU): `free_memory` at `share`,
+    by default `UPDATE_MARGIN` under expandable segments and 0.9 under an allocator whose
+    fragmentation is unknown."""
+    if share is None:
+        share = UPDATE_MARGIN if expandable_segments() else 0.9
+    return free_memory(model, share)
 
 
 def fit_batch(

@@ -225,7 +225,8 @@ class PolicyUpdate:
         if mode != "auto":
             return None, max_tokens
         model = self.parts.model
-        return plan_update(model, longest, max_tokens, HEAD_CHUNK, update_budget(model),
+        return plan_update(model, longest, max_tokens, HEAD_CHUNK,
+                           update_budget(model, self.cfg.train.memory_share),
                            head_compiled(model))
 
     # -- the update's KL ----------------------------------------------------------------------
