@@ -203,7 +203,6 @@ def test_the_update_plans_for_more_of_the_free_memory_only_under_expandable_segm
     `UPDATE_MARGIN` of the free memory; under an allocator the user set otherwise it keeps
     generation's 0.9 (fragmentation unknown)."""
     monkeypatch.setattr(memory, "free_memory", lambda model, margin=0.9: margin)
-    monkeypatch.setattr(memory, "_set_at_runtime", False)
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     for conf, margin in [("expandable_segments:True", memory.UPDATE_MARGIN),
                          ("backend:native,expandable_segments: true", memory.UPDATE_MARGIN),
@@ -212,7 +211,11 @@ def test_the_update_plans_for_more_of_the_free_memory_only_under_expandable_segm
         assert memory.update_budget(None) == margin, conf
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
     assert memory.update_budget(None) == 0.9
-    monkeypatch.setattr(memory, "_set_at_runtime", True)  # set by lorapop after CUDA started
+    settings = []  # set by lorapop after CUDA started: through the allocator's setter
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", settings.append,
+                        raising=False)
+    assert memory.configure_allocator() == "expandable_segments:True" and settings
     assert memory.update_budget(None) == memory.UPDATE_MARGIN
     assert 0.9 < memory.UPDATE_MARGIN < 1
     assert memory.update_budget(None, 0.7) == 0.7  # `train.memory_share`: the user's choice

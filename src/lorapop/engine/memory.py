@@ -51,7 +51,6 @@ _logged: set[tuple] = set()
 #: The allocator setting lorapop applies when the user set none (see the module's docstring).
 ALLOC_CONF = "expandable_segments:True"
 _ALLOC_ENV = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
-_set_at_runtime = False  # `configure_allocator` set ALLOC_CONF after CUDA had started
 #: The share of free memory the update's plan uses under expandable segments (else 0.9)
 UPDATE_MARGIN = 0.95
 
@@ -60,28 +59,26 @@ def configure_allocator() -> str:
     """Expandable segments for the CUDA caching allocator unless the user chose a setting;
     returns the setting in effect ('' when the user's environment decides). Before CUDA starts
     the environment variable does it; once started (a caller allocated first), the allocator's
-    runtime setter, which applies to the segments made from then on."""
-    global _set_at_runtime
-    user = _user_alloc_conf()
+    runtime setter, which applies to the segments made from then on (the variable is set
+    too: the environment names the setting in effect either way)."""
+    user = _alloc_conf()
     if user is not None:
         return user
-    if not torch.cuda.is_initialized():
-        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ALLOC_CONF
-    else:  # private in torch 2.11-2.14 under two names; both parse the variable's syntax
+    if torch.cuda.is_initialized():
+        # private in torch 2.11-2.14 under two names; both parse the variable's syntax
         setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
         (setter or torch.cuda.memory._set_allocator_settings)(ALLOC_CONF)
-        _set_at_runtime = True
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ALLOC_CONF
     return ALLOC_CONF
 
 
-def _user_alloc_conf() -> str | None:
+def _alloc_conf() -> str | None:
     return next((os.environ[k] for k in _ALLOC_ENV if os.environ.get(k)), None)
 
 
 def expandable_segments() -> bool:
     """Whether the CUDA allocator's setting in effect has expandable segments."""
-    conf = ALLOC_CONF if _set_at_runtime else (_user_alloc_conf() or "")
-    return "expandable_segments:true" in conf.replace(" ", "").lower()
+    return "expandable_segments:true" in (_alloc_conf() or "").replace(" ", "").lower()
 
 
 class GenerationMemoryError(ValueError):
