@@ -8,7 +8,9 @@ set-up), then, for each length mix, runs the loop's own policy step over rollout
 the paper config's AZR prompts with 6 references give), the mixes back to back without emptying
 the allocator's cache between them. Per mix it records the budget the update's memory plan was
 given (`engine/memory.update_budget` at the update's start), the peak allocated bytes above the
-update's starting point, the micro-batch plan and the time.
+update's starting point, the micro-batch plan (tokens that keep their activations, the widest
+such micro-batch and the plan's estimate of its bytes, against which the peak is set) and the
+time.
 
 What it cannot be: the generation phases' own allocations between two updates (KV caches, CUDA
 graph pools) are not replayed; `loop_step.py --paper` runs whole steps at the realistic mix.
@@ -28,6 +30,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -78,12 +82,39 @@ def rollouts(sp, draw, name: str, scale: float, vocab: int, seed: int, cap: int)
     return out
 
 
+@contextmanager
+def _planned(policy) -> Iterator[dict]:
+    """What the update planned: `keep` (tokens that keep their activations) and the padded
+    tokens of each micro-batch within it (`kept`)."""
+    import lorapop.selfplay.update as update
+
+    plan: dict = {"kept": []}
+    memory_plan, micro_batches = policy.memory_plan, update.pack_micro_batches
+
+    def planned(longest):
+        plan["keep"], _ = out = memory_plan(longest)
+        return out
+
+    def grouped(*args, **kwargs):
+        out = micro_batches(*args, **kwargs)
+        plan["kept"] += [padded for _, padded in out if padded <= (plan.get("keep") or 0)]
+        return out
+
+    policy.memory_plan, update.pack_micro_batches = planned, grouped
+    try:
+        yield plan
+    finally:
+        del policy.memory_plan
+        update.pack_micro_batches = micro_batches
+
+
 def sweep(config: str, overrides: list[str], scale: float, seed_dir: Path, run_dir: Path,
           only: list[str] | None = None) -> list[dict]:
     """Each mix's update in one process; an OOM is recorded (and the sweep goes on)."""
     from loop_step import bench_overrides
     from lorapop.config import load_config
-    from lorapop.engine.memory import GIB, update_budget
+    from lorapop.engine.logprobs import HEAD_CHUNK, head_compiled
+    from lorapop.engine.memory import GIB, update_budget, update_bytes_per_token, update_fixed_bytes
     from lorapop.selfplay.loop import SelfPlay
 
     cfg = load_config(ROOT / config, [*bench_overrides(seed_dir, 12), *overrides])
@@ -108,7 +139,8 @@ def sweep(config: str, overrides: list[str], scale: float, seed_dir: Path, run_d
                    "completion_tokens": sorted(len(r.token_ids) for r in batch)[::max(1, len(batch) // 8)],
                    "budget_gib": budget / GIB}
             try:
-                sp.policy.step(batch, rewards)
+                with _planned(sp.policy) as plan:
+                    sp.policy.step(batch, rewards)
                 torch.cuda.synchronize()
                 rec["oom"] = False
             except torch.OutOfMemoryError as e:
@@ -121,6 +153,12 @@ def sweep(config: str, overrides: list[str], scale: float, seed_dir: Path, run_d
             stats = torch.cuda.memory_stats()
             rec["alloc_retries"] = stats.get("num_alloc_retries", 0)
             rec["within_budget"] = rec["peak_above_start_gib"] <= rec["budget_gib"]
+            if plan.get("kept"):  # the estimate of the widest micro-batch that kept activations
+                est = update_fixed_bytes(model, HEAD_CHUNK, head_compiled(model)) + \
+                    max(plan["kept"]) * update_bytes_per_token(model)
+                rec |= {"keep_tokens": plan["keep"], "widest_kept_tokens": max(plan["kept"]),
+                        "estimated_peak_gib": est / GIB,
+                        "peak_over_estimate": rec["peak_above_start_gib"] * GIB / est}
             print(json.dumps(rec), flush=True)
             rows.append(rec)
     finally:

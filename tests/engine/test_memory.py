@@ -112,6 +112,18 @@ def test_update_keeps_activations_of_what_fits_the_budget(caplog, monkeypatch):
     assert "(no memory limit, longest sequence 100)" in caplog.text
 
 
+def test_the_fused_passes_keep_fewer_activations_per_token(monkeypatch):
+    """The fused SwiGLU keeps no act (3 intermediate widths, not 4); with the fused rotary too
+    (and the norms' one kernel) a token keeps 8 hidden widths a layer, not the eager 10, so
+    the plan fits more tokens where the model runs them."""
+    model = tiny_model()  # layers x (hidden + intermediate + 2 kv_heads x head_dim) x fp32
+    for swiglu, rotary, hidden, inter in [(False, False, 10, 4), (False, True, 10, 4),
+                                          (True, False, 10, 3), (True, True, 8, 3)]:
+        monkeypatch.setattr(memory, "mlps_fused", lambda m, v=swiglu: v)
+        monkeypatch.setattr(memory, "rotary_fused", lambda m, v=rotary: v)
+        assert update_bytes_per_token(model) == 2 * (hidden * 32 + inter * 48 + 32) * 4
+
+
 def test_a_compiled_head_reserves_its_logits_and_their_gradient_alone():
     """The compiled LM-head passes keep their float32 work inside fused kernels, so the plan
     reserves the [positions, vocabulary] logits and gradient in the model's dtype, a quarter

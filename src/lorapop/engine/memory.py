@@ -10,12 +10,13 @@ frees its cache and graph pool before returning, so only memory free *now* is bu
 
 The update (teacher-forced forward + backward) without activation checkpointing keeps each
 layer's activations of every token until the backward: about layers x (10 hidden + 4
-intermediate + 2 kv_heads x head_dim) values per token (norms, q/k/v/o, attention output,
-gate/up/act/product, LoRA inputs; keys and values once per head group, as SDPA's grouped-query
-kernels and the pack attention keep them), 6.31 MB a token for Qwen2.5-7B (measured on an H100
-over the LM head chunk: ~6.15 MB for unshared rows; packs, whose keys and values the round-1
-dense mask repeated for every query head, took ~6.6). The fused SwiGLU (`engine/fused`) keeps
-no act: 3 intermediate, 5.25 MB. With checkpointing only each layer's input stays;
+intermediate + 2 kv_heads x head_dim) values per token through eager passes (norms, q/k/v/o,
+attention output, gate/up/act/product, LoRA inputs; keys and values once per head group, as
+SDPA's grouped-query kernels and the pack attention keep them). The fused passes
+(`engine/fused`) keep less: the SwiGLU no act (3 intermediate), the rotary no rotated halves
+and the one-kernel norms on CUDA their input alone, so with both fused the estimate counts 8
+hidden widths (Qwen2.5-7B on an H200: 6.6 measured, 4.57 MB a token for unshared rows against
+the estimate's 4.85; 5.25 with 10). With checkpointing only each layer's input stays;
 recomputing costs one more forward (1.4-1.6x the time on an H100), so it pays only when
 memory is short.
 
@@ -40,7 +41,7 @@ from typing import Any
 
 import torch
 
-from lorapop.engine.fused import mlps_fused
+from lorapop.engine.fused import mlps_fused, rotary_fused
 from lorapop.engine.kvcache import kv_bytes_per_token, kv_shape
 from lorapop.engine.pack_attention import PAD_SLACK
 
@@ -165,11 +166,12 @@ def fit_batch(
 
 
 def activation_bytes_per_token(layers: int, hidden: int, inter: int, kv_heads: int,
-                               head_dim: int, item: int, kept_inter: int = 4) -> int:
+                               head_dim: int, item: int, kept_inter: int = 4,
+                               kept_hidden: int = 10) -> int:
     """Activation bytes one token keeps through a training forward without checkpointing, for
-    a model of these dimensions (the module's note: ~10 hidden-wide and `kept_inter`
+    a model of these dimensions (the module's note: `kept_hidden` hidden-wide and `kept_inter`
     intermediate-wide values a layer, keys and values once per head group)."""
-    return layers * (10 * hidden + kept_inter * inter + 2 * kv_heads * head_dim) * item
+    return layers * (kept_hidden * hidden + kept_inter * inter + 2 * kv_heads * head_dim) * item
 
 
 def update_bytes_per_token(model: Any) -> int:
@@ -177,23 +179,27 @@ def update_bytes_per_token(model: Any) -> int:
     hidden, inter, *_ = _dims(model)
     layers, kv_heads, head_dim = kv_shape(model)
     item = next(model.parameters()).dtype.itemsize
-    kept_inter = 3 if mlps_fused(model) else 4  # the fused SwiGLU keeps no silu(gate)
+    swiglu = mlps_fused(model)
+    kept_inter = 3 if swiglu else 4  # the fused SwiGLU keeps no silu(gate)
+    kept_hidden = 8 if swiglu and rotary_fused(model) else 10
     return activation_bytes_per_token(layers, hidden, inter, kv_heads, head_dim, item,
-                                      kept_inter)
+                                      kept_inter, kept_hidden)
 
 
 def pack_overhead(model: Any) -> tuple[float, float]:
     """What a shared pack's attention keeps beyond its tokens (`engine/pack_attention`), in
     tokens' worth of `update_bytes_per_token`: per completion token, its padded query and
-    output and its gathered key and value (up to `PAD_SLACK` x the real ones); per prompt
-    token and completion, the prompt's key and value gathered for that completion's call."""
+    output and its gathered key and value (up to `PAD_SLACK` x the real ones), plus a third
+    query width (a 7B's packs kept ~1.3x those four without padding: 10.7k values a completion
+    token and layer against 8.2k); per prompt token and completion, the prompt's key and value
+    gathered for that completion's call."""
     _, _, heads, _, _ = _dims(model)
     layers, kv_heads, head_dim = kv_shape(model)
     item = next(model.parameters()).dtype.itemsize
     per_token = update_bytes_per_token(model)
     q_width = heads * head_dim
     kv = 2 * kv_heads * head_dim
-    return (layers * item * PAD_SLACK * (2 * q_width + kv) / per_token,
+    return (layers * item * PAD_SLACK * (3 * q_width + kv) / per_token,
             layers * item * kv / per_token)
 
 
