@@ -29,8 +29,9 @@ place, so freed memory stays usable at any size) before CUDA starts, unless the 
 the allocator (`PYTORCH_ALLOC_CONF` / `PYTORCH_CUDA_ALLOC_CONF`: theirs is kept). With them,
 the update plans for `UPDATE_MARGIN` of the free memory rather than generation's 0.9: what the
 margin guarded against was mostly fragmentation, and the estimates above are upper bounds (a
-7B update's micro-batches of every length mix peaked at <= 92% of the plan's budget on an 80 GB
-card, at either margin: `benchmarks/results/update_memory_sweep_h200_80gb.json`).
+7B update's micro-batches of every length mix peaked at 94-99% of the estimate for the widest
+of them, <= 95.8% of the plan's budget on an 80 GB card:
+`benchmarks/results/update_memory_sweep_h200_80gb.json`).
 """
 
 from __future__ import annotations
