@@ -124,6 +124,38 @@ def test_the_fused_passes_keep_fewer_activations_per_token(monkeypatch):
         assert update_bytes_per_token(model) == 2 * (hidden * 32 + inter * 48 + 32) * 4
 
 
+def _saved_bytes_per_token(dropout: float) -> tuple[float, int]:
+    """Bytes autograd keeps a token through a training forward of the loop's patched model
+    with LoRA attached, and the estimate's bytes a token."""
+    from lorapop.engine.patches import attach_lora, patch_base_model
+    from tiny_models import VOCAB
+
+    model = tiny_model()
+    patch_base_model(model)
+    bank = attach_lora(model, 2, rank=4, dropout=dropout)
+    model.train()
+    storages: dict[int, int] = {}
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    ids = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(0))
+    with bank.route([0, 1]), torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        model(ids)
+    return sum(storages.values()) / ids.numel(), update_bytes_per_token(model)
+
+
+def test_lora_dropout_is_counted_with_what_it_keeps():
+    """LoRA dropout keeps every target's dropped input (and its mask) for the backward: the
+    estimate grows by at least what autograd then keeps, so a user's `lora.dropout` does not
+    run the update out of memory; without dropout it is unchanged."""
+    kept, estimate = _saved_bytes_per_token(0.0)
+    kept_dropout, estimate_dropout = _saved_bytes_per_token(0.1)
+    assert kept_dropout > kept
+    assert estimate_dropout - estimate >= kept_dropout - kept
+
+
 def test_a_compiled_head_reserves_its_logits_and_their_gradient_alone():
     """The compiled LM-head passes keep their float32 work inside fused kernels, so the plan
     reserves the [positions, vocabulary] logits and gradient in the model's dtype, a quarter

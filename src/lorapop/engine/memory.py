@@ -16,7 +16,8 @@ SDPA's grouped-query kernels and the pack attention keep them). The fused passes
 (`engine/fused`) keep less: the SwiGLU no act (3 intermediate), the rotary no rotated halves
 and the one-kernel norms on CUDA their input alone, so with both fused the estimate counts 8
 hidden widths (Qwen2.5-7B on an H200: 6.6 measured, 4.57 MB a token for unshared rows against
-the estimate's 4.85; 5.25 with 10). With checkpointing only each layer's input stays;
+the estimate's 4.85; 5.25 with 10). LoRA dropout adds each target's dropped input and mask.
+With checkpointing only each layer's input stays;
 recomputing costs one more forward (1.4-1.6x the time on an H100), so it pays only when
 memory is short.
 
@@ -184,7 +185,19 @@ def update_bytes_per_token(model: Any) -> int:
     kept_inter = 3 if swiglu else 4  # the fused SwiGLU keeps no silu(gate)
     kept_hidden = 8 if swiglu and rotary_fused(model) else 10
     return activation_bytes_per_token(layers, hidden, inter, kv_heads, head_dim, item,
-                                      kept_inter, kept_hidden)
+                                      kept_inter, kept_hidden) + _dropout_bytes_per_token(model)
+
+
+def _dropout_bytes_per_token(model: Any) -> int:
+    """What LoRA dropout keeps a token for the backward: each target projection's dropped copy
+    of its input and the mask (counted as two values of the model's dtype; a bool mask on CUDA
+    is half a bf16 value). At 7B, 28 x (6 hidden + 1 intermediate) inputs: ~4.5 MB a token,
+    nearly as much again as the rest of the estimate."""
+    bank = getattr(model, "_lorapop_bank", None)  # the attached `lora.bank.AdapterBank`
+    if bank is None or not bank.dropout:
+        return 0
+    item = next(model.parameters()).dtype.itemsize
+    return 2 * item * sum(t.module.in_features for t in bank.targets.values())
 
 
 def pack_overhead(model: Any) -> tuple[float, float]:
