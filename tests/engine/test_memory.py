@@ -149,7 +149,7 @@ def _saved_bytes_per_token(dropout: float) -> tuple[float, int]:
 def test_lora_dropout_is_counted_with_what_it_keeps():
     """LoRA dropout keeps every target's dropped input (and its mask) for the backward: the
     estimate grows by at least what autograd then keeps, so a user's `lora.dropout` does not
-    run the update out of memory; without dropout it is unchanged."""
+    run the update out of memory."""
     kept, estimate = _saved_bytes_per_token(0.0)
     kept_dropout, estimate_dropout = _saved_bytes_per_token(0.1)
     assert kept_dropout > kept

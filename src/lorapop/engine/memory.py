@@ -183,6 +183,7 @@ def update_bytes_per_token(model: Any) -> int:
     item = next(model.parameters()).dtype.itemsize
     swiglu = mlps_fused(model)
     kept_inter = 3 if swiglu else 4  # the fused SwiGLU keeps no silu(gate)
+    # 8 as measured with CUDA's one-kernel norms (a CPU update plans no budget)
     kept_hidden = 8 if swiglu and rotary_fused(model) else 10
     return activation_bytes_per_token(layers, hidden, inter, kv_heads, head_dim, item,
                                       kept_inter, kept_hidden) + _dropout_bytes_per_token(model)
