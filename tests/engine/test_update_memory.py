@@ -30,3 +30,5 @@ def test_no_length_mix_runs_the_update_out_of_memory(tmp_path):
     for mix in rec["mixes"]:
         assert not mix["oom"], mix
         assert mix["peak_above_start_gib"] <= mix["budget_gib"], mix
+        # the plan's estimate of its widest micro-batch is an upper bound of what it used
+        assert mix.get("peak_over_estimate", 0.0) <= 1.0, mix
