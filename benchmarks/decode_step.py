@@ -12,8 +12,11 @@ slot's masked GEMMs (`lorapop.lora.decode_kernel.ENABLED`), `--and-scatter-write
 step's key and value scattered before the attention kernel rather than written by it
 (`lorapop.engine.decode_attention.WRITE_IN_KERNEL`), `--and-shrink-kernel` with the LoRA
 shrinks as kernels of their own rather than from the projections' GEMMs
-(`lorapop.engine.merged.LORA_ROWS`): before/afters in one process.
-`--prefill ROWS:LENGTH,...` times one admission's prefill too (tokens/s, MFU, kernels), and
+(`lorapop.engine.merged.LORA_ROWS`), `--and-split-swiglu` with the gate/up LoRA expand and the
+SwiGLU as two kernels rather than one (`lorapop.lora.decode_kernel.SWIGLU`): before/afters in
+one process.
+`--prefill ROWS:LENGTH,...` times one admission's prefill too (tokens/s, MFU, kernels; again
+with each `--and-FLAG`'s path off), and
 `--and-other-prefills` each again through the paths the default replaced: the decode cache's
 factors as one GEMM pair per slot and projection (`runs`: `decode_kernel.ENABLED` off), and
 the slots' factors cast per projection and run (`cast`: `bank.PREFILL_FROM_CACHE` off).
@@ -71,7 +74,18 @@ SWITCHES = {
     "shrink-kernel": ("shrink_in_gemm", "lorapop.engine.merged", "LORA_ROWS",
                       "the LoRA shrinks as kernels of their own rather than from the "
                       "projections' GEMMs"),
+    "split-swiglu": ("swiglu_epilogue", "lorapop.lora.decode_kernel", "SWIGLU",
+                     "the gate/up LoRA expand and the SwiGLU as kernels of their own"),
 }
+
+
+def set_switches(off: str | None) -> dict[str, bool]:
+    """Every fast path in `SWITCHES` on but `off`'s; returns them by record key."""
+    state = {}
+    for flag, (key, module, switch, _) in SWITCHES.items():
+        setattr(importlib.import_module(module), switch, flag != off)
+        state[key] = flag != off
+    return state
 
 
 def _us(e) -> float:
@@ -246,28 +260,25 @@ def main() -> None:
               "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "cases": []}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    offs = [None, *(f for f in SWITCHES if getattr(args, "and_" + f.replace("-", "_")))]
     for spec in filter(None, args.cases.split(",")):
         rows, context = map(int, spec.split(":"))
-        for off in [None, *(f for f in SWITCHES if getattr(args, "and_" + f.replace("-", "_")))]:
-            r = {}
-            for flag, (key, module, switch, _) in SWITCHES.items():
-                setattr(importlib.import_module(module), switch, flag != off)
-                r[key] = flag != off
-            r |= case(parts, rows, context, args.reps, args.profile)
+        for off in offs:
+            r = set_switches(off) | case(parts, rows, context, args.reps, args.profile)
             if DEV == "cuda":  # the case's cache and graph pool
                 torch.cuda.empty_cache()
             print(json.dumps({k: v for k, v in r.items() if k != "top_kernels"}), flush=True)
             result["cases"].append(r)
             out.write_text(json.dumps(result, indent=2))
-    for _, module, switch, _ in SWITCHES.values():
-        setattr(importlib.import_module(module), switch, True)
     result["prefills"] = []
     for spec in filter(None, args.prefill.split(",")):
         rows, length = map(int, spec.split(":"))
-        for path in ("kernels", "runs", "cast") if args.and_other_prefills else ("kernels",):
-            decode_kernel.ENABLED = path == "kernels"
+        paths = ("kernels", "runs", "cast") if args.and_other_prefills else ("kernels",)
+        for path, off in [(p, o) for p in paths for o in (offs if p == "kernels" else [None])]:
+            switches = set_switches(off)
+            decode_kernel.ENABLED = path == "kernels" and switches["lora_kernels"]
             bank_mod.PREFILL_FROM_CACHE = path != "cast"
-            r = {"path": path,
+            r = {"path": path, **switches,
                  **prefill_case(parts, rows, length, max(3, args.reps // 10), args.profile,
                                 cfg.sampling.prefill_tokens)}
             if DEV == "cuda":
@@ -275,6 +286,7 @@ def main() -> None:
             print(json.dumps({k: v for k, v in r.items() if k != "top_kernels"}), flush=True)
             result["prefills"].append(r)
             out.write_text(json.dumps(result, indent=2))
+    set_switches(None)
     bank_mod.PREFILL_FROM_CACHE = decode_kernel.ENABLED = True
 
 

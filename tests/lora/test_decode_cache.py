@@ -9,9 +9,9 @@ import pytest
 import torch
 from lora_fixtures import VOCAB, randomize_b, tiny_model
 
-from lorapop.engine import merged
+from lorapop.engine import fused, merged
 from lorapop.engine.merged import merge_projections
-from lorapop.engine.patches import attach_lora
+from lorapop.engine.patches import attach_lora, patch_base_model
 from lorapop.lora import decode_kernel
 from lorapop.lora.bank import AdapterBank
 from lorapop.lora.routing import DecodeCache, Routing
@@ -98,7 +98,7 @@ def test_a_kernel_failure_warns_once_and_the_plain_path_takes_over(monkeypatch):
             raise RuntimeError("no kernel here\nthe compiler's log")
 
     monkeypatch.setattr(decode_kernel, "failure", None)
-    monkeypatch.setattr(decode_kernel, "_kernels", lambda: (Broken(), Broken()))
+    monkeypatch.setattr(decode_kernel, "_kernels", lambda: (Broken(), Broken(), Broken()))
     monkeypatch.setattr(decode_kernel, "usable", lambda x, out: decode_kernel.failure is None)
     gen = torch.Generator().manual_seed(1)
     groups = _groups(3, gen)
@@ -282,18 +282,28 @@ def _kernels_in_torch(calls: Counter):
             add(h[:, m * r : (m + 1) * r], b_m, out[:, cols], perm, ends, r)
         return True
 
-    return shrink, expand, expand_group
+    def expand_swiglu(h, b, gate, up, act, perm, ends, n, r, members, bm, all_slots=False):
+        calls["expand_swiglu"] += 1
+        h = own(h, n, r, perm, ends, all_slots)
+        g, u = gate.clone(), up.clone()
+        for out, m in ((g, members[0]), (u, members[1])):
+            add(h[:, m * r : (m + 1) * r], b[m], out, perm, ends, r)
+        act.copy_((torch.nn.functional.silu(g.float()) * u.float()).to(act.dtype))
+        return True
+
+    return shrink, expand, expand_group, expand_swiglu
 
 
 def _run_kernels_in_torch(monkeypatch) -> Counter:
     """Route the decode cache's kernel path through `_kernels_in_torch` (any device); returns
     the counter of their calls."""
     calls: Counter = Counter()
-    shrink, expand, expand_group = _kernels_in_torch(calls)
+    shrink, expand, expand_group, expand_swiglu = _kernels_in_torch(calls)
     monkeypatch.setattr(decode_kernel, "usable", lambda x, out: True)
     monkeypatch.setattr(decode_kernel, "shrink", shrink)
     monkeypatch.setattr(decode_kernel, "expand", expand)
     monkeypatch.setattr(decode_kernel, "expand_group", expand_group)
+    monkeypatch.setattr(decode_kernel, "expand_swiglu", expand_swiglu)
     return calls
 
 
@@ -399,9 +409,11 @@ def test_lora_rows_give_a_decode_steps_shrink_from_its_gemm(monkeypatch, arch):
 
 
 @pytest.mark.skipif(not KERNELS, reason="the Triton kernels need a GPU")
-def test_generations_through_the_lora_rows_equal_those_with_the_shrink_kernel(monkeypatch):
+@pytest.mark.parametrize("switch", ["LORA_ROWS", "SWIGLU"])
+def test_generations_through_a_fast_path_equal_those_without(monkeypatch, switch):
     """Whole generations on the GPU (CUDA graphs, refills, the tail's shrinking), the decode
-    GEMMs giving the LoRA shrinks, sample what the shrink kernel's path samples, up to
+    GEMMs giving the LoRA shrinks (`merged.LORA_ROWS`) or the gate/up expand giving the
+    SwiGLU (`decode_kernel.SWIGLU`), sample what the path without it samples, up to
     rounding at an inverse-CDF boundary, with its log-probs."""
     from lorapop.engine.byte_tokenizer import byte_tokenizer
     from lorapop.engine.generate import GenerateSpec, generate
@@ -418,7 +430,7 @@ def test_generations_through_the_lora_rows_equal_those_with_the_shrink_kernel(mo
     params = SamplingParams(temperature=1.0, max_new_tokens=80, eos_token_ids=())
     runs = {}
     for rows in (True, False):
-        monkeypatch.setattr(merged, "LORA_ROWS", rows)
+        monkeypatch.setattr(merged if switch == "LORA_ROWS" else decode_kernel, switch, rows)
         runs[rows] = generate(model, bank, tok, prompts, slots,
                               GenerateSpec(params=params, seed=3, batch_size=8))
     assert decode_kernel.failure is None
@@ -456,3 +468,108 @@ def test_a_dropped_cache_leaves_the_gemms_as_they_were():
     cache = other.decode_cache(torch.float32)
     assert group.shrink.used
     assert cache.members["model.layers.0.self_attn.o_proj"].group.gemm is group.shrink
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_the_swiglu_epilogue_adds_the_gate_and_up_terms_once(monkeypatch, arch):
+    """With the fused passes at inference (as on CUDA), a decode step's MLP and a prefill's
+    in slot order take the gate/up group's expand with the SwiGLU as its epilogue: one
+    `expand_swiglu` a layer in place of gate/up's expand, their hooks adding nothing more,
+    and the plain path's logits. Off (`decode_kernel.SWIGLU`), the group's expand runs."""
+    monkeypatch.setattr(decode_kernel, "BN", 8)  # the tiny model's widths: 16, 32, 48
+    model = tiny_model(arch).requires_grad_(False)
+    patch_base_model(model)
+    bank = attach_lora(model, 3, rank=4, alpha=8.0)
+    randomize_b(bank)
+    layers = model.config.num_hidden_layers
+    ids = torch.randint(0, VOCAB, (7, 5), generator=torch.Generator().manual_seed(0))
+
+    def decode(slots=(2, 0, 1, 2, 0, 1, 1)) -> torch.Tensor:
+        with torch.no_grad(), bank.route(list(slots)):
+            return model(ids[:, :1], position_ids=torch.zeros(7, 1, dtype=torch.long)).logits
+
+    def prefill(slots=(0, 0, 1, 1, 1, 2, 2)) -> torch.Tensor:
+        with torch.no_grad(), bank.route(list(slots)), bank.prefill_weights(torch.float32):
+            return model(ids).logits
+
+    want = decode(), prefill()  # on a CPU: the hooks' plain path, no fused passes
+    monkeypatch.setattr(fused, "_inference", lambda x: True)
+    calls = _run_kernels_in_torch(monkeypatch)
+    torch.testing.assert_close(decode(), want[0], rtol=1e-5, atol=1e-5)
+    assert calls == {"expand_group": layers, "expand": 2 * layers, "expand_swiglu": layers}
+    calls.clear()
+    torch.testing.assert_close(prefill(), want[1], rtol=1e-5, atol=1e-5)
+    assert calls == {"shrink": 4 * layers, "expand": 5 * layers, "expand_swiglu": layers}
+    calls.clear()
+    monkeypatch.setattr(decode_kernel, "SWIGLU", False)
+    torch.testing.assert_close(decode(), want[0], rtol=1e-5, atol=1e-5)
+    assert calls == {"expand_group": 2 * layers, "expand": 2 * layers}
+
+
+def test_the_swiglu_epilogue_steps_aside_for_other_hooks_and_failures(monkeypatch):
+    """A hook of the user's on a gate or up projection still sees its output (the MLP then
+    runs its projections as usual), and a kernel that fails after the projections ran
+    leaves the hooks' path to add the terms: the plain path's logits either way."""
+    monkeypatch.setattr(decode_kernel, "BN", 8)
+    model = tiny_model().requires_grad_(False)
+    patch_base_model(model)
+    bank = attach_lora(model, 3, rank=4, alpha=8.0)
+    randomize_b(bank)
+    ids = torch.randint(0, VOCAB, (4, 1), generator=torch.Generator().manual_seed(1))
+
+    def logits() -> torch.Tensor:
+        with torch.no_grad(), bank.route([1, 0, 2, 1]):
+            return model(ids, position_ids=torch.zeros_like(ids)).logits
+
+    want = logits()
+    monkeypatch.setattr(fused, "_inference", lambda x: True)
+    calls = _run_kernels_in_torch(monkeypatch)
+    seen = []
+    handle = model.model.layers[0].mlp.up_proj.register_forward_hook(
+        lambda m, a, out: seen.append(out.shape))
+    torch.testing.assert_close(logits(), want, rtol=1e-5, atol=1e-5)
+    assert seen == [(4, 1, 48)] and calls["expand_swiglu"] == 1  # layer 1's MLP only
+    handle.remove()
+    calls.clear()
+    monkeypatch.setattr(decode_kernel, "expand_swiglu", lambda *a, **k: False)
+    torch.testing.assert_close(logits(), want, rtol=1e-5, atol=1e-5)
+    assert calls["expand_group"] == 2 * model.config.num_hidden_layers  # q/k/v, gate/up
+
+
+@pytest.mark.skipif(not KERNELS, reason="the Triton kernels need a GPU")
+@pytest.mark.parametrize("n_slots,rank,width,rows,tokens", [(8, 32, 1024, 176, 1),
+                                                            (3, 4, 300, 37, 1),
+                                                            (4, 32, 512, 3, 300)])
+def test_the_swiglu_kernel_equals_the_expand_and_the_swiglu_pass(n_slots, rank, width, rows,
+                                                                  tokens):
+    """`expand_swiglu` gives what the group's expand into gate and up, then silu(gate) * up
+    in float32 rounded once, give: decode rows in any slot order, a prefill's tokens in slot
+    order (tiles of `BM_TOKENS`), gate and up as column slices of one output."""
+    gen = torch.Generator().manual_seed(rows)
+    group = _gpu_groups(n_slots, rank, width, gen)[1]
+    cache = DecodeCache([group], torch.bfloat16, SCALING)
+    cache.refresh_(0)
+    ids = torch.randint(0, n_slots, (rows,), generator=gen)
+    routing = Routing.empty(rows, n_slots, torch.device("cuda"))
+    if tokens > 1:
+        ids = ids.sort().values
+    routing.fill_(ids.cuda(), tokens > 1)
+    perm, ends = ((routing.perm, routing.ends) if tokens == 1 else
+                  (torch.arange(rows * tokens, device="cuda"), routing.ends * tokens))
+    bm = decode_kernel.BM if tokens == 1 else decode_kernel.BM_TOKENS
+    x = torch.randn(rows, tokens, width, generator=gen).cuda().bfloat16()
+    both = torch.randn(rows, tokens, 6 * width + 8, generator=gen).cuda().bfloat16()
+    gate, up = both[..., : 3 * width], both[..., 3 * width : 6 * width]
+    got = cache.swiglu("gate", "up", x, gate, up, perm, ends, bm)
+    assert got is not None and decode_kernel.failure is None
+    added = both.clone()
+    for name, out in (("gate", added[..., : 3 * width]), ("up", added[..., 3 * width : 6 * width])):
+        if tokens == 1:
+            cache.add_delta(name, x, out, routing, False)
+        else:
+            flat = out.reshape(-1, out.shape[-1])
+            assert cache._kernel_add(cache.members[name], x, flat, perm, ends, False, bm)
+    g, u = added[..., : 3 * width].float(), added[..., 3 * width : 6 * width].float()
+    want = (torch.nn.functional.silu(g) * u).bfloat16()
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-3)
+    assert (got == want).float().mean() > 0.99

@@ -178,12 +178,22 @@ def _inference(x: torch.Tensor) -> bool:
     return INFERENCE and x.is_cuda and not torch.compiler.is_compiling()
 
 
+def _inference_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return _swiglu_pass(_silu_mul, gate, up, plain=False)
+
+
 def _swiglu_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    bank = getattr(self.gate_proj, "_lorapop_bank", None)
+    if bank is not None and not torch.is_grad_enabled() and _inference(x):
+        # decode steps and prefills: the LoRA terms' expand with the SwiGLU as its epilogue
+        act = bank.fused_swiglu(self.gate_proj, self.up_proj, x, _inference_swiglu)
+        if act is not None:
+            return self.down_proj(act)
     gate, up = self.gate_proj(x), self.up_proj(x)
     if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
         return self.down_proj(_SwiGLU.apply(gate, up))
     if _inference(gate):
-        return self.down_proj(_swiglu_pass(_silu_mul, gate, up, plain=False))
+        return self.down_proj(_inference_swiglu(gate, up))
     return self.down_proj(self.act_fn(gate) * up)
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from lorapop.engine.transfer import host_to_device
+from lorapop.lora import decode_kernel
 from lorapop.lora.routing import (
     KERNELS,
     DecodeCache,
@@ -234,6 +235,8 @@ class AdapterBank:
             self.reset_slot(i, seed + i)
         for t in self.targets.values():
             t.handle = t.module.register_forward_hook(self._hook(t))
+            t.module._lorapop_bank = self  # (`fused_swiglu`: the MLP finds its bank)
+        self._by_module = {t.module: t for t in self.targets.values()}
         model._lorapop_bank = self  # type: ignore[assignment]
 
     # ------------------------------------------------------------------ routing
@@ -359,6 +362,41 @@ class AdapterBank:
             return output + delta.to(output.dtype)
 
         return hook
+
+    def fused_swiglu(self, gate_proj: nn.Module, up_proj: nn.Module, x: Tensor,
+                     act: Callable[[Tensor, Tensor], Tensor]) -> Tensor | None:
+        """act(gate_proj(x), up_proj(x)), both with their LoRA terms, as the SwiGLU
+        epilogue of the gate/up expand (`DecodeCache.swiglu`), for the forwards whose hooks
+        take the decode cache's kernels: decode steps, and prefills in slot order inside
+        `prefill_weights`. `act` is the SwiGLU the caller runs otherwise, here only if the
+        kernel fails after the projections ran. None where this does not apply (nothing is
+        computed: the caller runs its MLP as usual)."""
+        tg, tu = self._by_module.get(gate_proj), self._by_module.get(up_proj)
+        routing = self._active
+        if (not decode_kernel.SWIGLU or tg is None or tu is None or self._disabled
+                or routing is None or torch.is_grad_enabled() or x.dim() != 3
+                or x.shape[0] != routing.ids.numel() or torch.compiler.is_compiling()
+                or torch.is_autocast_enabled(x.device.type)
+                or (self.dropout > 0 and gate_proj.training)
+                or not (_only_hook(tg) and _only_hook(tu))):
+            return None
+        if x.shape[1] == 1:
+            if self.decode_kernel not in ("auto", "fused"):
+                return None
+            cache, perm, ends = self.decode_cache(x.dtype), routing.perm, routing.ends
+            bm = decode_kernel.BM
+        else:
+            cache = self._prefill_cache
+            if (cache is None or cache.dtype != x.dtype or self.kernel not in ("auto", "fused")
+                    or routing.runs is None or not routing.is_sorted or not x.is_contiguous()):
+                return None
+            (perm, ends), bm = self._token_routing(routing, x), decode_kernel.BM_TOKENS
+        # the projections without their hooks: their terms are the kernel's
+        gate, up = gate_proj.forward(x), up_proj.forward(x)
+        out = cache.swiglu(tg.name, tu.name, x, gate, up, perm, ends, bm)
+        if out is None:
+            out = act(self._hook(tg)(gate_proj, (x,), gate), self._hook(tu)(up_proj, (x,), up))
+        return out
 
     def _token_routing(self, routing: Routing, x: Tensor) -> tuple[Tensor, Tensor]:
         """(perm, ends) over the tokens of x [B, T, in] whose rows are in slot order: the
@@ -656,8 +694,19 @@ class AdapterBank:
             if t.handle is not None:
                 t.handle.remove()
                 t.handle = None
+            if getattr(t.module, "_lorapop_bank", None) is self:
+                t.module._lorapop_bank = None
         if getattr(self.model, "_lorapop_bank", None) is self:
             self.model._lorapop_bank = None  # type: ignore[assignment]
+
+
+def _only_hook(t: _Target) -> bool:
+    """Whether the bank's hook is the only one `t`'s module runs (calling its `forward`
+    directly then skips nothing but the bank's term)."""
+    m = t.module
+    return (t.handle is not None and list(m._forward_hooks) == [t.handle.id]
+            and not m._forward_pre_hooks and not nn.modules.module._global_forward_hooks
+            and not nn.modules.module._global_forward_pre_hooks)
 
 
 _NO_ROUTE = "AdapterBank: no routing set; wrap the forward in `with bank.route(slot_ids):`"

@@ -568,6 +568,35 @@ class DecodeCache:
         return decode_kernel.expand(h, m.index if share else 0, m.b, out, perm, ends,
                                     self.n_slots, self.rank, bm, all_slots)
 
+    def swiglu(self, gate: str, up: str, x: Tensor, gate_out: Tensor, up_out: Tensor,
+               perm: Tensor, ends: Tensor, bm: int) -> Tensor | None:
+        """silu(gate_out + gate's term) * (up_out + up's term) for x [..., in] through
+        `decode_kernel.expand_swiglu`, its rows (or tokens) in slot order as `_kernel_add`
+        takes them, h from the projections' GEMM or one shrink; None where it does not apply
+        or the kernels failed (nothing is held: the hooks' path can run as usual)."""
+        mg, mu = self.members[gate], self.members[up]
+        g = mg.group
+        width = gate_out.shape[-1]
+        if mu.group is not g or g.b.dim() != 3 or up_out.shape != gate_out.shape:
+            return None
+        gate2, up2 = gate_out.reshape(-1, width), up_out.reshape(-1, width)
+        x2 = x.reshape(-1, x.shape[-1])
+        if not (decode_kernel.usable(x2, gate2) and decode_kernel.usable(x2, up2)):
+            return None
+        h = self._gemm_h(g, x)
+        all_slots = h is not None
+        if h is not None:
+            h = h[None]
+        else:
+            h = decode_kernel.shrink(x2, g.a, self.n_slots, self.rank, perm, ends, bm)
+            if h is None:
+                return None
+        act = torch.empty(gate2.shape, dtype=gate2.dtype, device=gate2.device)
+        if not decode_kernel.expand_swiglu(h, g.b, gate2, up2, act, perm, ends, self.n_slots,
+                                           self.rank, (mg.index, mu.index), bm, all_slots):
+            return None
+        return act.view(gate_out.shape)
+
     @staticmethod
     def _gemm_h(g: _Group, x: Tensor) -> Tensor | None:
         """x @ g.a^T [rows, members x N x r] from the members' decode GEMM on this very `x`,
