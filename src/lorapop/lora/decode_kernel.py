@@ -43,6 +43,10 @@ BM = 16  # rows of one slot per program (the least tl.dot takes)
 BM_TOKENS = 64
 BK = 256  # input features per inner step of the shrink
 BN = 128  # output features per expand program
+#: tiles of `BM` (or `BM_TOKENS`) rows of one slot per `expand_swiglu` program, which reads
+#: its slot's two B blocks once for all of them: read per tile, as `expand` reads B, they
+#: moved more bytes than gate, up and the activation together at a decode step
+SWIGLU_TILES = 8
 MIN_SPLIT = 1024  # input features each shrink program reads at least
 MAX_SPLITS = 16
 T = TypeVar("T")
@@ -145,12 +149,13 @@ def expand_swiglu(h: Tensor, b: Tensor, gate: Tensor, up: Tensor, act: Tensor, p
     splits, rows, _ = h.shape
     cols = act.shape[1]
     member_width, slot_width = (n_slots * rank, rank) if all_slots else (rank, 0)
-    grid = (-(-rows // bm) + n_slots, -(-cols // BN))
+    grid = (-(-rows // (bm * SWIGLU_TILES)) + n_slots, -(-cols // BN))
     return _launch(lambda: _kernels()[2][grid](
         h, b[members[0]], b[members[1]], gate, up, act, perm, ends, cols,
         h.stride(0), h.stride(1), members[0] * member_width, members[1] * member_width,
         slot_width, splits, b.stride(-2), gate.stride(0), up.stride(0), act.stride(0),
-        N=n_slots, R=rank, BR=_block(rank), BM=bm, BN=BN, num_warps=4), True) is not None
+        N=n_slots, R=rank, BR=_block(rank), BM=bm, TILES=SWIGLU_TILES, BN=BN,
+        num_warps=8 if bm > BM else 4), True) is not None
 
 
 def _block(rank: int) -> int:
@@ -258,36 +263,40 @@ def _build():
     @triton.jit
     def _swiglu_kernel(H, BG, BU, G, U, Act, Perm, Ends, cols, sh_part, sh_row, h_gate, h_up,
                        h_slot, splits, sb, sg, su, sa, N: tl.constexpr, R: tl.constexpr,
-                       BR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-        slot, first, end = _tile(Ends, tl.program_id(0), N, BM)
+                       BR: tl.constexpr, BM: tl.constexpr, TILES: tl.constexpr,
+                       BN: tl.constexpr):
+        slot, first, end = _tile(Ends, tl.program_id(0), N, BM * TILES)
         if slot >= 0:
-            m = first + tl.arange(0, BM)
-            mmask = m < end
-            rows = tl.load(Perm + m, mask=mmask, other=0).to(tl.int64)
             j = tl.arange(0, BR)
             jmask = j < R
-            hmask = mmask[:, None] & jmask[None, :]
-            at_h = H + rows[:, None] * sh_row + slot * h_slot + j[None, :]
-            hg = tl.zeros([BM, BR], tl.float32)
-            hu = tl.zeros([BM, BR], tl.float32)
-            for p in range(0, splits):  # the parts in order, as the expand sums them
-                hg += tl.load(at_h + p * sh_part + h_gate, mask=hmask, other=0.0).to(tl.float32)
-                hu += tl.load(at_h + p * sh_part + h_up, mask=hmask, other=0.0).to(tl.float32)
             n = tl.program_id(1) * BN + tl.arange(0, BN)
             nmask = n < cols
             bmask = jmask[:, None] & nmask[None, :]
             at_b = (slot * R + j)[:, None].to(tl.int64) * sb + n[None, :]
             bg = tl.load(BG + at_b, mask=bmask, other=0.0)
             bu = tl.load(BU + at_b, mask=bmask, other=0.0)
-            dg = tl.dot(hg.to(bg.dtype), bg)
-            du = tl.dot(hu.to(bu.dtype), bu)
-            omask = mmask[:, None] & nmask[None, :]
-            g = tl.load(G + rows[:, None] * sg + n[None, :], mask=omask, other=0.0)
-            u = tl.load(U + rows[:, None] * su + n[None, :], mask=omask, other=0.0)
             dtype = Act.dtype.element_ty
-            g = (g.to(tl.float32) + dg).to(dtype).to(tl.float32)  # the expand's rounding
-            u = (u.to(tl.float32) + du).to(dtype).to(tl.float32)
-            a = g * tl.sigmoid(g) * u
-            tl.store(Act + rows[:, None] * sa + n[None, :], a.to(dtype), mask=omask)
+            for t0 in range(first, end, BM):
+                m = t0 + tl.arange(0, BM)
+                mmask = m < end
+                rows = tl.load(Perm + m, mask=mmask, other=0).to(tl.int64)
+                hmask = mmask[:, None] & jmask[None, :]
+                at_h = H + rows[:, None] * sh_row + slot * h_slot + j[None, :]
+                hg = tl.zeros([BM, BR], tl.float32)
+                hu = tl.zeros([BM, BR], tl.float32)
+                for p in range(0, splits):  # the parts in order, as the expand sums them
+                    hg += tl.load(at_h + p * sh_part + h_gate, mask=hmask, other=0.0
+                                  ).to(tl.float32)
+                    hu += tl.load(at_h + p * sh_part + h_up, mask=hmask, other=0.0
+                                  ).to(tl.float32)
+                dg = tl.dot(hg.to(bg.dtype), bg)
+                du = tl.dot(hu.to(bu.dtype), bu)
+                omask = mmask[:, None] & nmask[None, :]
+                g = tl.load(G + rows[:, None] * sg + n[None, :], mask=omask, other=0.0)
+                u = tl.load(U + rows[:, None] * su + n[None, :], mask=omask, other=0.0)
+                g = (g.to(tl.float32) + dg).to(dtype).to(tl.float32)  # the expand's rounding
+                u = (u.to(tl.float32) + du).to(dtype).to(tl.float32)
+                a = g * tl.sigmoid(g) * u
+                tl.store(Act + rows[:, None] * sa + n[None, :], a.to(dtype), mask=omask)
 
     return _shrink_kernel, _expand_kernel, _swiglu_kernel
