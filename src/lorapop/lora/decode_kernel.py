@@ -278,7 +278,7 @@ def _build():
             bg = tl.load(BG + at_b, mask=bmask, other=0.0)
             bu = tl.load(BU + at_b, mask=bmask, other=0.0)
             dtype = Act.dtype.element_ty
-            for t0 in range(first, end, BM):
+            for t0 in range(first, tl.minimum(end, first + BM * TILES), BM):
                 m = t0 + tl.arange(0, BM)
                 mmask = m < end
                 rows = tl.load(Perm + m, mask=mmask, other=0).to(tl.int64)
