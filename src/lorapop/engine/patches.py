@@ -9,7 +9,10 @@ several times), and each has a test that compares it with the original:
 | fused RMSNorm (`patch_base_model`) | each Llama-style RMSNorm's forward: one      | every forward        | tests/engine/test_fused.py::test_norm_weight_in_the_kernel_gives_the_same_logits_and_gradients |
 |                                    | `F.rms_norm` kernel, weight inside           |                      |                                                                       |
 | fused SwiGLU (`patch_base_model`)  | each SwiGLU MLP's forward: silu(gate) * up   | training forwards;   | tests/engine/test_fused.py::test_fused_mlps_give_the_same_logits_and_gradients |
-|                                    | as one autograd function (`fused._SwiGLU`)   | inference on CUDA    |                                                                       |
+|                                    | as one autograd function (`fused._SwiGLU`);  | inference on CUDA    | tests/lora/test_decode_cache.py::test_the_swiglu_epilogue_adds_the_gate_and_up_terms_once, |
+|                                    | at inference with a bank, the gate/up LoRA   |                      | ::test_the_swiglu_kernel_equals_the_expand_and_the_swiglu_pass (GPU)  |
+|                                    | terms' expand computes it (`AdapterBank.     |                      |                                                                       |
+|                                    | fused_swiglu`), skipping their two hooks     |                      |                                                                       |
 | fused rotary (`patch_base_model`)  | `apply_rotary_pos_emb` inside transformers'  | training forwards;   | tests/engine/test_fused.py::test_fused_rotary_gives_the_same_logits_and_gradients |
 |                                    | modeling module, for the whole process       | inference on CUDA    |                                                                       |
 |                                    | (`fused._Rotary`; other calls: the original) |                      |                                                                       |
