@@ -546,16 +546,11 @@ class DecodeCache:
             if whole is not None and _is_columns(out, whole, g.offsets[m.index]):
                 return True  # the group's first member added every member's term
         else:
-            h = self._gemm_h(g, x) if share else None
-            all_slots = h is not None
-            if h is not None:
-                h = h[None]
-            else:
-                a = g.a if share else g.a[m.index * nr : (m.index + 1) * nr]
-                h = decode_kernel.shrink(x.reshape(-1, x.shape[-1]), a, self.n_slots,
-                                         self.rank, perm, ends, bm)
-                if h is None:
-                    return False
+            a = g.a if share else g.a[m.index * nr : (m.index + 1) * nr]
+            kernel_h = self._kernel_h(g, x, a, share, perm, ends, bm)
+            if kernel_h is None:
+                return False
+            h, all_slots = kernel_h
             if share and g.size > 1:
                 g.x, g.h, g.d, g.uses, g.whole, g.all_slots = x, h, None, 1, None, all_slots
                 whole = None if g.col_member is None else _whole_output(
@@ -583,19 +578,27 @@ class DecodeCache:
         x2 = x.reshape(-1, x.shape[-1])
         if not (decode_kernel.usable(x2, gate2) and decode_kernel.usable(x2, up2)):
             return None
-        h = self._gemm_h(g, x)
-        all_slots = h is not None
-        if h is not None:
-            h = h[None]
-        else:
-            h = decode_kernel.shrink(x2, g.a, self.n_slots, self.rank, perm, ends, bm)
-            if h is None:
-                return None
+        kernel_h = self._kernel_h(g, x, g.a, True, perm, ends, bm)
+        if kernel_h is None:
+            return None
+        h, all_slots = kernel_h
         act = torch.empty(gate2.shape, dtype=gate2.dtype, device=gate2.device)
         if not decode_kernel.expand_swiglu(h, g.b, gate2, up2, act, perm, ends, self.n_slots,
                                            self.rank, (mg.index, mu.index), bm, all_slots):
             return None
         return act.view(gate_out.shape)
+
+    def _kernel_h(self, g: _Group, x: Tensor, a: Tensor, share: bool, perm: Tensor,
+                  ends: Tensor, bm: int) -> tuple[Tensor, bool] | None:
+        """The expand kernels' h for x through `a` (the group's A, or one member's), and
+        whether it has every slot's columns: the projections' GEMM's where it computed one
+        for the whole group (`share`), else the shrink kernel's parts; None if that failed."""
+        h = self._gemm_h(g, x) if share else None
+        if h is not None:
+            return h[None], True
+        h = decode_kernel.shrink(x.reshape(-1, x.shape[-1]), a, self.n_slots, self.rank, perm,
+                                 ends, bm)
+        return None if h is None else (h, False)
 
     @staticmethod
     def _gemm_h(g: _Group, x: Tensor) -> Tensor | None:
